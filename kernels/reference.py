@@ -1,0 +1,82 @@
+"""PyTorch implementations of the paged-attention operations: the engine's CPU path and the
+reference the Triton kernels are tested against.
+
+Layout shared by every implementation:
+- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one pair per layer.
+- A token's slot is ``block_id * block_size + offset``; ``slot_mapping[t]`` says where token t goes.
+- ``block_tables``: ``[num_seqs, max_blocks]`` int32; row s lists sequence s's blocks in order,
+  padded with any valid block id (padding is never read past ``context_lens[s]``).
+- ``context_lens``: ``[num_seqs]`` int32, tokens in the cache for the sequence *including* the ones
+  being computed in this step (their K/V are written before attention runs).
+- Grouped-query attention: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """``[..., max_blocks]`` block ids -> ``[..., num_kv_heads, max_blocks * block_size, head_dim]``."""
+    blocks = cache[block_table]  # [..., nb, bs, kvh, d]
+    *lead, nb, bs, kvh, d = blocks.shape
+    return blocks.reshape(*lead, nb * bs, kvh, d).transpose(-3, -2)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence. ``q``: ``[num_seqs, num_heads, head_dim]`` -> same shape.
+
+    The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
+    v = _gather(v_cache, block_tables)
+    length = k.shape[-2]
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].to(torch.long)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of queries per sequence, attending causally to the cache (which holds the chunk).
+
+    ``q``: ``[total_query_tokens, num_heads, head_dim]``, sequence s owning rows
+    ``query_start_loc[s]:query_start_loc[s+1]``; its query i sits at position
+    ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own.
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    block_size = k_cache.shape[1]
+    for s, ctx in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        q_len = hi - lo
+        if q_len == 0:
+            continue
+        table = block_tables[s, : (ctx + block_size - 1) // block_size]
+        k = _gather(k_cache, table)[:, :ctx].to(q.dtype)  # [kvh, ctx, d]
+        v = _gather(v_cache, table)[:, :ctx].to(q.dtype)
+        qs = q[lo:hi].transpose(0, 1)  # [h, q_len, d]
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[lo:hi] = o.transpose(0, 1)
+    return out

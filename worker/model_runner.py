@@ -1,0 +1,134 @@
+"""Owns the model and its KV cache; turns a scheduled step into tensors and runs it.
+
+The KV cache is one preallocated K and one V tensor per layer, ``[num_blocks, block_size,
+kv_heads, head_dim]``, sized from the memory budget and never grown.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from kernels.attention import select_ops
+from worker.model import LlamaModel, StepInput
+from worker.request import Sequence
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache on ``device`` right now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(self, loaded, *, dtype: torch.dtype, device: torch.device, block_size: int,
+                 kv_memory: float, attention_backend: str = "auto"):
+        self.device = device
+        self.block_size = block_size
+        self.ops = select_ops(attention_backend, device)
+        self.model = LlamaModel(loaded.config, loaded.weights, dtype, device, self.ops)
+        m = self.model
+        self.num_layers = len(m.layers)
+        self.block_shape = (block_size, m.num_kv_heads, m.head_dim)
+        self.block_bytes = 2 * self.num_layers * block_size * m.num_kv_heads * m.head_dim * dtype.itemsize
+        budget = kv_memory * available_memory(device) if kv_memory <= 1 else kv_memory
+        self.num_blocks = int(budget // self.block_bytes)
+        if self.num_blocks < 1:
+            raise ValueError(f"KV memory budget of {int(budget)} bytes holds no block of {self.block_bytes} "
+                             "bytes: raise --kv-memory")
+        self.kv_bytes = self.num_blocks * self.block_bytes
+        self.kv_caches = [
+            (torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=device),
+             torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=device))
+            for _ in range(self.num_layers)]
+
+    # ---- the step
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence]]:
+        """Tensors for one forward pass, and the sequences whose next token it yields (in row order).
+
+        ``scheduled`` must list single-token sequences first (the engine sorts it so).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        samplers: list[Sequence] = []
+        logits_rows: list[int] = []
+        num_decode = 0
+        prefill_starts = [0]
+        decode_tables, decode_lens, prefill_tables, prefill_lens = [], [], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            if n == 1 and not prefill_tables:
+                num_decode += 1
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+                pos.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                prefill_tables.append(seq.block_table)
+                prefill_lens.append(end)
+                prefill_starts.append(prefill_starts[-1] + n)
+                p = np.arange(start, end)
+                pos.extend(p.tolist())
+                slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
+            if end == seq.num_tokens:
+                samplers.append(seq)
+                logits_rows.append(len(ids) - 1)
+        dev = self.device
+        t = lambda a, dtype: torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        step = StepInput(
+            input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), slot_mapping=t(slots, torch.int64),
+            num_decode=num_decode,
+            decode_block_tables=t(_pad(decode_tables), torch.int32), decode_context_lens=t(decode_lens, torch.int32),
+            prefill_query_start_loc=t(prefill_starts, torch.int32),
+            prefill_block_tables=t(_pad(prefill_tables), torch.int32),
+            prefill_context_lens=t(prefill_lens, torch.int32), logits_rows=t(logits_rows, torch.int64))
+        return step, samplers
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """float32 logits ``[len(step.logits_rows), vocab]``."""
+        hidden = self.model.forward(step, self.kv_caches)
+        return self.model.logits(hidden)
+
+    # ---- block moves
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def read_blocks(self, blocks: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+        """``[layers, 2, len(blocks), block_size, kv_heads, head_dim]`` copied out of the cache."""
+        idx = torch.tensor(blocks, device=self.device)
+        return torch.stack([torch.stack((k[idx], v[idx])) for k, v in self.kv_caches]).to(device)
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(blocks, device=self.device)
+        data = data.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[idx] = data[layer, 0]
+            v[idx] = data[layer, 1]
+
+
+def _pad(tables: list[list[int]]) -> np.ndarray:
+    width = max((len(t) for t in tables), default=0) or 1
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
