@@ -1,0 +1,401 @@
+"""Triton kernels for paged attention: the engine's CUDA path, with the signatures and semantics of
+``kernels.reference`` (see its docstring for the KV-cache layout).
+
+Design
+------
+An attention program owns one kv head of one sequence together with every query row that reads
+it: the ``queries_per_kv`` query heads of ``BLOCK_Q`` consecutive query tokens, laid out as row
+``token * GROUP_PAD + head_in_group`` of a ``[BLOCK_Q * GROUP_PAD, head_dim]`` tile. K and V are
+thus read once per group, and both matrix products run through ``tl.dot`` (which needs at least 16
+rows, hence the padding). The program walks the sequence's cached tokens in tiles of ``KV_TILE``
+tokens, a tile spanning one or more ``block_size`` pages whose ids come from the block table, and
+keeps an online softmax in float32 (base 2).
+
+- ``paged_decode_attention``: ``BLOCK_Q = 1``, grid ``(num_seqs, num_kv_heads, num_splits)``. With
+  several splits (flash decoding, for few sequences with long contexts) each program covers a
+  contiguous share of the sequence's KV tiles and writes a partial result with its log-sum-exp;
+  ``_combine_splits_kernel`` merges them, one program per (sequence, query head).
+- ``paged_prefill_attention``: grid ``(query tiles, num_kv_heads)``. The query tiles of all
+  sequences are numbered without reading ``query_start_loc`` on the host: sequence s's tiles start
+  at ``query_start_loc[s] // BLOCK_Q + s``, so ``total_tokens // BLOCK_Q + num_seqs`` programs always
+  suffice; each finds its sequence by binary search and exits if its tile is past the chunk's end.
+- ``write_kv``: one program per token, storing all its kv heads.
+
+The wrappers read only tensor shapes, never tensor values, so they do not synchronize with the
+device. They run on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KV_TILE = 64
+"""Cached tokens per iteration of the attention loop (raised to the block size if that is larger)."""
+PREFILL_ROWS = 64
+"""Query rows (tokens x heads of a group) per prefill program; groups larger than this get one token."""
+MIN_TOKENS_PER_SPLIT = 512
+"""Decode splits a sequence's context only into shares at least this long."""
+MAX_SPLITS = 32
+"""Most splits the default heuristic picks per sequence."""
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------------
+# Device helpers shared by the kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _query_rows(first_token, end_token, kv_head, QUERIES_PER_KV: tl.constexpr,
+                GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Rows of a query tile: ``BLOCK_Q`` tokens from ``first_token`` x the query heads of ``kv_head``.
+
+    Returns ``(tokens, heads, valid)``, each ``[BLOCK_Q * GROUP_PAD]``; a row is valid when its token
+    is below ``end_token`` and its head is one of the group's ``QUERIES_PER_KV`` (not padding).
+    """
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tokens = first_token + rows // GROUP_PAD
+    in_group = rows % GROUP_PAD
+    heads = kv_head * QUERIES_PER_KV + in_group
+    valid = (tokens < end_token) & (in_group < QUERIES_PER_KV)
+    return tokens, heads, valid
+
+
+@triton.jit
+def _row_offsets(tokens, heads, stride_token, stride_head, HEAD_DIM: tl.constexpr):
+    """Offsets ``[rows, HEAD_DIM]`` of ``x[tokens[r], heads[r], :]`` in ``x``: ``[tokens, heads, HEAD_DIM]``.
+
+    ``tokens`` may be a scalar, shared by every row.
+    """
+    rows = tokens.to(tl.int64) * stride_token + heads * stride_head
+    return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
+def _cache_offset(block_id, offset_in_block, kv_head, stride_block, stride_slot, stride_head):
+    """Element offset (int64) of ``cache[block_id, offset_in_block, kv_head, 0]``."""
+    return block_id.to(tl.int64) * stride_block + offset_in_block * stride_slot + kv_head * stride_head
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The last sequence s whose first tile, ``query_start_loc[s] // BLOCK_Q + s``, is ``<= tile``."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        starts_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(starts_before, mid + 1, lo)
+        hi = tl.where(starts_before, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, qk_scale,
+            stride_cache_block, stride_cache_slot, stride_cache_head,
+            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """Online softmax of the rows of ``q`` over one sequence's cached positions ``[kv_start, kv_end)``.
+
+    ``q``: ``[M, HEAD_DIM]``; row r sees positions ``<= q_pos[r]``. ``block_table_ptr`` points at the
+    sequence's row of the block table; ``qk_scale`` is the softmax scale times log2(e).
+    Returns ``(acc, row_max, row_sum)``: the unnormalised output ``[M, HEAD_DIM]`` and the running max
+    and sum ``[M]`` (base 2), all float32. An empty range gives zeros and a max of -inf. Each row must
+    see a position of the first tile, else its max is still -inf at the second tile and it gets NaN.
+    """
+    acc = tl.zeros([q.shape[0], HEAD_DIM], tl.float32)
+    row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    row_sum = tl.zeros([q.shape[0]], tl.float32)
+    dims = tl.arange(0, HEAD_DIM)
+    for tile_start in range(kv_start, kv_end, TILE):
+        pos = tile_start + tl.arange(0, TILE)
+        in_range = pos < kv_end
+        block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0)
+        rows = _cache_offset(block_ids, pos % BLOCK_SIZE, kv_head, stride_cache_block, stride_cache_slot,
+                             stride_cache_head)
+        offsets = rows[:, None] + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        correction = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        acc = tl.dot(p.to(q.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_kv_heads,
+                     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                     stride_cache_block, stride_cache_slot, stride_cache_head,
+                     HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program t copies token t's key and value, all kv heads, into cache slot ``slot_mapping[t]``."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < num_kv_heads)[:, None]
+    slot = tl.load(slot_mapping_ptr + token)
+    dst = _cache_offset(slot // BLOCK_SIZE, slot % BLOCK_SIZE, heads, stride_cache_block, stride_cache_slot,
+                        stride_cache_head)[:, None] + dims[None, :]
+    key = tl.load(key_ptr + _row_offsets(token, heads, stride_key_token, stride_key_head, HEAD_DIM),
+                  mask=mask)
+    value = tl.load(value_ptr + _row_offsets(token, heads, stride_value_token, stride_value_head, HEAD_DIM),
+                    mask=mask)
+    tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+                   partial_out_ptr, partial_lse_ptr, qk_scale, num_heads,
+                   stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+                   stride_cache_block, stride_cache_slot, stride_cache_head,
+                   QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (s, g, i): the query heads of kv head g of sequence s over split i of its context.
+
+    With one split it writes the output. Otherwise it writes head h's normalised output and its
+    log2-sum-exp (-inf for an empty split) to row ``(s * num_heads + h) * NUM_SPLITS + i`` of
+    ``partial_out`` ``[rows, HEAD_DIM]`` and ``partial_lse`` ``[rows]``.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    tokens, heads, valid = _query_rows(seq, seq + 1, kv_head, QUERIES_PER_KV, GROUP_PAD, 1)
+    q = tl.load(q_ptr + _row_offsets(tokens, heads, stride_q_token, stride_q_head, HEAD_DIM), mask=valid[:, None],
+                other=0.0).to(DOT_DTYPE)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, TILE), NUM_SPLITS)
+    kv_start = split * tiles_per_split * TILE
+    kv_end = tl.minimum(kv_start + tiles_per_split * TILE, context_len)
+    q_pos = tl.full([GROUP_PAD], 0, tl.int32) + context_len - 1
+    acc, row_max, row_sum = _attend(
+        q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale,
+        stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION)
+    if NUM_SPLITS == 1:
+        out = acc / row_sum[:, None]
+        tl.store(out_ptr + _row_offsets(tokens, heads, stride_out_token, stride_out_head, HEAD_DIM),
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        partial_rows = (tokens.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        row_sum = tl.where(row_sum > 0, row_sum, 1.0)  # an empty split: acc is 0 and row_max -inf
+        tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+                 acc / row_sum[:, None], mask=valid[:, None])
+        tl.store(partial_lse_ptr + partial_rows, row_max + tl.log2(row_sum), mask=valid)
+
+
+@triton.jit
+def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_heads, stride_out_token,
+                           stride_out_head, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """Program r = s * num_heads + h merges the splits of head h of sequence s (rows ``r * NUM_SPLITS``
+    onwards of the partial buffers) into ``out``."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    used = splits < NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits, mask=used, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    partial = tl.load(partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=used[:, None], other=0.0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    seq = row // num_heads
+    head = row % num_heads
+    tl.store(out_ptr + seq * stride_out_token + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+                    context_lens_ptr, out_ptr, qk_scale, num_seqs,
+                    stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
+                    stride_cache_block, stride_cache_slot, stride_cache_head,
+                    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (t, g): ``BLOCK_Q`` query tokens of one sequence x the query heads of kv head g.
+
+    Sequence s owns tiles ``query_start_loc[s] // BLOCK_Q + s`` onwards (see the module docstring);
+    a tile past the end of its sequence's chunk does nothing.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    first_token = q_begin + (tile - q_begin // BLOCK_Q - seq) * BLOCK_Q
+    if first_token < q_end:
+        context_len = tl.load(context_lens_ptr + seq)
+        chunk_start_pos = context_len - (q_end - q_begin)
+        tokens, heads, valid = _query_rows(first_token, q_end, kv_head, QUERIES_PER_KV, GROUP_PAD, BLOCK_Q)
+        q = tl.load(q_ptr + _row_offsets(tokens, heads, stride_q_token, stride_q_head, HEAD_DIM),
+                    mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        q_pos = chunk_start_pos + tokens - q_begin
+        kv_end = tl.minimum(chunk_start_pos + first_token + BLOCK_Q - q_begin, context_len)
+        acc, row_max, row_sum = _attend(
+            q, q_pos, 0, kv_end, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale,
+            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION)
+        out = acc / row_sum[:, None]
+        tl.store(out_ptr + _row_offsets(tokens, heads, stride_out_token, stride_out_head, HEAD_DIM),
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrappers
+# --------------------------------------------------------------------------------------------------
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots, in place."""
+    _check_caches(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), \
+        f"key {tuple(key.shape)}, value {tuple(value.shape)} do not fit a cache of {tuple(k_cache.shape)}"
+    if num_tokens == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, num_kv_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *k_cache.stride()[:3],
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1])
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence. ``q``: ``[num_seqs, num_heads, head_dim]`` -> same shape.
+
+    The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token.
+    ``num_splits`` is how many programs share each sequence's context (flash decoding); by default
+    it is picked from the shapes and the device's multiprocessor count.
+    """
+    _check_caches(k_cache, v_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    group = _query_group(q, k_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    block_size = k_cache.shape[1]
+    tile = max(KV_TILE, block_size)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs * k_cache.shape[2], block_tables.shape[1] * block_size, q.device)
+    assert num_splits >= 1, f"num_splits must be at least 1, got {num_splits}"
+    partial_out = partial_lse = out  # unused with one split
+    if num_splits > 1:
+        partial_out = torch.empty((num_seqs * num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((num_seqs * num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse, scale * _LOG2E, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *k_cache.stride()[:3],
+        QUERIES_PER_KV=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits, **_dot_operands(q))
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs * num_heads,)](
+            partial_out, partial_lse, out, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of queries per sequence, attending causally to the cache (which holds the chunk).
+
+    ``q``: ``[total_query_tokens, num_heads, head_dim]``, sequence s owning rows
+    ``query_start_loc[s]:query_start_loc[s+1]``; its query i sits at position
+    ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own.
+    """
+    _check_caches(k_cache, v_cache)
+    total_tokens, num_heads, head_dim = q.shape
+    group = _query_group(q, k_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = context_lens.shape[0]
+    if total_tokens == 0 or num_seqs == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, PREFILL_ROWS // group_pad)
+    block_size = k_cache.shape[1]
+    _prefill_kernel[(total_tokens // block_q + num_seqs, k_cache.shape[2])](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *k_cache.stride()[:3],
+        QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE=max(KV_TILE, block_size), **_dot_operands(q))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Host-side helpers (shapes only)
+# --------------------------------------------------------------------------------------------------
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Assert the cache layout the kernels support: equal K/V layouts, power-of-two sizes >= 16."""
+    assert k_cache.dim() == 4, \
+        f"caches are [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}"
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), \
+        "k_cache and v_cache must have the same shape and strides"
+    assert k_cache.stride(3) == 1, "the caches' head_dim must be contiguous"
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    assert _is_power_of_two_at_least_16(head_dim), \
+        f"the Triton kernels need a power-of-two head_dim >= 16 (e.g. 64 or 128), got {head_dim}"
+    assert _is_power_of_two_at_least_16(block_size), \
+        f"the Triton kernels need a power-of-two block_size >= 16 (e.g. 16 or 32), got {block_size}"
+
+
+def _query_group(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Query heads per kv head, checking that ``q`` fits the cache."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
+    return num_heads // num_kv_heads
+
+
+def _is_power_of_two_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dot_operands(q: torch.Tensor) -> dict:
+    """``DOT_DTYPE`` and ``DOT_PRECISION`` of the attention kernels' matrix products.
+
+    The operands keep the input's dtype, except that the interpreter (tensors off CUDA) cannot
+    multiply bfloat16 and gets float32. Float32 products are exact ("ieee"): TF32 would miss the
+    reference by ~1e-3.
+    """
+    assert q.dtype in _TL_DTYPES, f"the Triton kernels take float32, bfloat16 or float16, got {q.dtype}"
+    dtype = _TL_DTYPES[q.dtype]
+    if dtype == tl.bfloat16 and q.device.type != "cuda":
+        dtype = tl.float32
+    return {"DOT_DTYPE": dtype, "DOT_PRECISION": "ieee" if dtype == tl.float32 else "tf32"}
+
+
+def default_num_splits(programs: int, max_context: int, device: torch.device) -> int:
+    """Splits per sequence so that decode fills the GPU: about two programs per multiprocessor.
+
+    ``programs`` is the count without splitting (sequences x kv heads) and ``max_context`` the longest
+    context the block tables allow; each split gets at least ``MIN_TOKENS_PER_SPLIT`` of it. Off CUDA
+    (the interpreter) there is nothing to fill, so one split.
+    """
+    if device.type != "cuda":
+        return 1
+    slots = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, slots // programs, max_context // MIN_TOKENS_PER_SPLIT))

@@ -1,0 +1,229 @@
+"""The Triton paged-attention kernels against their PyTorch reference, under the Triton interpreter.
+
+Every test builds random caches (random values everywhere, so a read of a wrong slot, of padding or
+past a context shows), block tables of shuffled block ids padded with other valid ids, and compares
+with ``kernels.reference`` on the same inputs. Tolerances, elementwise (``torch.testing.assert_close``):
+
+- float32: 1e-4 absolute (the interpreter multiplies exactly; what differs is the summation order);
+- bfloat16: 2e-2 absolute + 2e-2 relative (bfloat16 values near 2 are 1.6e-2 apart: the reference
+  rounds its output to them, and the interpreter truncates rather than rounds when it stores bfloat16);
+- float16: 5e-3 absolute + 5e-3 relative.
+
+The interpreter cannot multiply bfloat16, so there the kernels take their matrix products of
+bfloat16 inputs in float32: these tests check the indexing, masking, softmax, loads and stores, not
+the rounding of bfloat16 tensor-core products (``benchmarks/kernels_bench.py`` checks that on a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+from types import SimpleNamespace
+
+os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when a kernel is defined, so before the import
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package: pip install 'berth[test]'")
+
+from kernels import reference  # noqa: E402
+
+# A module imported earlier in this session without the interpreter holds compiled kernels, which
+# cannot take CPU tensors: define them again, now interpreted.
+_ALREADY_IMPORTED = "kernels.triton_attention" in sys.modules
+triton_attention = importlib.import_module("kernels.triton_attention")
+if _ALREADY_IMPORTED:
+    triton_attention = importlib.reload(triton_attention)
+
+TOLERANCES = {
+    torch.float32: {"atol": 1e-4, "rtol": 0.0},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+}
+HEAD_DIM = 64
+NUM_KV_HEADS = 2
+SCALE = HEAD_DIM ** -0.5
+
+
+def make_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V caches ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+
+def shuffled_block_tables(context_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Block tables giving each sequence distinct blocks in shuffled order, padded with other
+    sequences' (valid) block ids; returns them and the number of blocks the cache needs."""
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks that belong to nobody
+    ids = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq)
+    tables = torch.randint(0, num_blocks, (len(context_lens), width), generator=gen)
+    start = 0
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = ids[start:start + count]
+        start += count
+    return tables.to(torch.int32), num_blocks
+
+
+def decode_inputs(context_lens: list[int], block_size: int, queries_per_kv: int, dtype: torch.dtype,
+                  seed: int, head_dim: int = HEAD_DIM) -> tuple:
+    """``(q, k_cache, v_cache, block_tables, context_lens)`` for ``paged_decode_attention``."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = shuffled_block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = make_caches(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
+    q = torch.randn(len(context_lens), NUM_KV_HEADS * queries_per_kv, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def prefill_inputs(batch: list[tuple[int, int]], block_size: int, queries_per_kv: int, dtype: torch.dtype,
+                   seed: int) -> tuple:
+    """``(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)`` for
+    ``paged_prefill_attention``; ``batch`` lists (cached tokens before the chunk, chunk length)."""
+    gen = torch.Generator().manual_seed(seed)
+    context_lens = [cached + chunk for cached, chunk in batch]
+    tables, num_blocks = shuffled_block_tables(context_lens, block_size, gen)
+    k_cache, v_cache = make_caches(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
+    chunk_lens = [chunk for _, chunk in batch]
+    query_start_loc = torch.tensor([0, *itertools.accumulate(chunk_lens)], dtype=torch.int32)
+    q = torch.randn(sum(chunk_lens), NUM_KV_HEADS * queries_per_kv, HEAD_DIM, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, query_start_loc, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def dtype_id(value) -> str | None:
+    """Readable test ids for dtypes: ``float32`` rather than ``dtype0``."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[expected.dtype])
+
+
+# --------------------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("key_dtype, cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)], ids=dtype_id)
+def test_write_kv_matches_reference(block_size, key_dtype, cache_dtype):
+    """Exact equality, with strided key/value views (slices of one qkv tensor) and 3 kv heads."""
+    gen = torch.Generator().manual_seed(block_size)
+    num_kv_heads, num_blocks, num_tokens = 3, 5, 23
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, HEAD_DIM, cache_dtype, gen)
+    # Values a bfloat16 cache holds exactly: the interpreter truncates float32 -> bfloat16, the GPU rounds.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, HEAD_DIM, generator=gen).to(torch.bfloat16).to(key_dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, expected_k, expected_v, slots)
+    triton_attention.write_kv(key, value, k_cache, v_cache, slots)
+
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+# --------------------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference(block_size, queries_per_kv, dtype):
+    """Contexts of one token, under a block, and over one and two KV tiles, none block-aligned."""
+    inputs = decode_inputs([1, 15, 33, 97, 130], block_size, queries_per_kv, dtype, seed=queries_per_kv)
+    assert_matches(triton_attention.paged_decode_attention(*inputs, SCALE),
+                   reference.paged_decode_attention(*inputs, SCALE))
+
+
+def test_decode_mixed_lengths_batch():
+    """One batch mixing contexts from 1 to 2,000 tokens, around block and tile boundaries."""
+    lengths = [1, 2, 15, 16, 17, 63, 64, 65, 129, 255, 511, 777, 1024, 1500, 1999, 2000]
+    inputs = decode_inputs(lengths, 16, 3, torch.float32, seed=7)
+    assert_matches(triton_attention.paged_decode_attention(*inputs, SCALE),
+                   reference.paged_decode_attention(*inputs, SCALE))
+
+
+@pytest.mark.parametrize("num_splits, dtype", [(2, torch.float32), (7, torch.bfloat16), (40, torch.float32)],
+                         ids=dtype_id)
+def test_decode_split_k_matches_reference(num_splits, dtype):
+    """Flash decoding: long and short contexts split in shares, some of them empty."""
+    inputs = decode_inputs([1, 50, 1000, 1337], 16, 4, dtype, seed=num_splits)
+    assert_matches(triton_attention.paged_decode_attention(*inputs, SCALE, num_splits=num_splits),
+                   reference.paged_decode_attention(*inputs, SCALE))
+
+
+@pytest.mark.parametrize("block_size, head_dim, dtype", [(16, 128, torch.float32), (64, 128, torch.float16)],
+                         ids=dtype_id)
+def test_decode_other_shapes(block_size, head_dim, dtype):
+    """head_dim 128, float16 and a block size above the KV tile."""
+    inputs = decode_inputs([5, 100, 200], block_size, 2, dtype, seed=block_size, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    assert_matches(triton_attention.paged_decode_attention(*inputs, scale),
+                   reference.paged_decode_attention(*inputs, scale))
+
+
+# --------------------------------------------------------------------------------------------------
+# prefill
+# --------------------------------------------------------------------------------------------------
+
+# (cached tokens before the chunk, chunk length) per sequence: a fresh prompt over two KV tiles, a
+# chunk at an unaligned offset, a single-token chunk, an empty chunk, a chunk at a block-aligned offset.
+PREFILL_BATCH = [(0, 70), (105, 45), (36, 1), (20, 0), (64, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_matches_reference(block_size, queries_per_kv, dtype):
+    """Chunks at cached offsets and fresh prompts, several query tiles per sequence."""
+    inputs = prefill_inputs(PREFILL_BATCH, block_size, queries_per_kv, dtype, seed=100 + queries_per_kv)
+    assert_matches(triton_attention.paged_prefill_attention(*inputs, SCALE),
+                   reference.paged_prefill_attention(*inputs, SCALE))
+
+
+# --------------------------------------------------------------------------------------------------
+# host side: shape checks, no synchronization
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size, head_dim, message", [(16, 96, "head_dim"), (8, 64, "block_size")])
+def test_rejects_unsupported_shapes(block_size, head_dim, message):
+    inputs = decode_inputs([5], block_size, 1, torch.float32, seed=0, head_dim=head_dim)
+    with pytest.raises(AssertionError, match=message):
+        triton_attention.paged_decode_attention(*inputs, SCALE)
+
+
+def test_default_num_splits_fills_the_gpu_only_when_needed(monkeypatch):
+    """Two programs per multiprocessor: split few long sequences, never many or short ones."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda", 0)
+    assert triton_attention.default_num_splits(1 * 8, 32768, cuda) == triton_attention.MAX_SPLITS
+    assert triton_attention.default_num_splits(8 * 8, 32768, cuda) == 264 // 64
+    assert triton_attention.default_num_splits(1 * 8, 1024, cuda) == 1024 // triton_attention.MIN_TOKENS_PER_SPLIT
+    assert triton_attention.default_num_splits(64 * 8, 32768, cuda) == 1
+    assert triton_attention.default_num_splits(1, 32768, torch.device("cpu")) == 1
+
+
+def test_wrappers_read_no_tensor_values(monkeypatch):
+    """The wrappers must not synchronize with the device: no ``.item()``, ``.tolist()``, ``int(t)``..."""
+    decode = decode_inputs([3, 40], 16, 2, torch.float32, seed=0)
+    prefill = prefill_inputs([(0, 5), (7, 3)], 16, 2, torch.float32, seed=0)
+    kv = torch.zeros(2, NUM_KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([0, 5])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a wrapper read a tensor's value on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    triton_attention.paged_decode_attention(*decode, SCALE)
+    triton_attention.paged_decode_attention(*decode, SCALE, num_splits=2)
+    triton_attention.paged_prefill_attention(*prefill, SCALE)
+    triton_attention.write_kv(kv, kv, decode[1], decode[2], slots)
