@@ -43,6 +43,18 @@ def load_model(path: str, dtype: torch.dtype) -> LoadedModel:
     raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
 
 
+def load_config(path: str):
+    """The model's ``LlamaConfig`` without reading its weights (cheap: for validating requests)."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        import gguf
+
+        return _gguf_config(gguf.GGUFReader(str(p)))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(p))
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
