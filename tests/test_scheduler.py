@@ -1,0 +1,129 @@
+"""Scheduler and block manager invariants under random workloads.
+
+First without a model (hypothesis drives arrivals, lengths, priorities, budgets and a KV cache
+small enough to preempt often), then with the tiny Llama, whose greedy tokens must stay those of
+transformers however often sequences are preempted, recomputed or swapped.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import cut_prompts
+from tests.test_exactness import hf_greedy
+from worker.block_manager import BlockManager
+from worker.engine import Engine
+from worker.request import Request, SamplingParams, Sequence, SeqStatus
+from worker.scheduler import Scheduler
+
+
+def check_block_accounting(bm: BlockManager, seqs: list[Sequence]) -> None:
+    held = Counter(b for s in seqs if s.status is SeqStatus.RUNNING for b in s.block_table)
+    for block in range(bm.num_blocks):
+        assert bm.ref_counts[block] == held[block], f"block {block}: refcount {bm.ref_counts[block]} != {held[block]}"
+        assert (block in bm.free) == (held[block] == 0)
+    for h, block in bm.cached.items():
+        assert bm.block_hash[block] == h
+
+
+def simulate(requests: list[tuple[int, int, int, int]], num_blocks: int, block_size: int, budget: int,
+             max_seqs: int, mode: str, shared_prefix: int):
+    """Run the scheduler with a fake model: a token's value is a function of its sequence and position."""
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(bm, budget, max_seqs, aging_steps=4, preemption_mode=mode)
+    pending = sorted(requests, key=lambda r: r[0])
+    seqs: list[Sequence] = []
+    steps = 0
+    while pending or sched.has_work():
+        while pending and pending[0][0] <= steps:
+            _, prompt_len, out_len, priority = pending.pop(0)
+            i = len(seqs)
+            prompt = [7] * min(shared_prefix, prompt_len) + [i * 1000 + j for j in range(prompt_len - shared_prefix)]
+            req = Request(str(i), prompt, SamplingParams(max_tokens=out_len), priority=priority)
+            seq = Sequence(request=req, sample_index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt))
+            req.sequences.append(seq)
+            req.arrival_step = sched.step_count
+            seqs.append(seq)
+            sched.add(seq)
+        plan = sched.schedule()
+        steps += 1
+        assert steps < 5000, "the scheduler stopped making progress"
+        assert plan.num_tokens <= budget
+        assert len({s.seq_id for s, _ in plan.scheduled}) == len(plan.scheduled)
+        for seq, n in plan.scheduled:
+            assert n >= 1 and seq.status is SeqStatus.RUNNING
+            assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(hash((seq.request.request_id, seq.num_tokens)) % 50000)
+                if seq.num_output_tokens == seq.request.params.max_tokens:
+                    sched.finish(seq)
+        check_block_accounting(bm, seqs)
+    assert all(s.status is SeqStatus.FINISHED for s in seqs)
+    assert bm.num_free_blocks == num_blocks and not any(bm.ref_counts)
+    return sched
+
+
+workloads = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 90), st.integers(1, 40), st.integers(0, 2)),
+                     min_size=1, max_size=24)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=workloads, block_size=st.sampled_from([4, 8, 16]), budget=st.integers(1, 64),
+       max_seqs=st.integers(1, 8), mode=st.sampled_from(["recompute", "swap"]),
+       shared_prefix=st.sampled_from([0, 8, 33]))
+def test_scheduler_invariants(requests, block_size, budget, max_seqs, mode, shared_prefix):
+    longest = max(p + o for _, p, o, _ in requests)
+    num_blocks = -(-longest // block_size) + 2  # room for the longest request, little more
+    simulate(requests, num_blocks, block_size, budget, max_seqs, mode, shared_prefix)
+
+
+def test_tight_cache_preempts_lowest_priority_latest_first():
+    requests = [(0, 40, 30, 0), (0, 40, 30, 1), (1, 40, 30, 0)]
+    sched = simulate(requests, num_blocks=12, block_size=8, budget=64, max_seqs=8, mode="recompute",
+                     shared_prefix=0)
+    assert sched.num_preemptions > 0
+
+
+@pytest.mark.parametrize("mode,seed", [("recompute", 0), ("recompute", 1), ("swap", 2)])
+def test_preemption_keeps_greedy_tokens_exact(tiny_loaded, hf_tiny, text_ids, mode, seed):
+    """A cache of 24 blocks of 16 tokens for 12 requests of up to 300 tokens: preemption all the time."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 200) for _ in range(12)]
+    outs = [rng.randint(1, 64) for _ in range(12)]
+    prompts = cut_prompts(text_ids, lengths, stride=rng.randint(100, 2000))
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, block size, kv heads, head dim, float32
+    engine = Engine(loaded=tiny_loaded, kv_memory=24 * block_bytes, block_size=16,
+                    max_num_batched_tokens=rng.choice([32, 64, 100]), preemption_mode=mode)
+    budget = engine.settings.max_num_batched_tokens
+    original = engine.scheduler.schedule
+
+    def checked_schedule():
+        plan = original()
+        assert plan.num_tokens <= budget
+        return plan
+
+    engine.scheduler.schedule = checked_schedule
+    results = [None] * len(prompts)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    for i in order[:6]:  # half arrive at once, the rest while the engine runs
+        engine.add_request(Request(str(i), prompts[i], SamplingParams(max_tokens=outs[i], temperature=0,
+                                                                      min_tokens=outs[i])))
+    late = order[6:]
+    while engine.has_unfinished() or late:
+        if late and rng.random() < 0.3:
+            i = late.pop()
+            engine.add_request(Request(str(i), prompts[i], SamplingParams(max_tokens=outs[i], temperature=0,
+                                                                          min_tokens=outs[i])))
+        for out in engine.step():
+            results[int(out.request_id)] = out.completions[0].token_ids
+    assert engine.stats.preemptions > 0, "the workload was meant to preempt"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for i, prompt in enumerate(prompts):
+        assert results[i] == hf_greedy(hf_tiny, prompt, outs[i]), f"request {i} differs after preemption"
