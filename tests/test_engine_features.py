@@ -124,8 +124,8 @@ def test_resume_from_generated_tokens_continues_identically(smol_engine, text_id
 
 
 def test_kv_budget_is_respected_and_reported(tiny_loaded):
-    engine = Engine(loaded=tiny_loaded, kv_memory="1MiB", block_size=16)
-    assert engine.runner.kv_bytes <= 1 << 20
+    engine = Engine(loaded=tiny_loaded, kv_memory="256KiB", block_size=16)
+    assert engine.runner.kv_bytes <= 256 << 10
     held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in engine.runner.kv_caches)
     assert held == engine.runner.kv_bytes
     usage = engine.kv_usage()

@@ -83,6 +83,13 @@ class Settings(BaseSettings):
     storage_url: str = "file://./berth-store"
     checkpoint_interval: int = 16
 
+    # --- jobs: queue and engine worker
+    queue_prefix: str = "berth"  # names the exchanges, queues and Celery's queue, so deployments can share a broker
+    prefetch: int = 0  # deliveries a worker holds at once; 0 = sized from what the engine can admit
+    max_delivery_attempts: int = 3  # a request delivered this many times without finishing is dead-lettered
+    drain_timeout: float = 60.0  # seconds a worker told to stop keeps finishing its running requests
+    metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
+
     @field_validator("kv_memory", mode="before")
     @classmethod
     def _memory(cls, v):
@@ -95,11 +102,18 @@ class Settings(BaseSettings):
             raise ValueError("block_size must be a power of two (16 or 32 are good choices)")
         return v
 
-    @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps")
+    @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts")
     @classmethod
     def _positive(cls, v):
         if v < 1:
             raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("queue_prefix")
+    @classmethod
+    def _queue_prefix(cls, v):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+            raise ValueError("queue_prefix must be 1-64 letters, digits, '_', '.' or '-'")
         return v
 
     def model_path(self) -> str:
