@@ -3,11 +3,15 @@ can also be set as a ``BERTH_*`` environment variable; a flag wins over the envi
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
+from contextlib import contextmanager
 
 import click
 from pydantic import ValidationError
 
+from jobs.models import JobStatus
 from worker.config import ConfigError, Settings
 
 
@@ -24,7 +28,7 @@ def engine_options(command):
         click.option("--max-num-batched-tokens", "--token-budget", "max_num_batched_tokens", type=int,
                      help="tokens computed per step [2048]"),
         click.option("--max-num-seqs", type=int, help="cap on running sequences [256]"),
-        click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"])),
+        click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
         click.option("--no-prefix-cache", "enable_prefix_cache", flag_value=False, default=None,
                      help="turn the prefix cache off"),
     ]
@@ -70,6 +74,215 @@ def generate(input_file, output, errors, quiet, **flags):
                f"({summary.output_tokens_per_second:.1f} tok/s) -> {summary.output_path}", err=True)
     if summary.errors_path:
         click.echo(f"errors: {summary.errors_path}", err=True)
+
+
+def service_options(command):
+    """Where the database, the queue and the job files are."""
+    options = [
+        click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]"),
+        click.option("--broker-url", help="amqp://... for RabbitMQ [empty: the embedded SQLite queue]"),
+        click.option("--storage-url", help="file://FOLDER for the job files [file://./berth-store]"),
+        click.option("--queue-prefix", help="prefix of the queue and exchange names [berth]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def job_options(command):
+    options = [
+        click.option("--tenant", default="default", show_default=True, help="who the job is for (fair share)"),
+        click.option("--priority", type=click.IntRange(0, 9), default=0, show_default=True,
+                     help="0-9, higher runs first"),
+        click.option("--completion-window", default="24h", show_default=True,
+                     help="how long the job may take (e.g. 24h, 90m, 7d); after that it expires"),
+        click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="a label kept with the job (repeatable)"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def job_spec(flags: dict):
+    from jobs.submit import JobSpec
+
+    metadata = {}
+    for item in flags.pop("metadata"):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: give KEY=VALUE", param_hint="--metadata")
+        metadata[key] = value
+    spec = JobSpec(flags.pop("tenant"), flags.pop("priority"), flags.pop("completion_window"), metadata)
+    try:
+        spec.check()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    return spec
+
+
+@contextmanager
+def user_errors():
+    """berth's own errors become one line for the user, not a traceback."""
+    from jobs.db import SchemaError
+    from jobs.lifecycle import JobNotFound, JobStateError
+    from jobs.validate import InputError
+    from worker.engine import RequestRejected
+    from worker.model_loader import ModelLoadError
+
+    try:
+        yield
+    except (ConfigError, ModelLoadError, RequestRejected, SchemaError, JobNotFound, JobStateError, InputError,
+            FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _print_job(view, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(view.to_dict(), indent=2))
+        return
+    from jobs.progress import describe
+
+    click.echo(describe(view))
+
+
+@main.command()
+@click.argument("input_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+@job_options
+@service_options
+@engine_options
+def submit(input_file, as_json, **flags):
+    """Submit an OpenAI Batch request file as a job; prints its id."""
+    from jobs import api
+
+    spec = job_spec(flags)
+    with user_errors():
+        view = api.submit(input_file, settings_from(flags), spec=spec)
+    if as_json:
+        _print_job(view, True)
+    else:
+        click.echo(view.id)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--watch", is_flag=True, help="follow the job with a live progress bar until it ends")
+@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+@service_options
+def status(job_id, watch, as_json, **flags):
+    """A job's state, request counts, tokens, throughput and time left."""
+    from jobs import api
+    from jobs.progress import watch as watch_job
+
+    settings = settings_from(flags)
+    with user_errors():
+        if watch:
+            watch_job(lambda: api.status(job_id, settings))
+        _print_job(api.status(job_id, settings), as_json)
+
+
+@main.command(name="list")
+@click.option("--tenant", help="only this tenant's jobs")
+@click.option("--status", "state", type=click.Choice([s.value for s in JobStatus]), help="only jobs in this state")
+@click.option("--limit", type=int, default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@service_options
+def list_command(tenant, state, limit, as_json, **flags):
+    """The newest jobs."""
+    from jobs import api
+    from jobs.progress import job_table
+
+    with user_errors():
+        views = api.list_jobs(settings_from(flags), tenant, state, limit)
+    if as_json:
+        click.echo(json.dumps([v.to_dict() for v in views], indent=2))
+    else:
+        job_table(views)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="output JSONL file")
+@click.option("--errors", type=click.Path(dir_okay=False), help="errors JSONL [default: OUTPUT.errors.jsonl]")
+@service_options
+def results(job_id, output, errors, **flags):
+    """Fetch a finished job's output (input order) and its errors file."""
+    from jobs import api
+
+    with user_errors():
+        files = api.results(job_id, output, errors, settings_from(flags))
+    click.echo(f"output: {files.output or '(no request completed)'}", err=True)
+    if files.errors:
+        click.echo(f"errors: {files.errors}", err=True)
+
+
+@main.command()
+@click.argument("job_id")
+@service_options
+def cancel(job_id, **flags):
+    """Cancel a job: running requests stop within a second, the rest fail as cancelled."""
+    from jobs import api
+
+    with user_errors():
+        view = api.cancel(job_id, settings_from(flags))
+    click.echo(f"{view.id}: {view.status.value}")
+
+
+@main.command()
+@click.option("--metrics-port", type=int, help="serve Prometheus metrics on this port [0: off]")
+@click.option("--prefetch", type=int, help="deliveries held at once [0: sized from the engine]")
+@click.option("--max-delivery-attempts", type=int, help="deliveries before a request is dead-lettered [3]")
+@click.option("--drain-timeout", type=float, help="seconds to finish running requests on SIGTERM [60]")
+@service_options
+@engine_options
+def worker(**flags):
+    """Run the engine on the request queue until SIGTERM."""
+    from worker.consumer import EngineWorker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from(flags)
+    with user_errors():
+        EngineWorker(settings).run()
+
+
+@main.command()
+@click.argument("input_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="output JSONL file")
+@click.option("--errors", type=click.Path(dir_okay=False), help="errors JSONL [default: OUTPUT.errors.jsonl]")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@job_options
+@service_options
+@engine_options
+def run(input_file, output, errors, quiet, **flags):
+    """Submit, run and fetch a job in this process (no servers on the default settings)."""
+    from jobs import api
+    from jobs.progress import JobProgress
+
+    spec = job_spec(flags)
+    settings = settings_from(flags)
+    with user_errors(), JobProgress(disabled=quiet) as progress:
+        view, files = api.run(input_file, output, settings, errors=errors, spec=spec, on_progress=progress.update)
+    click.echo(f"{view.id} {view.status.value}: {view.completed} completed, {view.failed} failed of {view.total}; "
+               f"{view.completion_tokens} output tokens at {view.output_tokens_per_second:.1f} tok/s "
+               f"-> {files.output or '(no output)'}", err=True)
+    if files.errors:
+        click.echo(f"errors: {files.errors}", err=True)
+
+
+@main.group()
+def db():
+    """The jobs database."""
+
+
+@db.command()
+@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+def upgrade(database_url):
+    """Apply the migrations (creates the schema in an empty database)."""
+    from jobs import api
+
+    with user_errors():
+        revision = api.upgrade_database(settings_from({"database_url": database_url}))
+    click.echo(f"database at migration {revision}")
 
 
 if __name__ == "__main__":

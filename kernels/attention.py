@@ -23,9 +23,20 @@ TORCH_OPS = AttentionOps("torch", reference.write_kv, reference.paged_decode_att
 
 
 def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
-    """``auto`` takes Triton on CUDA and PyTorch elsewhere; ``torch``/``triton`` force one."""
+    """``auto`` takes Triton on CUDA and, on the CPU, the C decode kernel where a compiler builds it;
+    ``torch`` forces the pure PyTorch path, ``cpu`` the C kernel, ``triton`` the Triton kernels."""
     on_cuda = torch.device(device).type == "cuda"
-    if backend == "torch" or (backend == "auto" and not on_cuda):
+    if backend == "cpu" or (backend == "auto" and not on_cuda):
+        from kernels import cpu_attention
+
+        if cpu_attention.available():
+            return AttentionOps("cpu", reference.write_kv, cpu_attention.paged_decode_attention,
+                                reference.paged_prefill_attention)
+        if backend == "cpu":
+            raise RuntimeError("attention_backend=cpu needs a C compiler with OpenMP (cc or $CC) to build "
+                               "kernels/cpu_decode.c; install gcc or use attention_backend=torch")
+        return TORCH_OPS
+    if backend == "torch":
         return TORCH_OPS
     try:
         from kernels import triton_attention

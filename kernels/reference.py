@@ -25,11 +25,17 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+DECODE_GROUP = 32
+"""Decode sequences are sorted by length and attended in groups of this many, each padded only to
+the longest of its group, so a batch mixing short and long contexts gathers little padding."""
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """``[..., max_blocks]`` block ids -> ``[..., num_kv_heads, max_blocks * block_size, head_dim]``."""
-    blocks = cache[block_table]  # [..., nb, bs, kvh, d]
-    *lead, nb, bs, kvh, d = blocks.shape
-    return blocks.reshape(*lead, nb * bs, kvh, d).transpose(-3, -2)
+    *lead, nb = block_table.shape
+    blocks = cache.index_select(0, block_table.reshape(-1).long())  # one indexing op, no padding rows
+    bs, kvh, d = cache.shape[1:]
+    return blocks.view(*lead, nb * bs, kvh, d).transpose(-3, -2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -39,15 +45,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token.
     """
+    num_seqs = q.shape[0]
+    if num_seqs <= DECODE_GROUP:
+        return _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale)
+    block_size = k_cache.shape[1]
+    order = torch.argsort(context_lens)
+    lens = context_lens[order].tolist()
+    out = torch.empty_like(q)
+    for start in range(0, num_seqs, DECODE_GROUP):
+        idx = order[start:start + DECODE_GROUP]
+        width = -(-lens[min(start + DECODE_GROUP, num_seqs) - 1] // block_size)
+        out[idx] = _decode_padded(q[idx], k_cache, v_cache, block_tables[idx, :width], context_lens[idx], scale)
+    return out
+
+
+def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The query heads sharing a kv head attend as one group of rows: K and V are never repeated."""
     num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
     k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
     v = _gather(v_cache, block_tables)
     length = k.shape[-2]
     valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].to(torch.long)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale,
-        enable_gqa=True)
-    return out.squeeze(2)
+    grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

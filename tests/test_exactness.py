@@ -72,8 +72,9 @@ def test_default_model_matches_transformers(smol_loaded, hf_smol, text_ids):
     assert engine.stats.prompt_tokens_computed + engine.stats.prompt_tokens_cached == sum(map(len, prompts))
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_tiny_gqa_untied_llama_matches_transformers(tiny_loaded, hf_tiny, text_ids, block_size):
-    engine = Engine(loaded=tiny_loaded, kv_memory="64MiB", max_num_batched_tokens=96, block_size=block_size)
+@pytest.mark.parametrize("block_size,backend", [(16, "auto"), (32, "torch")])
+def test_tiny_gqa_untied_llama_matches_transformers(tiny_loaded, hf_tiny, text_ids, block_size, backend):
+    engine = Engine(loaded=tiny_loaded, kv_memory="64MiB", max_num_batched_tokens=96, block_size=block_size,
+                    attention_backend=backend)
     check_against_hf(hf_tiny, engine, make_prompts(text_ids))
     assert engine.stats.prompt_tokens_cached > 0

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
 
     # --- engine
     kv_memory: float = 0.25  # bytes, or a fraction (<= 1) of free device memory

@@ -1,0 +1,102 @@
+"""The CPU decode-attention kernel (``cpu_decode.c``), built with the system C compiler on first use.
+
+PyTorch cannot attend over a paged cache without first gathering every sequence's blocks into a
+padded copy; at a few hundred running requests that copy, not the matrix multiplies, bounds a CPU
+decode step. The C kernel reads each cached key and value once, in place. It is compiled once per
+source, compiler and CPU into ``$BERTH_KERNEL_CACHE`` (default ``~/.cache/berth/kernels``) and
+shares PyTorch's OpenMP runtime. ``available()`` is False where no compiler works; the engine then
+keeps the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@functools.cache
+def _library():
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU decode attention uses the slower PyTorch path")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + compiler.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("BERTH_KERNEL_CACHE", Path.home() / ".cache" / "berth" / "kernels"))
+    target = cache / f"cpu_decode-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            built = Path(tmp) / target.name
+            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                   "-o", str(built), str(SOURCE), "-lm"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                log.warning("building %s failed (%s): CPU decode attention uses the PyTorch path\n%s",
+                            SOURCE.name, " ".join(cmd), result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic: a concurrent build never leaves a torn file
+    lib = ctypes.CDLL(str(target))
+    lib.berth_paged_decode.restype = None
+    lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
+        ctypes.c_int] * 2
+    limits = [ctypes.c_int() for _ in range(3)]
+    lib.berth_limits(*[ctypes.byref(x) for x in limits])
+    lib.limits = tuple(x.value for x in limits)
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    lib = _library()
+    if (lib is None or q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return False
+    max_group, max_dim, max_block = lib.limits
+    return (q.shape[1] // k_cache.shape[2] <= max_group and q.shape[2] <= max_dim
+            and k_cache.shape[1] <= max_block)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_decode_attention``."""
+    if not supports(q, k_cache, v_cache):
+        from kernels.reference import paged_decode_attention as reference
+
+        return reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    _library().berth_paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1], scale,
+        _DTYPES[q.dtype], torch.get_num_threads())
+    return out
