@@ -139,19 +139,20 @@ def sampling_params(line: BatchLine, request_id: str) -> SamplingParams:
     if seed is None:  # a stable seed, so that a resumed or repeated request draws the same numbers
         seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
     top_k = g("top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0 turn it off)")
+    fields = dict(
+        max_tokens=max_tokens or (DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS),
+        temperature=float(g("temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
+        top_p=float(g("top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
+        top_k=max(top_k, 0), seed=seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(g("stop_token_ids", list, [], lambda v: all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of token ids")),
+        n=g("n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
+        logprobs=logprobs,
+        min_tokens=g("min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
+        ignore_eos=g("ignore_eos", bool, False, why="true or false"))
     try:
-        return SamplingParams(
-            max_tokens=max_tokens or (DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS),
-            temperature=float(g("temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
-            top_p=float(g("top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-            top_k=max(top_k, 0), seed=seed,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            stop_token_ids=tuple(g("stop_token_ids", list, [], lambda v: all(
-                isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of token ids")),
-            n=g("n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
-            logprobs=logprobs,
-            min_tokens=g("min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
-            ignore_eos=g("ignore_eos", bool, False, why="true or false"))
+        return SamplingParams(**fields)
     except ValueError as exc:
         raise LineError(line.line, "body", str(exc), line.custom_id) from None
 
