@@ -119,6 +119,12 @@ class Engine:
             self._swapped_kv.pop(seq.seq_id, None)
         return True
 
+    def set_tenant_share(self, tenant: str, share: float) -> None:
+        """Weight of ``tenant`` in admissions: with shares 2 and 1, twice the running sequences."""
+        if share <= 0:
+            raise ValueError("a tenant's share must be positive")
+        self.scheduler.waiting.shares[tenant] = share
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from worker.block_manager import BlockManager
 from worker.request import SeqStatus, Sequence
+from worker.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -39,9 +40,8 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.aging_steps = aging_steps
         self.preemption_mode = preemption_mode
-        self.waiting: list[Sequence] = []
+        self.waiting = WaitingQueue(aging_steps)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.step_count = 0
@@ -51,7 +51,7 @@ class Scheduler:
     # ---- queues
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one joins it (it shares the parent's blocks)."""
@@ -74,9 +74,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    def effective_priority(self, seq: Sequence) -> int:
-        return seq.priority + (self.step_count - seq.request.arrival_step) // self.aging_steps
 
     # ---- the step
     def schedule(self) -> SchedulerOutput:
@@ -103,7 +100,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
-            seq = max(self.waiting, key=self.effective_priority)  # ties: earliest arrival
+            seq = self.waiting.next(self.step_count, self.running)
             hits = self.bm.prefix_hits(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
             if not self.bm.allocate(seq, n, hits):
@@ -146,5 +143,4 @@ class Scheduler:
             self.swapped.append(seq)
         else:
             self.bm.free_sequence(seq)
-            seq.status = SeqStatus.WAITING
-            self.waiting.append(seq)
+            self.add(seq)
