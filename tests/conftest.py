@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.jobs_support import pg_url, queue_prefix  # noqa: E402,F401 (the jobs tests' server fixtures)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -37,20 +39,24 @@ def hf_smol(smol_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smol_loaded) -> Path:
+def tiny_llama_dir(tmp_path_factory, smol_path) -> Path:
     """A random 2-layer Llama, GQA 4:2, untied embeddings, saved as a safetensors folder with the
-    default model's tokenizer. Weights are scaled up so that greedy choices are not near-ties."""
+    default model's tokenizer (read without its weights). Weights are scaled up so that greedy
+    choices are not near-ties."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from worker.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smol_path)
     torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=len(smol_loaded.tokenizer), hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=10000.0,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path, safe_serialization=True)
-    smol_loaded.tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 

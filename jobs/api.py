@@ -1,0 +1,114 @@
+"""berth's jobs as a Python API: what the ``berth`` commands do.
+
+    from jobs import api
+    job = api.submit("requests.jsonl", settings, tenant="team-a", priority=5)
+    api.status(job.id, settings).to_dict()
+    api.results(job.id, "out.jsonl", settings=settings)
+
+    api.run("requests.jsonl", "out.jsonl")   # everything in this process, no servers
+
+Every function takes the ``Settings`` to use (default: from the environment).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from jobs.db import open_database, upgrade
+from jobs.files import JobFiles
+from jobs.lifecycle import JobStateError
+from jobs.lifecycle import cancel as cancel_job
+from jobs.models import JobStatus
+from jobs.status import JobView, get_job
+from jobs.status import list_jobs as query_jobs
+from jobs.submit import JobSpec, create_job
+from jobs.tasks import INGEST, finalize_later, make_app
+from worker.config import Settings
+
+
+@dataclass(frozen=True)
+class ResultFiles:
+    output: Path | None  # None: no request completed
+    errors: Path | None  # None: nothing failed
+
+
+def submit(path: str | Path, settings: Settings | None = None, *, spec: JobSpec | None = None,
+           eager: bool | None = None) -> JobView:
+    """Accept a request file as a job. Its lines are checked and queued by the ingest task: in this
+    process on the embedded default (or with ``eager=True``), else on a Celery worker."""
+    settings = settings or Settings()
+    db = open_database(settings.database_url)
+    job_id = create_job(db, JobFiles(settings.storage_url), path, settings.served_model_name(), spec or JobSpec())
+    make_app(settings, eager).tasks[INGEST].delay(job_id)
+    return get_job(db, job_id)
+
+
+def status(job_id: str, settings: Settings | None = None) -> JobView:
+    return get_job(open_database((settings or Settings()).database_url), job_id)
+
+
+def list_jobs(settings: Settings | None = None, tenant: str | None = None, status: str | None = None,
+              limit: int = 20) -> list[JobView]:
+    return query_jobs(open_database((settings or Settings()).database_url), tenant,
+                      JobStatus(status) if status else None, limit)
+
+
+def cancel(job_id: str, settings: Settings | None = None) -> JobView:
+    """Cancel a job: running requests are aborted within a second, the rest fail as cancelled."""
+    settings = settings or Settings()
+    db = open_database(settings.database_url)
+    cancel_job(db, job_id)
+    finalize_later(make_app(settings), [job_id])
+    return get_job(db, job_id)
+
+
+def results(job_id: str, output: str | Path, errors: str | Path | None = None,
+            settings: Settings | None = None) -> ResultFiles:
+    """Copy a finished job's output (input order) to ``output`` and its errors, if any, to ``errors``
+    (default: ``<output>.errors.jsonl``)."""
+    settings = settings or Settings()
+    job = status(job_id, settings)
+    if not job.status.is_final:
+        raise JobStateError(f"job {job_id} is {job.status.value} ({job.done} of {job.total} requests done): its "
+                            "files are written when it ends; `berth status --watch` follows it")
+    files = JobFiles(settings.storage_url)
+    output = Path(output)
+    errors = Path(errors) if errors else output.with_suffix(".errors.jsonl")
+    copied = []
+    for key, target in ((job.output_key, output), (job.errors_key, errors)):
+        if key is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files.path(key), target)
+        copied.append(target if key is not None else None)
+    return ResultFiles(*copied)
+
+
+def run(path: str | Path, output: str | Path, settings: Settings | None = None, *, errors: str | Path | None = None,
+        spec: JobSpec | None = None, engine=None, on_progress: Callable[[JobView], None] | None = None
+        ) -> tuple[JobView, ResultFiles]:
+    """Submit, work and fetch the results in this process: ingest and finalize run in-process, an
+    engine worker consumes the queue until the job ends. Zero servers on the default settings."""
+    from worker.consumer import EngineWorker
+
+    settings = settings or Settings()
+    worker = EngineWorker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
+    job = submit(path, settings, spec=spec, eager=True)
+    if not job.status.is_final:
+
+        def job_over() -> bool:
+            view = status(job.id, settings)
+            if on_progress is not None:
+                on_progress(view)
+            return view.status.is_final
+
+        worker.run(until=job_over)
+    job = status(job.id, settings)
+    return job, results(job.id, output, errors, settings)
+
+
+def upgrade_database(settings: Settings | None = None) -> str:
+    """Apply the migrations; the revision the database is at."""
+    return upgrade((settings or Settings()).database_url)

@@ -1,0 +1,110 @@
+"""Closing a job: the output file (one line per request, in input order) and the errors file
+(bad input lines and failed requests, in input order), then its final state.
+
+A job is finalized from ``finalizing`` (to ``completed``, or ``expired`` when its window passed)
+or ``cancelling`` (to ``cancelled``); requests still without an outcome then fail with
+``batch_expired`` or ``batch_cancelled``. Running it twice writes the same files and moves the job once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Iterator
+
+from sqlalchemy import insert, literal, select, update
+from sqlalchemy.types import JSON
+
+from jobs import files as keys
+from jobs.batch_format import LineError
+from jobs.db import Database
+from jobs.files import JobFiles
+from jobs.models import (
+    Job,
+    JobStatus,
+    LineErrorRow,
+    RequestRow,
+    Result,
+    ResultStatus,
+    now,
+)
+
+_CLOSE_CODES = {JobStatus.CANCELLED: ("batch_cancelled", "the job was cancelled before this request ran"),
+                JobStatus.EXPIRED: ("batch_expired", "the job's completion window passed before this request ran")}
+
+
+def finalize(db: Database, files: JobFiles, job_id: str) -> JobStatus | None:
+    """Finish a finalizing or cancelling job; returns its final state (None: not ready to finalize)."""
+    with db.session() as s, s.begin():
+        job = s.get(Job, job_id, with_for_update=True)
+        if job is None or job.status not in (JobStatus.FINALIZING, JobStatus.CANCELLING):
+            return None
+        leaving = job.status
+        if leaving is JobStatus.CANCELLING:
+            target = JobStatus.CANCELLED
+        else:
+            target = JobStatus.EXPIRED if job.expired_at is not None else JobStatus.COMPLETED
+        if target in _CLOSE_CODES:
+            closed = _fail_unfinished(s, job_id, *_CLOSE_CODES[target])
+            s.execute(update(Job).where(Job.id == job_id).values(failed=Job.failed + closed))
+    output_key, errors_key = write_outputs(db, files, job_id)
+    with db.session() as s, s.begin():
+        stamp = getattr(Job, f"{target.value}_at")
+        s.execute(update(Job).where(Job.id == job_id, Job.status == leaving).values(
+            {Job.status: target, Job.output_key: output_key, Job.errors_key: errors_key,
+             stamp: stamp if target is JobStatus.EXPIRED else now()}))
+    return target
+
+
+def _fail_unfinished(session, job_id: str, code: str, message: str) -> int:
+    """Give every request of the job still without an outcome a failed one; how many there were."""
+    unfinished = (select(RequestRow.id, RequestRow.job_id, literal(ResultStatus.FAILED.value),
+                         literal({"code": code, "message": message}, JSON), literal(0), literal(0), literal(now()))
+                  .outerjoin(Result, Result.request_id == RequestRow.id)
+                  .where(RequestRow.job_id == job_id, Result.id.is_(None)))
+    columns = ["request_id", "job_id", "status", "error", "prompt_tokens", "completion_tokens", "created_at"]
+    return len(session.scalars(insert(Result).from_select(columns, unfinished).returning(Result.request_id)).all())
+
+
+def write_outputs(db: Database, files: JobFiles, job_id: str) -> tuple[str | None, str | None]:
+    """Write the job's output and errors files; their keys (None for a file with no line)."""
+    output = _write(files, keys.output_key(job_id), _output_lines(db, job_id))
+    errors = _write(files, keys.errors_key(job_id),
+                    (line for _, line in heapq.merge(_line_errors(db, job_id), _failed_lines(db, job_id),
+                                                     key=lambda item: item[0])))
+    return output, errors
+
+
+def _write(files: JobFiles, key: str, lines: Iterator[dict]) -> str | None:
+    n = 0
+    with files.writer(key) as f:
+        for line in lines:
+            f.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+            n += 1
+    return key if n else None
+
+
+def _results(db: Database, job_id: str, status: ResultStatus):
+    with db.session() as s:
+        yield from s.execute(
+            select(RequestRow.line, RequestRow.id, RequestRow.custom_id, Result.response, Result.error)
+            .join(Result, Result.request_id == RequestRow.id)
+            .where(RequestRow.job_id == job_id, Result.status == status)
+            .order_by(RequestRow.line).execution_options(yield_per=2000))
+
+
+def _output_lines(db: Database, job_id: str) -> Iterator[dict]:
+    for _, request_id, custom_id, response, _ in _results(db, job_id, ResultStatus.COMPLETED):
+        yield {"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": response, "error": None}
+
+
+def _failed_lines(db: Database, job_id: str) -> Iterator[tuple[int, dict]]:
+    for line, request_id, custom_id, _, error in _results(db, job_id, ResultStatus.FAILED):
+        yield line, {"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": None, "error": error}
+
+
+def _line_errors(db: Database, job_id: str) -> Iterator[tuple[int, dict]]:
+    with db.session() as s:
+        for e in s.scalars(select(LineErrorRow).where(LineErrorRow.job_id == job_id)
+                           .order_by(LineErrorRow.line).execution_options(yield_per=2000)):
+            yield e.line, LineError(e.line, e.param, e.message, e.custom_id, e.code).to_error_line()

@@ -1,0 +1,74 @@
+"""A job's moves between states, each one conditional on the state it leaves, so that racing
+workers, tasks and users cannot move a job twice:
+
+    validating ──▶ in_progress ──▶ finalizing ──▶ completed
+        │               │   └── past its window ──▶ finalizing (expired_at set) ──▶ expired
+        │               └── cancel ──▶ cancelling ──▶ cancelled
+        └── no valid line ──▶ failed
+
+``finalizing``, ``cancelling`` and a passed window are finished by ``jobs.finalize``; the functions
+here return the jobs that need it, and the caller dispatches the finalize task.
+"""
+
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from jobs.db import Database
+from jobs.models import Job, JobStatus, now
+
+LIVE = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS)
+_WINDOW = re.compile(r"\s*(\d+)\s*([smhd])\s*")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class JobNotFound(LookupError):
+    def __init__(self, job_id: str):
+        super().__init__(f"no job {job_id!r}: `berth list` shows the jobs there are")
+
+
+class JobStateError(RuntimeError):
+    """The job is not in a state that allows what was asked."""
+
+
+def window_seconds(window: str) -> float:
+    m = _WINDOW.fullmatch(window)
+    if not m or int(m.group(1)) == 0:
+        raise ValueError(f"completion window {window!r}: give a number and a unit, e.g. 24h, 90m or 7d")
+    return int(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+
+
+def mark_finalizing(session: Session, job_ids: list[str]) -> list[str]:
+    """In-progress jobs among ``job_ids`` whose every request has an outcome move to finalizing."""
+    if not job_ids:
+        return []
+    t = now()
+    return list(session.scalars(
+        update(Job).where(Job.id.in_(sorted(job_ids)), Job.status == JobStatus.IN_PROGRESS,
+                          Job.completed + Job.failed >= Job.total)
+        .values(status=JobStatus.FINALIZING, finalizing_at=t).returning(Job.id)))
+
+
+def cancel(db: Database, job_id: str) -> JobStatus:
+    """Ask for a job to stop: its waiting requests are dropped, the running ones aborted by the workers."""
+    with db.session() as s, s.begin():
+        status = s.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
+        if status is None:
+            raise JobNotFound(job_id)
+        if status not in LIVE:
+            raise JobStateError(f"job {job_id} is {status.value}: only a validating or in-progress job can be "
+                                "cancelled")
+        s.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.CANCELLING, cancelling_at=now()))
+    return JobStatus.CANCELLING
+
+
+def expire_due(db: Database) -> list[str]:
+    """Live jobs past their completion window move to finalizing, marked expired."""
+    t = now()
+    with db.session() as s, s.begin():
+        return list(s.scalars(
+            update(Job).where(Job.status.in_(LIVE), Job.expires_at < t)
+            .values(status=JobStatus.FINALIZING, finalizing_at=t, expired_at=t).returning(Job.id)))

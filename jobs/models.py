@@ -1,0 +1,153 @@
+"""The jobs database: tenants, jobs, their requests, results and the lines that failed validation.
+
+Timestamps are Unix seconds (floats), as the OpenAI Batch object reports them. The schema is made
+only by the migrations in ``migrations/``; these classes are what the code reads and writes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class JobStatus(str, enum.Enum):
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
+
+
+class ResultStatus(str, enum.Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+def _enum(cls) -> Enum:
+    return Enum(cls, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
+
+
+def now() -> float:
+    return time.time()
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share of the engines under fair share
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    model: Mapped[str] = mapped_column(String(200))
+    status: Mapped[JobStatus] = mapped_column(_enum(JobStatus), index=True)
+    priority: Mapped[int] = mapped_column(SmallInteger, default=0)
+    completion_window: Mapped[str] = mapped_column(String(16))
+    metadata_: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    input_name: Mapped[str] = mapped_column(String(500))  # the file name the user gave
+    input_key: Mapped[str] = mapped_column(Text)  # the input file in the job store
+    output_key: Mapped[str | None] = mapped_column(Text)  # written when the job is finalized
+    errors_key: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)  # why the whole job failed
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    in_progress_at: Mapped[float | None] = mapped_column(Float)
+    finalizing_at: Mapped[float | None] = mapped_column(Float)
+    completed_at: Mapped[float | None] = mapped_column(Float)
+    failed_at: Mapped[float | None] = mapped_column(Float)
+    cancelling_at: Mapped[float | None] = mapped_column(Float)
+    cancelled_at: Mapped[float | None] = mapped_column(Float)
+    expired_at: Mapped[float | None] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
+class RequestRow(Base):
+    """One valid input line, as the engine will run it. ``published_at`` is set once its message is
+    confirmed by the broker; the reconciler republishes rows left without it."""
+
+    __tablename__ = "requests"
+    __table_args__ = (Index("ix_requests_job_line", "job_id", "line"),
+                      Index("ix_requests_job_custom_id", "job_id", "custom_id", unique=True))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    line: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    url: Mapped[str] = mapped_column(String(64))
+    prompt_token_ids: Mapped[list] = mapped_column(JSON)
+    params: Mapped[dict] = mapped_column(JSON)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # deliveries to an engine worker
+    published_at: Mapped[float | None] = mapped_column(Float, index=True)
+    delivered_at: Mapped[float | None] = mapped_column(Float)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class Result(Base):
+    """The one outcome of a request: the unique ``request_id`` makes a second writer a no-op."""
+
+    __tablename__ = "results"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), unique=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    status: Mapped[ResultStatus] = mapped_column(_enum(ResultStatus))
+    response: Mapped[dict | None] = mapped_column(JSON)  # the output line's "response"
+    error: Mapped[dict | None] = mapped_column(JSON)  # {"code", "message"}
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class LineErrorRow(Base):
+    """An input line that never became a request: its number, field and reason."""
+
+    __tablename__ = "line_errors"
+    __table_args__ = (Index("ix_line_errors_job_line", "job_id", "line"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    line: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+    param: Mapped[str | None] = mapped_column(String(200))
+    code: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,89 @@
+"""Showing jobs to a person: a summary, a table, and a live progress bar (rich)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from jobs.status import JobView
+
+WATCH_INTERVAL = 1.0
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def describe(view: JobView) -> str:
+    lines = [f"{view.id}  {view.status.value}  (tenant {view.tenant}, priority {view.priority}, model {view.model})",
+             f"requests  {view.done}/{view.total} done: {view.completed} completed, {view.failed} failed",
+             f"tokens    {view.prompt_tokens} prompt, {view.completion_tokens} output; "
+             f"{view.output_tokens_per_second:.1f} output tok/s, {view.requests_per_second:.2f} req/s",
+             f"time      running {_duration(view.seconds_running)}, ETA {_duration(view.eta_seconds)}, "
+             f"window {view.completion_window}"]
+    if view.error:
+        lines.append(f"error     {view.error}")
+    if view.errors_key:
+        lines.append(f"errors    written; `berth results {view.id} -o FILE` fetches them with the output")
+    return "\n".join(lines)
+
+
+def job_table(views: list[JobView]) -> None:
+    table = Table("id", "status", "tenant", "pri", "done/total", "failed", "tok/s", "created")
+    for v in views:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.created_at))
+        table.add_row(v.id, v.status.value, v.tenant, str(v.priority), f"{v.done}/{v.total}", str(v.failed),
+                      f"{v.output_tokens_per_second:.1f}", created)
+    Console().print(table)
+
+
+class JobProgress:
+    """A live bar of one job's requests, fed with ``update(view)``."""
+
+    def __init__(self, disabled: bool = False):
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rates]}"), TimeElapsedColumn(),
+                                 TextColumn("ETA {task.fields[eta]}"),
+                                 console=Console(stderr=True), disable=disabled)
+        self.task = None
+
+    def update(self, view: JobView) -> None:
+        fields = {"description": view.status.value, "completed": view.done, "total": view.total or None,
+                  "rates": f"{view.output_tokens_per_second:.1f} tok/s", "eta": _duration(view.eta_seconds)}
+        if self.task is None:
+            self.task = self.progress.add_task(**fields)
+        else:
+            self.progress.update(self.task, **fields)
+
+    def __enter__(self) -> JobProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+
+def watch(fetch: Callable[[], JobView]) -> None:
+    """Follow a job until it ends."""
+    with JobProgress() as bar:
+        while True:
+            view = fetch()
+            bar.update(view)
+            if view.status.is_final:
+                return
+            time.sleep(WATCH_INTERVAL)

@@ -1,0 +1,109 @@
+"""What engine workers write: the attempts of each delivery, and each request's one outcome.
+
+An outcome is a result row and the job's counters, in one transaction. ``results.request_id`` is
+unique and the insert skips a conflict, so a second outcome for a request (a redelivered message,
+two workers racing, a finalizer closing the job) changes nothing and counts nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from jobs.db import Database
+from jobs.lifecycle import mark_finalizing
+from jobs.models import Job, JobStatus, RequestRow, Result, ResultStatus, now
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the database knows of a request just delivered to a worker."""
+
+    request_id: int
+    job_status: JobStatus
+    attempts: int  # this delivery included
+    has_result: bool
+    last_error: str | None
+
+
+@dataclass
+class Outcome:
+    request_id: int
+    job_id: str
+    status: ResultStatus
+    response: dict | None = None  # the output line's "response"
+    error: dict | None = None  # {"code", "message"}
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def failure(cls, request_id: int, job_id: str, code: str, message: str) -> Outcome:
+        return cls(request_id, job_id, ResultStatus.FAILED, error={"code": code, "message": message})
+
+
+@dataclass(frozen=True)
+class Recorded:
+    new: set[int]  # request ids whose outcome this call wrote
+    finalize: list[str]  # jobs that this call finished
+
+
+def record_deliveries(db: Database, request_ids: list[int]) -> dict[int, Delivery]:
+    """Count one more attempt for each request; what the database knows of them."""
+    if not request_ids:
+        return {}
+    with db.session() as s, s.begin():
+        s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids))
+                  .values(attempts=RequestRow.attempts + 1, delivered_at=now()))
+        rows = s.execute(
+            select(RequestRow.id, Job.status, RequestRow.attempts, Result.id, RequestRow.last_error)
+            .join(Job, Job.id == RequestRow.job_id).outerjoin(Result, Result.request_id == RequestRow.id)
+            .where(RequestRow.id.in_(request_ids)))
+        return {r[0]: Delivery(r[0], r[1], r[2], r[3] is not None, r[4]) for r in rows}
+
+
+def release(db: Database, request_ids: list[int]) -> None:
+    """Handed back unfinished by a worker told to stop: that delivery was no failed attempt."""
+    if request_ids:
+        with db.session() as s, s.begin():
+            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids), RequestRow.attempts > 0)
+                      .values(attempts=RequestRow.attempts - 1))
+
+
+def note_error(db: Database, request_id: int, error: str) -> None:
+    with db.session() as s, s.begin():
+        s.execute(update(RequestRow).where(RequestRow.id == request_id).values(last_error=error[:4000]))
+
+
+def record_outcomes(db: Database, outcomes: list[Outcome], worker: str | None = None) -> Recorded:
+    """Write each outcome that is the first for its request, and the counters of their jobs."""
+    if not outcomes:
+        return Recorded(set(), [])
+    with db.session() as s, s.begin():
+        new = insert_results(s, [{
+            "request_id": o.request_id, "job_id": o.job_id, "status": o.status, "response": o.response,
+            "error": o.error, "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+            "worker": worker, "created_at": now()} for o in outcomes])
+        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        for o in outcomes:
+            if o.request_id in new:
+                c = counts[o.job_id]
+                c[0 if o.status is ResultStatus.COMPLETED else 1] += 1
+                c[2] += o.prompt_tokens
+                c[3] += o.completion_tokens
+        for job_id in sorted(counts):  # one order for every writer: no deadlocks between workers
+            completed, failed, prompt, completion = counts[job_id]
+            s.execute(update(Job).where(Job.id == job_id).values(
+                completed=Job.completed + completed, failed=Job.failed + failed,
+                prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion))
+        return Recorded(new, mark_finalizing(s, list(counts)))
+
+
+def insert_results(session: Session, rows: list[dict]) -> set[int]:
+    """Insert result rows, skipping requests that have one; the request ids inserted."""
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(Result).on_conflict_do_nothing(index_elements=["request_id"]).returning(Result.request_id)
+    return set(session.scalars(stmt, rows))

@@ -1,0 +1,71 @@
+"""The work around the engine, as Celery tasks: ingesting a job, finalizing a job, reconciling,
+expiring jobs past their window.
+
+With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by the same
+``BERTH_*`` variables, with beat for the periodic ones:
+
+    celery -A jobs.tasks worker --beat --loglevel=INFO
+
+On the embedded default (no broker) they run in the calling process (``task_always_eager``).
+Tasks are acked late and idempotent: one lost with its worker is simply run again.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from jobs.db import open_database
+from jobs.files import JobFiles
+from jobs.finalize import finalize
+from jobs.ingest import ingest
+from jobs.lifecycle import expire_due
+from jobs.queue import Topology, is_embedded
+from jobs.reconcile import reconcile
+from worker.config import Settings
+
+INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
+PERIOD_SECONDS = 60.0
+
+
+def make_app(settings: Settings, eager: bool | None = None) -> Celery:
+    """The Celery app for ``settings``; ``eager`` (default: the broker is embedded) runs tasks in-process."""
+    app = Celery("berth", set_as_current=False)
+    app.conf.update(
+        broker_url=settings.broker_url or "memory://localhost/",  # unused: eager
+        task_always_eager=is_embedded(settings) if eager is None else eager,
+        task_eager_propagates=True, task_default_queue=Topology(settings.queue_prefix).celery_queue,
+        task_ignore_result=True, task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
+        task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        beat_schedule={"reconcile": {"task": RECONCILE, "schedule": PERIOD_SECONDS},
+                       "expire": {"task": EXPIRE, "schedule": PERIOD_SECONDS}})
+
+    def db():
+        return open_database(settings.database_url)
+
+    @app.task(name=INGEST, shared=False)
+    def ingest_job(job_id: str) -> None:
+        finalize_later(app, ingest(db(), JobFiles(settings.storage_url), settings, job_id))
+
+    @app.task(name=FINALIZE, shared=False)
+    def finalize_job(job_id: str) -> None:
+        finalize(db(), JobFiles(settings.storage_url), job_id)
+
+    @app.task(name=RECONCILE, shared=False)
+    def reconcile_jobs() -> None:
+        finalize_later(app, reconcile(db(), settings).finalize)
+
+    @app.task(name=EXPIRE, shared=False)
+    def expire_jobs() -> None:
+        finalize_later(app, expire_due(db()))
+
+    return app
+
+
+def finalize_later(app: Celery, job_ids: list[str]) -> None:
+    """Dispatch the finalize task of each job (run now, when the app is eager)."""
+    for job_id in job_ids:
+        app.tasks[FINALIZE].delay(job_id)
+
+
+app = make_app(Settings())  # what `celery -A jobs.tasks` runs: configured from the environment

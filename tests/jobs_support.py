@@ -1,0 +1,123 @@
+"""Fixtures and helpers of the jobs tests: a PostgreSQL database and RabbitMQ names of their own
+for each test (skipped with the reason when a server is unreachable), settings for the tiny
+model, and request files."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+TINY_NAME = "tiny-llama"
+
+
+def _reachable(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL database, dropped at the end."""
+    if not _reachable(5432):
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
+    from sqlalchemy import create_engine, text
+
+    from jobs.db import close_database
+
+    name = f"berth_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    yield url
+    close_database(url)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def queue_prefix():
+    """RabbitMQ names no other run uses; their queues and exchanges are deleted at the end."""
+    if not _reachable(5672):
+        pytest.skip("RabbitMQ is not reachable on 127.0.0.1:5672")
+    prefix = f"berth-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    from kombu import Connection
+
+    from jobs.queue import Topology
+
+    topology = Topology(prefix)
+    with Connection(AMQP_URL) as conn:
+        channel = conn.channel()
+        for queue in (topology.request_queue(TINY_NAME).name, topology.dead_queue.name, topology.celery_queue):
+            channel.queue_delete(queue)
+        for exchange in (topology.exchange.name, topology.dead_exchange.name, topology.celery_queue):
+            channel.exchange_delete(exchange)
+
+
+def tiny_settings(model_dir, **overrides):
+    from worker.config import Settings
+
+    return Settings(model=str(model_dir), model_name=TINY_NAME, kv_memory="64MiB", threads=1, **overrides)
+
+
+def tiny_env(settings) -> dict[str, str]:
+    """The settings as BERTH_* variables, for a worker in another process."""
+    names = ("model", "model_name", "kv_memory", "threads", "max_num_seqs", "database_url", "broker_url",
+             "storage_url", "queue_prefix", "max_delivery_attempts", "drain_timeout")
+    return {f"BERTH_{n.upper()}": str(getattr(settings, n)) for n in names}
+
+
+def request_line(i: int, model: str = TINY_NAME, max_tokens: int = 4) -> dict:
+    """Chat and completion requests in turn, greedy, short."""
+    if i % 2:
+        body = {"model": model, "prompt": f"Item {i}: the quick brown fox", "max_tokens": max_tokens, "temperature": 0}
+        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+    body = {"model": model, "messages": [{"role": "user", "content": f"Say something about the number {i}."}],
+            "max_tokens": max_tokens, "temperature": 0}
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def write_requests(path: Path, n: int, **kw) -> Path:
+    path.write_text("".join(json.dumps(request_line(i, **kw)) + "\n" for i in range(n)))
+    return path
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def choices_by_custom_id(path) -> dict[str, list]:
+    """What the model said, per request: the parts of an output line that do not vary between runs."""
+    out = {}
+    for line in read_jsonl(path):
+        body = line["response"]["body"]
+        out[line["custom_id"]] = [body["choices"], body["usage"]]
+    return out
+
+
+def work_until_over(settings, engine, job_id: str, timeout: float = 60.0):
+    """Run an engine worker in this process until the job ends; the job as it ended."""
+    import time
+
+    from jobs import api
+    from worker.consumer import EngineWorker
+
+    deadline = time.monotonic() + timeout
+
+    def over() -> bool:
+        assert time.monotonic() < deadline, f"job {job_id} did not end in {timeout}s"
+        return api.status(job_id, settings).status.is_final
+
+    EngineWorker(settings, engine, eager_tasks=True).run(until=over)
+    return api.status(job_id, settings)

@@ -1,0 +1,37 @@
+"""The schema comes from the migrations alone, the same on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from click.testing import CliRunner
+from sqlalchemy import text
+
+from jobs.cli import main
+from jobs.db import SchemaError, close_database, make_engine, open_database
+from jobs.models import Base
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_berth_db_upgrade_makes_exactly_the_models_schema(backend, tmp_path, request):
+    url = f"sqlite:///{tmp_path / 'berth.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
+    assert result.exit_code == 0 and "database at migration 0001" in result.output, result.output
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+    engine.dispose()
+    open_database(url)  # at head: opens
+    close_database(url)
+
+
+def test_a_database_not_made_by_berth_is_refused_with_what_to_run(tmp_path):
+    url = f"sqlite:///{tmp_path / 'other.db'}"
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE something_else (id INTEGER)"))
+    engine.dispose()
+    with pytest.raises(SchemaError, match="run `berth db upgrade`"):
+        open_database(url)

@@ -1,0 +1,86 @@
+"""The engine worker under stress, on RabbitMQ and PostgreSQL: told to stop mid-job it hands its
+requests back without counting an attempt; cut off from the broker mid-job (as when RabbitMQ's
+consumer_timeout closes its channel) it reconnects, keeps its requests running, and every request
+still gets exactly one result."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from sqlalchemy import select
+
+from jobs import api
+from jobs.db import open_database
+from jobs.models import JobStatus, RequestRow, Result
+from jobs.queue import Topology, connect, queue_depth
+from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
+from worker.consumer import EngineWorker
+from worker.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir):
+    return Engine(tiny_settings(tiny_llama_dir))
+
+
+@pytest.fixture
+def settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
+    return tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
+                         storage_url=f"file://{tmp_path / 'store'}", drain_timeout=0.2)
+
+
+def _long_job(tmp_path, settings, n=4, max_tokens=300):
+    lines = [{"custom_id": f"long-{i}", "url": "/v1/completions",
+              "body": {"model": TINY_NAME, "prompt": f"story {i}", "max_tokens": max_tokens, "ignore_eos": True}}
+             for i in range(n)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return api.submit(path, settings, eager=True)
+
+
+def _rows(settings, job_id):
+    with open_database(settings.database_url).session() as s:
+        return list(s.scalars(select(RequestRow).where(RequestRow.job_id == job_id)))
+
+
+def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tmp_path, settings, tiny_engine):
+    job = _long_job(tmp_path, settings, max_tokens=600)
+    worker = EngineWorker(settings, tiny_engine, eager_tasks=True)
+
+    def stop_once_running() -> bool:
+        if worker.inflight and not worker.stop_requested:
+            worker.stop()  # what SIGTERM does
+        return False
+
+    worker.run(until=stop_once_running)
+    assert tiny_engine.num_unfinished == 0
+    assert [r.attempts for r in _rows(settings, job.id)] == [0, 0, 0, 0]
+    with connect(settings) as conn:
+        assert queue_depth(conn, Topology(settings.queue_prefix).request_queue(TINY_NAME)) == 4
+
+    job = work_until_over(settings, tiny_engine, job.id)  # another worker takes them over
+    assert (job.status, job.completed) == (JobStatus.COMPLETED, 4)
+
+
+def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(tmp_path, settings, tiny_engine):
+    job = _long_job(tmp_path, settings)
+    worker = EngineWorker(settings, tiny_engine, eager_tasks=True)
+    cut = []
+
+    def cut_once_running() -> bool:
+        if worker.inflight and not cut:
+            worker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
+            cut.append(set(worker.inflight))
+        return api.status(job.id, settings).status.is_final
+
+    worker.run(until=cut_once_running)
+    assert cut and cut[0], "the connection was cut while requests ran"
+    view = api.status(job.id, settings)
+    assert (view.status, view.completed, view.failed) == (JobStatus.COMPLETED, 4, 0)
+    with open_database(settings.database_url).session() as s:
+        assert len(s.scalars(select(Result).where(Result.job_id == job.id)).all()) == 4
+    assert all(r.attempts == 1 for r in _rows(settings, job.id))  # redeliveries were adopted, not rerun
+    with connect(settings) as conn:
+        assert queue_depth(conn, Topology(settings.queue_prefix).request_queue(TINY_NAME)) == 0

@@ -1,0 +1,399 @@
+"""The engine worker (``berth worker``): queue deliveries in, one engine running across jobs and
+tenants, results out.
+
+One loop, never blocked while the engine has work:
+
+1. drain deliveries (without waiting while the engine has work, up to ``IDLE_WAIT`` when idle);
+2. admit them: count the attempt in the database, ack and skip a request that already has its
+   result or whose job is closed, dead-letter one delivered too often, add the rest to the engine
+   with the job's tenant and priority;
+3. one engine step; the requests it finished get their result rows and job counters in one
+   transaction, and only after the commit are their messages acked;
+4. about every second: abort the requests of cancelled or expired jobs, resize the prefetch window,
+   refresh the metrics.
+
+Prefetch: the window of unacked deliveries is what the engine can hold running (``max_num_seqs``,
+or fewer when the KV cache cannot fit that many of the requests seen so far, counting each
+request's prompt plus ``n * max_tokens``) plus a quarter more waiting, so that seats freed by a
+step are filled at the next one (never starved) while the rest of the queue stays with the broker
+for other workers (never flooded). ``Settings.prefetch`` fixes it instead.
+
+Idempotency: a result's ``request_id`` is unique and written with "on conflict do nothing"; a
+delivery of a request that has a result is acked and skipped; a second delivery of a request this
+worker is already running is acked (or, if the first delivery's channel is gone, adopted).
+
+Poison: attempts are counted in the database (classic queues only flag ``redelivered``); a request
+delivered more than ``max_delivery_attempts`` times without finishing is failed with the reason
+(and its last error) and its message goes to the dead-letter queue. A worker told to stop hands
+back unfinished requests without counting that delivery as an attempt.
+
+RabbitMQ's ``consumer_timeout`` (30 minutes by default) closes the channel of a delivery unacked
+that long and requeues every message it held. We ack only after the result is committed, so a
+request running longer than that would be redelivered. We chose: (1) ``compose.yaml`` raises
+``consumer_timeout`` to 24 hours, the longest completion window in normal use, since a request
+that long is legitimate in a bulk service; (2) the worker survives the channel closing: it keeps
+its requests running, reconnects, and on finishing writes the result without acking the void
+delivery; the redelivered copy is adopted if it comes back here, or acked as done (or computed
+twice at worst, one result kept) if it went elsewhere. Nothing is lost either way.
+
+SIGTERM (or Ctrl-C): stop consuming, hand back at once the requests not started, let the running
+ones finish for up to ``Settings.drain_timeout`` seconds, hand back the rest (reject with
+requeue), exit. A second signal stops at once, handing everything back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import kombu
+from kombu.exceptions import OperationalError
+from kombu.message import Message
+from sqlalchemy import select
+
+from jobs.batch_format import response_line
+from jobs.db import open_database
+from jobs.lifecycle import LIVE
+from jobs.messages import RequestMessage
+from jobs.models import Job, ResultStatus
+from jobs.queue import Publisher, Topology, connect, queue_depth
+from jobs.results import Outcome, note_error, record_deliveries, record_outcomes, release
+from jobs.tasks import finalize_later, make_app
+from worker.config import Settings
+from worker.engine import Engine, RequestRejected
+from worker.metrics import WorkerMetrics
+from worker.request import Request, RequestOutput
+
+log = logging.getLogger("berth.worker")
+
+IDLE_WAIT = 0.5  # seconds to wait for deliveries when the engine has nothing to do
+CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
+QUEUE_DEPTH_INTERVAL = 5.0
+
+
+def prefetch_window(max_num_seqs: int, kv_capacity_tokens: int, mean_kv_tokens: float | None) -> int:
+    """Deliveries to hold: the requests the engine can run at once, plus a quarter more waiting."""
+    seats = max_num_seqs
+    if mean_kv_tokens:
+        seats = max(1, min(max_num_seqs, int(kv_capacity_tokens // mean_kv_tokens)))
+    return seats + max(1, seats // 4)
+
+
+@dataclass
+class Inflight:
+    message: RequestMessage
+    request: Request  # as the engine runs it
+    delivery: Message | None  # None once its channel is gone (the broker requeued the message)
+
+    @property
+    def started(self) -> bool:
+        return any(s.num_computed_tokens for s in self.request.sequences)
+
+
+class EngineWorker:
+    def __init__(self, settings: Settings, engine: Engine | None = None, eager_tasks: bool | None = None):
+        """``eager_tasks``: run the finalize tasks in this process (default: when the broker is embedded)."""
+        self.settings = settings
+        self.engine = engine or Engine(settings)
+        self.db = open_database(settings.database_url)
+        self.tasks = make_app(settings, eager_tasks)
+        self.queue = Topology(settings.queue_prefix).request_queue(self.engine.model_name)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.metrics = WorkerMetrics()
+        kv = self.engine.kv_usage()
+        self.kv_capacity = kv["blocks_total"] * self.engine.settings.block_size
+        self.inflight: dict[str, Inflight] = {}
+        self.incoming: list[Message] = []
+        self.mean_kv_tokens: float | None = None
+        self.window = settings.prefetch or prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, None)
+        self.stop_requested = 0  # signals received
+        self.connection: kombu.Connection | None = None
+        self.consumer: kombu.Consumer | None = None
+        self._publisher: Publisher | None = None
+        self._broken = False  # the channel failed; reconnect before the next receive
+
+    # ---- the loop
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Work until stopped by a signal, or until ``until()`` is true (checked about every second)."""
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
+        previous_handlers = self._install_signal_handlers()
+        self._connect()
+        log.info("worker %s consuming %s (prefetch %d)", self.name, self.queue.name, self.window)
+        drain_deadline = None
+        next_control = next_depth = 0.0
+        graceful = False
+        try:
+            while True:
+                if self._broken and not self.stop_requested:
+                    self._reconnect()
+                if self._broken and not self.engine.has_unfinished():
+                    time.sleep(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
+                self._receive(0 if self.engine.has_unfinished() else IDLE_WAIT)
+                self._admit()
+                if self.engine.has_unfinished():
+                    self._step()
+                t = time.monotonic()
+                if t >= next_control:
+                    next_control = t + CONTROL_INTERVAL
+                    self._control(t >= next_depth)
+                    next_depth = next_depth if t < next_depth else t + QUEUE_DEPTH_INTERVAL
+                    if until is not None and until():
+                        graceful = True
+                        break
+                if self.stop_requested:
+                    if drain_deadline is None:
+                        drain_deadline = self._begin_drain()
+                    if self.stop_requested > 1 or not self.engine.has_unfinished() or t > drain_deadline:
+                        graceful = True
+                        break
+        finally:
+            self._hand_back(count_attempt=not graceful)
+            self._close()
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+
+    def stop(self) -> None:
+        self.stop_requested += 1
+
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM and SIGINT ask the loop to stop; the handlers replaced, to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    # ---- deliveries in
+    def _connect(self, max_retries: int | None = None) -> None:
+        self.connection = connect(self.settings)
+        self.connection.ensure_connection(max_retries=max_retries, interval_max=10)
+        self.consumer = kombu.Consumer(self.connection.channel(), queues=[self.queue], callbacks=[self._on_delivery],
+                                       accept=["json"], no_ack=False)
+        self.consumer.qos(prefetch_count=self.window)
+        self.consumer.consume()
+        self._broken = False
+
+    def _reconnect(self) -> None:
+        """A new connection and consumer; one try, so that the engine keeps stepping meanwhile."""
+        log.warning("worker %s: broker channel lost; reconnecting, %d requests keep running",
+                    self.name, len(self.inflight))
+        for item in self.inflight.values():
+            item.delivery = None  # the broker requeued these; a redelivery here is adopted
+        self.incoming.clear()
+        self._close_connection()
+        try:
+            self._connect(max_retries=1)
+        except self._broker_errors() + (OperationalError, OSError):
+            log.warning("worker %s: broker unreachable; trying again", self.name)
+
+    def _on_delivery(self, _body, delivery: Message) -> None:
+        self.incoming.append(delivery)
+
+    def _receive(self, timeout: float) -> None:
+        while len(self.incoming) < self.window and not self._broken:
+            try:
+                self.connection.drain_events(timeout=timeout)
+            except socket.timeout:
+                return
+            except self._broker_errors():
+                self._broken = True
+                return
+            timeout = 0
+
+    def _admit(self) -> None:
+        batch, self.incoming = self.incoming, []
+        fresh: list[tuple[RequestMessage, Message]] = []
+        for delivery in batch:
+            try:
+                message = RequestMessage.from_body(delivery.decode())
+            except Exception as exc:  # noqa: BLE001 (MalformedMessage, or kombu's decoding errors)
+                self._dead_letter(delivery, f"unreadable message: {exc}", 0)
+                self._ack(delivery)
+                continue
+            running = self.inflight.get(message.engine_id)
+            if running is None:
+                fresh.append((message, delivery))
+            elif running.delivery is None:
+                running.delivery = delivery  # the redelivery of what this worker runs: ack it when done
+            else:
+                self._ack(delivery)  # a duplicate of what this worker runs
+        if not fresh:
+            return
+        known = record_deliveries(self.db, [m.request_id for m, _ in fresh])
+        failures: list[tuple[Outcome, RequestMessage, Message, str | None]] = []
+        for message, delivery in fresh:
+            d = known.get(message.request_id)
+            if d is None:
+                self._dead_letter(delivery, f"request {message.request_id} is not in the database", 0)
+                self._ack(delivery)
+            elif d.has_result or d.job_status not in LIVE:
+                self._ack(delivery)
+            elif d.attempts > self.settings.max_delivery_attempts:
+                reason = (f"delivered {d.attempts - 1} times without finishing (the worker died or was stopped "
+                          f"each time); last error: {d.last_error or 'none recorded'}")
+                failures.append((Outcome.failure(message.request_id, message.job_id, "delivery_limit", reason),
+                                 message, delivery, reason))
+            else:
+                self._start(message, delivery, d.attempts, failures)
+        self._record(failures)
+
+    def _start(self, message: RequestMessage, delivery: Message, attempts: int, failures: list) -> None:
+        request = message.engine_request()
+        try:
+            self.engine.add_request(request)
+        except RequestRejected as exc:  # never runnable here: fail it now
+            failures.append((Outcome.failure(message.request_id, message.job_id, "request_rejected", str(exc)),
+                             message, delivery, None))
+            return
+        except Exception as exc:  # noqa: BLE001 (anything else: hand it back, the attempt counts)
+            log.exception("request %s could not be admitted (attempt %d)", message.request_id, attempts)
+            note_error(self.db, message.request_id, f"{type(exc).__name__}: {exc}")
+            self._reject(delivery)
+            return
+        self.inflight[message.engine_id] = Inflight(message, request, delivery)
+        size = message.kv_tokens
+        self.mean_kv_tokens = size if self.mean_kv_tokens is None else 0.9 * self.mean_kv_tokens + 0.1 * size
+
+    # ---- results out
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.observe_step(self.engine, time.perf_counter() - t0)
+        done = []
+        for output in outputs:
+            item = self.inflight.get(output.request_id)
+            if item is not None:
+                done.append((self._completed(item.message, output), item.message, item.delivery, None))
+        self._record(done)
+        for _, message, _, _ in done:
+            self.inflight.pop(message.engine_id, None)
+
+    def _completed(self, message: RequestMessage, output: RequestOutput) -> Outcome:
+        line = response_line(message.batch_line(), output, self.engine.model_name, self.engine.tokenizer)
+        return Outcome(message.request_id, message.job_id, ResultStatus.COMPLETED, response=line["response"],
+                       prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens)
+
+    def _record(self, items: list[tuple[Outcome, RequestMessage, Message | None, str | None]]) -> None:
+        """Commit the outcomes, then dead-letter what must be and ack every delivery."""
+        if not items:
+            return
+        recorded = record_outcomes(self.db, [o for o, *_ in items], self.name)
+        for outcome, message, delivery, dead_reason in items:
+            if dead_reason is not None and delivery is not None:
+                self._dead_letter(delivery, dead_reason, self.settings.max_delivery_attempts)
+            self._ack(delivery)
+            if outcome.request_id in recorded.new:
+                counter = self.metrics.finished if outcome.status is ResultStatus.COMPLETED else self.metrics.failed
+                counter.labels(message.tenant).inc()
+        finalize_later(self.tasks, recorded.finalize)
+
+    # ---- every second
+    def _control(self, measure_queue: bool) -> None:
+        try:
+            self.connection.heartbeat_check()
+        except self._broker_errors():
+            self._broken = True
+        self._drop_closed_jobs()
+        self._resize_window()
+        self.metrics.observe_kv(self.engine)
+        if measure_queue and not self._broken:
+            try:
+                self.metrics.queue_depth.set(queue_depth(self.connection, self.queue))
+            except self._broker_errors():
+                self._broken = True
+
+    def _drop_closed_jobs(self) -> None:
+        """Abort the requests of jobs cancelled, expired or otherwise closed; ack their messages."""
+        job_ids = {item.message.job_id for item in self.inflight.values()}
+        if not job_ids:
+            return
+        with self.db.session() as s:
+            closed = set(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(LIVE))))
+        for engine_id, item in list(self.inflight.items()):
+            if item.message.job_id in closed:
+                self.engine.abort(engine_id)
+                self._ack(item.delivery)
+                del self.inflight[engine_id]
+
+    def _resize_window(self) -> None:
+        if self.settings.prefetch:
+            return
+        want = prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens)
+        if abs(want - self.window) * 8 > self.window and not self._broken:  # not for every small change
+            try:
+                self.consumer.qos(prefetch_count=want)
+                self.window = want
+            except self._broker_errors():
+                self._broken = True
+
+    # ---- stopping
+    def _begin_drain(self) -> float:
+        log.info("worker %s stopping: %d requests running, up to %.0fs to finish", self.name,
+                 len(self.inflight), self.settings.drain_timeout)
+        try:
+            self.consumer.cancel()
+        except self._broker_errors():
+            self._broken = True
+        self._hand_back(count_attempt=False, only_unstarted=True)
+        return time.monotonic() + self.settings.drain_timeout
+
+    def _hand_back(self, count_attempt: bool, only_unstarted: bool = False) -> None:
+        """Abort requests and requeue their messages; a graceful hand-back is no failed attempt."""
+        items = [(k, i) for k, i in self.inflight.items() if not (only_unstarted and i.started)]
+        if not count_attempt:
+            try:
+                release(self.db, [i.message.request_id for _, i in items])
+            except Exception:  # noqa: BLE001 (stopping anyway; at worst the attempt counts)
+                log.exception("could not release attempts")
+        for engine_id, item in items:
+            self.engine.abort(engine_id)
+            self._reject(item.delivery)
+            del self.inflight[engine_id]
+        if not only_unstarted:
+            for delivery in self.incoming:
+                self._reject(delivery)
+            self.incoming.clear()
+
+    def _close(self) -> None:
+        self._close_connection()
+        if self._publisher is not None:
+            self._publisher.close()
+
+    def _close_connection(self) -> None:
+        if self.connection is not None:
+            try:
+                self.connection.release()
+            except Exception:  # noqa: BLE001 (a broken connection may fail to close)
+                pass
+
+    # ---- broker calls that must not kill the loop
+    def _broker_errors(self) -> tuple:
+        return self.connection.connection_errors + self.connection.channel_errors
+
+    def _current(self, delivery: Message | None) -> bool:
+        return delivery is not None and not self._broken and delivery.channel is self.consumer.channel
+
+    def _ack(self, delivery: Message | None) -> None:
+        if self._current(delivery):
+            try:
+                delivery.ack()
+            except self._broker_errors():
+                self._broken = True
+
+    def _reject(self, delivery: Message | None) -> None:
+        if self._current(delivery):
+            try:
+                delivery.reject(requeue=True)
+            except self._broker_errors():
+                self._broken = True
+
+    def _dead_letter(self, delivery: Message, reason: str, attempts: int) -> None:
+        if self._publisher is None:
+            self._publisher = Publisher(self.settings)
+        self._publisher.dead_letter(delivery.body, delivery.content_type, delivery.content_encoding, reason, attempts)
+        log.warning("dead-lettered a message: %s", reason)
