@@ -134,3 +134,30 @@ def test_kv_budget_is_respected_and_reported(tiny_loaded):
         engine.add_request(Request("big", [1] * 500, SamplingParams(max_tokens=1000)))
     fraction = Engine(loaded=tiny_loaded, kv_memory=0.01, block_size=16)
     assert 0 < fraction.runner.kv_bytes
+
+
+def test_checkpoint_state_and_kv_blocks_restore_in_another_engine(tiny_loaded, text_ids):
+    """Read a running request's tokens and full KV blocks, load them into a fresh engine, resume:
+    only the tail past the last full block is recomputed and the tokens match an undisturbed run."""
+    prompt = cut_prompts(text_ids, [70])[0]
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True)
+    first = Engine(loaded=tiny_loaded, kv_memory="16MiB", block_size=16)
+    whole = first.generate([prompt], params)[0].completions[0].token_ids
+    first.add_request(Request("r", prompt, params))
+    for _ in range(15):
+        first.step()
+    state = first.request_state("r")
+    (sample,) = state.samples
+    assert len(sample.output_token_ids) == 15 and len(sample.block_hashes) == (70 + 14) // 16
+    data = first.read_kv_blocks(sample.block_ids)
+    second = Engine(loaded=tiny_loaded, kv_memory="16MiB", block_size=16)
+    assert second.fingerprint == first.fingerprint
+    assert second.load_kv_blocks(sample.block_hashes, data) == len(sample.block_hashes)
+    second.add_request(Request("r", state.prompt_token_ids, state.params,
+                               resume_output_ids=[sample.output_token_ids]))
+    outs = []
+    while second.has_unfinished():
+        outs += second.step()
+    assert outs[0].completions[0].token_ids == whole
+    restored = len(sample.block_hashes) * 16
+    assert second.stats.prompt_tokens_computed + second.stats.recomputed_tokens == 70 + 14 - restored

@@ -52,7 +52,7 @@ class BlockManager:
         """
         if not self.enable_prefix_cache:
             return []
-        self._hash_full_blocks(seq, seq.num_tokens - 1)
+        self.hash_full_blocks(seq, seq.num_tokens - 1)
         hits = []
         for h in seq.block_hashes:
             block = self.cached.get(h)
@@ -117,6 +117,21 @@ class BlockManager:
         for b in child.block_table:
             self.ref_counts[b] += 1
 
+    def insert_cached(self, block_hash: bytes) -> int | None:
+        """A free block named ``block_hash`` for the caller to fill (restoring a checkpoint).
+
+        It stays free (evictable, most recently freed) and findable by ``prefix_hits``. None when the
+        hash is cached already or no block is free.
+        """
+        if not self.enable_prefix_cache or block_hash in self.cached or not self.free:
+            return None
+        block = self._pop_free()
+        self.ref_counts[block] = 0
+        self.free[block] = None
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+        return block
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -142,7 +157,7 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else b""
@@ -156,7 +171,7 @@ class BlockManager:
         """
         if not self.enable_prefix_cache:
             return
-        self._hash_full_blocks(seq, num_tokens)
+        self.hash_full_blocks(seq, num_tokens)
         for i in range(first_block, num_tokens // self.block_size):
             block = seq.block_table[i]
             if self.block_hash[block] is None:

@@ -14,8 +14,11 @@ the requests whose every sample has finished. ``abort`` drops a request at once.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,24 @@ from worker.sampler import SampleRow, sample
 from worker.scheduler import Scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SampleState:
+    """One sample of a running request, as a checkpoint needs it."""
+
+    sample_index: int
+    output_token_ids: list[int]
+    block_hashes: list[bytes]  # content addresses of its computed full blocks, in order
+    block_ids: list[int]  # where those blocks are now (valid until the next step)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]  # empty until the prompt is computed (and n samples exist)
 
 
 class RequestRejected(ValueError):
@@ -128,9 +149,63 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    # ---- checkpoints
+    def request_state(self, request_id: str) -> RequestState | None:
+        """What a checkpoint of a request holds: its tokens so far and its computed full blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        samples = []
+        if len(request.sequences) == request.params.n:
+            bs = self.block_manager.block_size
+            for seq in request.sequences:
+                full = seq.num_computed_tokens // bs if seq.block_table else 0
+                self.block_manager.hash_full_blocks(seq, full * bs)
+                samples.append(SampleState(seq.sample_index, list(seq.output_token_ids),
+                                           list(seq.block_hashes[:full]), list(seq.block_table[:full])))
+        return RequestState(request_id, list(request.prompt_token_ids), request.params, samples)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A CPU copy ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
+        return self.runner.read_blocks(block_ids)
+
+    def load_kv_blocks(self, block_hashes: list[bytes], data: torch.Tensor) -> int:
+        """Put restored blocks into the prefix cache, where a resumed request finds them instead of
+        recomputing; returns how many were loaded (cached ones and those without room are skipped)."""
+        targets = [(i, self.block_manager.insert_cached(h)) for i, h in enumerate(block_hashes)]
+        targets = [(i, b) for i, b in targets if b is not None]
+        if targets:
+            self.runner.write_blocks([b for _, b in targets], data[:, :, [i for i, _ in targets]])
+        return len(targets)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Names the KV cache's meaning: model files, dtype and block size. Checkpointed blocks are
+        reused only under the same fingerprint."""
+        h = hashlib.sha256()
+        path = Path(self.settings.model_path())
+        for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:  # the head and tail of each file: cheap, and different per model
+                h.update(fh.read(1 << 20))
+                fh.seek(max(0, size - (1 << 20)))
+                h.update(fh.read(1 << 20))
+        h.update(f"{self.settings.dtype}:{self.settings.block_size}".encode())
+        return h.hexdigest()[:32]
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running: never admitted, preempted, or swapped out."""
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped)
 
     # ---- the step
     def step(self) -> list[RequestOutput]:

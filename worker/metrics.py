@@ -59,9 +59,8 @@ class WorkerMetrics:
         if t > t0:
             self.output_rate.set((totals[0] - out0) / (t - t0))
             self.prefill_rate.set((totals[1] - pre0) / (t - t0))
-        scheduler = engine.scheduler  # the engine has no public count of running/waiting requests yet
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting) + len(scheduler.swapped))
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
 
     def observe_kv(self, engine) -> None:
         """Every second or so: ``kv_usage`` walks the block tables, too slow for every step."""
