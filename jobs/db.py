@@ -67,8 +67,11 @@ def open_database(url: str, migrate_if_empty: bool = True) -> Database:
         return _open[url]
     engine = make_engine(url)
     current, head = schema_revision(engine), head_revision()
-    if current is None and migrate_if_empty and not inspect(engine).get_table_names():
-        current = _migrate_empty(engine, head)
+    if current is None and migrate_if_empty:
+        if inspect(engine).get_table_names():  # another process may have just committed the migrations
+            current = schema_revision(engine)
+        else:
+            current = _migrate_empty(engine, head)
     if current != head:
         engine.dispose()
         raise SchemaError(f"the database {engine.url.render_as_string(hide_password=True)} is at migration "
