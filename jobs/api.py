@@ -12,7 +12,6 @@ Every function takes the ``Settings`` to use (default: from the environment).
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -81,7 +80,7 @@ def results(job_id: str, output: str | Path, errors: str | Path | None = None,
     for key, target in ((job.output_key, output), (job.errors_key, errors)):
         if key is not None:
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(files.path(key), target)
+            files.get_file(key, target)
         copied.append(target if key is not None else None)
     return ResultFiles(*copied)
 

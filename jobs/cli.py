@@ -81,7 +81,8 @@ def service_options(command):
     options = [
         click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]"),
         click.option("--broker-url", help="amqp://... for RabbitMQ [empty: the embedded SQLite queue]"),
-        click.option("--storage-url", help="file://FOLDER for the job files [file://./berth-store]"),
+        click.option("--storage-url", help="file://FOLDER or s3://BUCKET/PREFIX for job files and checkpoints "
+                                          "[file://./berth-store]"),
         click.option("--queue-prefix", help="prefix of the queue and exchange names [berth]"),
     ]
     for option in reversed(options):

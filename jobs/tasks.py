@@ -1,5 +1,5 @@
 """The work around the engine, as Celery tasks: ingesting a job, finalizing a job, reconciling,
-expiring jobs past their window.
+expiring jobs past their window, collecting checkpoints nothing needs.
 
 With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by the same
 ``BERTH_*`` variables, with beat for the periodic ones:
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from jobs.checkpoint_gc import collect_checkpoints
 from jobs.db import open_database
 from jobs.files import JobFiles
 from jobs.finalize import finalize
@@ -21,10 +22,13 @@ from jobs.ingest import ingest
 from jobs.lifecycle import expire_due
 from jobs.queue import Topology, is_embedded
 from jobs.reconcile import reconcile
+from storage import open_store
 from worker.config import Settings
 
 INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
+CHECKPOINT_GC = "berth.checkpoint_gc"
 PERIOD_SECONDS = 60.0
+CHECKPOINT_GC_PERIOD_SECONDS = 600.0
 
 
 def make_app(settings: Settings, eager: bool | None = None) -> Celery:
@@ -38,7 +42,8 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
         task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         beat_schedule={"reconcile": {"task": RECONCILE, "schedule": PERIOD_SECONDS},
-                       "expire": {"task": EXPIRE, "schedule": PERIOD_SECONDS}})
+                       "expire": {"task": EXPIRE, "schedule": PERIOD_SECONDS},
+                       "checkpoint_gc": {"task": CHECKPOINT_GC, "schedule": CHECKPOINT_GC_PERIOD_SECONDS}})
 
     def db():
         return open_database(settings.database_url)
@@ -58,6 +63,10 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
     @app.task(name=EXPIRE, shared=False)
     def expire_jobs() -> None:
         finalize_later(app, expire_due(db()))
+
+    @app.task(name=CHECKPOINT_GC, shared=False)
+    def collect_checkpoint_garbage() -> None:
+        collect_checkpoints(open_store(settings.storage_url), db(), settings.checkpoint_gc_min_age)
 
     return app
 

@@ -80,8 +80,13 @@ class Settings(BaseSettings):
     # --- services (used by the jobs side)
     database_url: str = "sqlite:///./berth.db"
     broker_url: str = ""
-    storage_url: str = "file://./berth-store"
-    checkpoint_interval: int = 16
+    storage_url: str = "file://./berth-store"  # job files and checkpoints: file://FOLDER or s3://BUCKET/PREFIX
+
+    # --- checkpoints (engine worker)
+    checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints
+    checkpoint_seconds: float = 30.0  # ... or after this many seconds with progress, whichever comes first
+    checkpoint_queue_bytes: int = 256 << 20  # KV block data waiting for upload at most; beyond, blocks wait
+    checkpoint_gc_min_age: float = 3600.0  # seconds a KV block no checkpoint names is kept before collection
 
     # --- jobs: queue and engine worker
     queue_prefix: str = "berth"  # names the exchanges, queues and Celery's queue, so deployments can share a broker
@@ -94,6 +99,18 @@ class Settings(BaseSettings):
     @classmethod
     def _memory(cls, v):
         return parse_memory(v)
+
+    @field_validator("checkpoint_queue_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v):
+        return int(parse_memory(v))
+
+    @field_validator("checkpoint_interval", "checkpoint_seconds", "checkpoint_queue_bytes", "checkpoint_gc_min_age")
+    @classmethod
+    def _not_negative(cls, v):
+        if v < 0:
+            raise ValueError("must not be negative")
+        return v
 
     @field_validator("block_size")
     @classmethod

@@ -37,8 +37,15 @@ delivery; the redelivered copy is adopted if it comes back here, or acked as don
 twice at worst, one result kept) if it went elsewhere. Nothing is lost either way.
 
 SIGTERM (or Ctrl-C): stop consuming, hand back at once the requests not started, let the running
-ones finish for up to ``Settings.drain_timeout`` seconds, hand back the rest (reject with
-requeue), exit. A second signal stops at once, handing everything back.
+ones finish for up to ``Settings.drain_timeout`` seconds, checkpoint and hand back the rest (reject
+with requeue), exit. A second signal stops at once, handing everything back.
+
+Checkpoints (``Settings.checkpoint_interval`` > 0): after each step the ``Checkpointer`` snapshots
+the running requests that are due and a thread writes them to ``Settings.storage_url``. A
+redelivered request (the broker's flag, or a second attempt in the database) is first looked up
+there by the ``Restorer`` in the background and added to the engine with its generated tokens (and
+KV blocks, when reading them is faster than computing them). A request's checkpoint is deleted once
+its outcome is committed, or when its job closes; a request handed back keeps it.
 """
 
 from __future__ import annotations
@@ -65,14 +72,19 @@ from jobs.models import Job, ResultStatus
 from jobs.queue import Publisher, Topology, connect, queue_depth
 from jobs.results import Outcome, note_error, record_deliveries, record_outcomes, release
 from jobs.tasks import finalize_later, make_app
+from storage import open_store
+from worker.checkpointer import Checkpointer
 from worker.config import Settings
 from worker.engine import Engine, RequestRejected
 from worker.metrics import WorkerMetrics
 from worker.request import Request, RequestOutput
+from worker.resume import Restorer
 
 log = logging.getLogger("berth.worker")
 
 IDLE_WAIT = 0.5  # seconds to wait for deliveries when the engine has nothing to do
+RESTORE_WAIT = 0.02  # ... when it has nothing to do but requests are being restored from checkpoints
+CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoints to be written
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 
@@ -106,6 +118,12 @@ class EngineWorker:
         self.queue = Topology(settings.queue_prefix).request_queue(self.engine.model_name)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.metrics = WorkerMetrics()
+        self.checkpoints: Checkpointer | None = None
+        self.restorer: Restorer | None = None
+        if settings.checkpoint_interval:
+            store = open_store(settings.storage_url)
+            self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics)
+            self.restorer = Restorer(self.engine, store, self.checkpoints, self.metrics)
         kv = self.engine.kv_usage()
         self.kv_capacity = kv["blocks_total"] * self.engine.settings.block_size
         self.inflight: dict[str, Inflight] = {}
@@ -135,8 +153,10 @@ class EngineWorker:
                     self._reconnect()
                 if self._broken and not self.engine.has_unfinished():
                     time.sleep(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
-                self._receive(0 if self.engine.has_unfinished() else IDLE_WAIT)
+                wait = 0 if self.engine.has_unfinished() else RESTORE_WAIT if self._restoring() else IDLE_WAIT
+                self._receive(wait)
                 self._admit()
+                self._add_restored()
                 if self.engine.has_unfinished():
                     self._step()
                 t = time.monotonic()
@@ -154,6 +174,8 @@ class EngineWorker:
                         graceful = True
                         break
         finally:
+            if graceful and self.checkpoints is not None:  # what is handed back continues from here elsewhere
+                self.checkpoints.save_all(CHECKPOINT_FLUSH)
             self._hand_back(count_attempt=not graceful)
             self._close()
             for sig, handler in previous_handlers.items():
@@ -243,19 +265,41 @@ class EngineWorker:
         self._record(failures)
 
     def _start(self, message: RequestMessage, delivery: Message, attempts: int, failures: list) -> None:
-        request = message.engine_request()
+        item = self.inflight[message.engine_id] = Inflight(message, message.engine_request(), delivery)
+        delivered_before = attempts > 1 or delivery.delivery_info.get("redelivered", False)
+        if delivered_before and self.restorer is not None and self.checkpoints.store_up:
+            self.restorer.submit(item.request)  # added once its checkpoint is read (``_add_restored``)
+        else:
+            self._add(item, failures)
+
+    def _restoring(self) -> bool:
+        return self.restorer is not None and self.restorer.pending > 0
+
+    def _add_restored(self) -> None:
+        if not self._restoring():
+            return
+        failures: list = []
+        for request in self.restorer.ready():
+            item = self.inflight.get(request.request_id)
+            if item is not None and item.request is request:  # not dropped or handed back meanwhile
+                self._add(item, failures)
+        self._record(failures)
+
+    def _add(self, item: Inflight, failures: list) -> None:
+        message = item.message
         try:
-            self.engine.add_request(request)
+            self.engine.add_request(item.request)
         except RequestRejected as exc:  # never runnable here: fail it now
+            del self.inflight[message.engine_id]
             failures.append((Outcome.failure(message.request_id, message.job_id, "request_rejected", str(exc)),
-                             message, delivery, None))
+                             message, item.delivery, None))
             return
         except Exception as exc:  # noqa: BLE001 (anything else: hand it back, the attempt counts)
-            log.exception("request %s could not be admitted (attempt %d)", message.request_id, attempts)
+            del self.inflight[message.engine_id]
+            log.exception("request %s could not be admitted", message.request_id)
             note_error(self.db, message.request_id, f"{type(exc).__name__}: {exc}")
-            self._reject(delivery)
+            self._reject(item.delivery)
             return
-        self.inflight[message.engine_id] = Inflight(message, request, delivery)
         size = message.kv_tokens
         self.mean_kv_tokens = size if self.mean_kv_tokens is None else 0.9 * self.mean_kv_tokens + 0.1 * size
 
@@ -264,6 +308,9 @@ class EngineWorker:
         t0 = time.perf_counter()
         outputs = self.engine.step()
         self.metrics.observe_step(self.engine, time.perf_counter() - t0)
+        if self.checkpoints is not None:
+            self.checkpoints.after_step()
+            self.restorer.observe_step()
         done = []
         for output in outputs:
             item = self.inflight.get(output.request_id)
@@ -287,6 +334,8 @@ class EngineWorker:
             if dead_reason is not None and delivery is not None:
                 self._dead_letter(delivery, dead_reason, self.settings.max_delivery_attempts)
             self._ack(delivery)
+            if self.checkpoints is not None:
+                self.checkpoints.finished(message.engine_id)
             if outcome.request_id in recorded.new:
                 counter = self.metrics.finished if outcome.status is ResultStatus.COMPLETED else self.metrics.failed
                 counter.labels(message.tenant).inc()
@@ -319,6 +368,8 @@ class EngineWorker:
                 self.engine.abort(engine_id)
                 self._ack(item.delivery)
                 del self.inflight[engine_id]
+                if self.checkpoints is not None:
+                    self.checkpoints.finished(engine_id)
 
     def _resize_window(self) -> None:
         if self.settings.prefetch:
@@ -354,12 +405,17 @@ class EngineWorker:
             self.engine.abort(engine_id)
             self._reject(item.delivery)
             del self.inflight[engine_id]
+            if self.checkpoints is not None:
+                self.checkpoints.released(engine_id)
         if not only_unstarted:
             for delivery in self.incoming:
                 self._reject(delivery)
             self.incoming.clear()
 
     def _close(self) -> None:
+        if self.checkpoints is not None:
+            self.restorer.close()
+            self.checkpoints.close(CHECKPOINT_FLUSH)
         self._close_connection()
         if self._publisher is not None:
             self._publisher.close()

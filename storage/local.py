@@ -1,0 +1,90 @@
+"""A folder as an object store (``file://PATH``, the embedded default ``file://./berth-store``).
+
+A key is a path under the folder. Writes go to a hidden temporary file beside the target, are
+flushed to disk, and renamed into place with ``os.replace``: readers see the old file or the new
+one, and a writer killed half-way leaves only a temporary file that ``list`` never shows.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from storage.base import ObjectInfo, ObjectNotFound, ObjectStore, StorageError, check_key
+
+TMP_SUFFIX = ".tmp"
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self.url = f"file://{self.root}"
+
+    def path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        with self._errors(key, writing=True), self.writer(key) as f:
+            f.write(data)
+
+    def get(self, key: str) -> bytes:
+        with self._errors(key):
+            return self.path(key).read_bytes()
+
+    def open(self, key: str) -> BinaryIO:
+        with self._errors(key):
+            return open(self.path(key), "rb")
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        folder = self.root / prefix.rpartition("/")[0]
+        found = []
+        with self._errors(prefix):
+            for dirpath, _, filenames in os.walk(folder):
+                for name in filenames:
+                    path = Path(dirpath, name)
+                    key = path.relative_to(self.root).as_posix()
+                    if key.startswith(prefix) and not name.startswith("."):
+                        try:
+                            st = path.stat()
+                        except FileNotFoundError:  # deleted while listing
+                            continue
+                        found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return iter(sorted(found, key=lambda o: o.key))
+
+    def delete(self, key: str) -> None:
+        with self._errors(key):
+            self.path(key).unlink(missing_ok=True)
+
+    @contextmanager
+    def writer(self, key: str) -> Iterator[BinaryIO]:
+        target = self.path(key)
+        with self._errors(key, writing=True):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+                with self._errors(key, writing=True):
+                    f.flush()
+                    os.fsync(f.fileno())
+            with self._errors(key, writing=True):
+                os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    @contextmanager
+    def _errors(self, key: str, writing: bool = False) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError as exc:
+            if writing:
+                raise StorageError(f"{self.url}: cannot write {key!r}: {exc.strerror or exc}") from exc
+            raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+        except OSError as exc:
+            raise StorageError(f"{self.url}: {key!r}: {exc.strerror or exc}") from exc

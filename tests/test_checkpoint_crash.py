@@ -1,0 +1,128 @@
+"""The issue's crash test: a job of 100 long requests through RabbitMQ, PostgreSQL and S3 (moto's
+server), its engine worker killed with SIGKILL at random moments six times and started again each
+time. Every request ends with exactly one result, the outputs equal a run without crashes, and the
+tokens generated again after the crashes are a small share of those generated before them."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from sqlalchemy import func, select
+
+from jobs import api
+from jobs.db import open_database
+from jobs.files import JobFiles
+from jobs.finalize import finalize
+from jobs.generate import generate_file
+from jobs.models import JobStatus, Result
+from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
+from tests.s3_support import S3_ENV
+from tests.test_jobs_end_to_end import _free_port
+
+N, MAX_TOKENS, KILLS = 100, 160, 6
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _start_worker(env, log_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", "--metrics-port", str(port)], env=env,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    return proc, port
+
+
+def _wait_generating(proc, port, timeout=120) -> None:
+    """Until the worker has generated its first tokens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the worker died on its own"
+        assert time.monotonic() < deadline, "the worker did not start generating"
+        try:
+            if _metric(port, "berth_output_tokens_total") > 0:
+                return
+        except OSError:  # not serving yet
+            pass
+        time.sleep(0.2)
+
+
+def _results(db) -> tuple[int, int]:
+    with db.session() as s:
+        return (s.scalar(select(func.count(Result.id))),
+                s.scalar(select(func.coalesce(func.sum(Result.completion_tokens), 0))))
+
+
+@pytest.mark.slow
+def test_a_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_dir, pg_url, queue_prefix, s3_url):
+    settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
+                             storage_url=s3_url, max_num_seqs=32, max_delivery_attempts=50, drain_timeout=5)
+    lines = [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": TINY_NAME, "prompt": f"Story {i}: once upon a time", "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "ignore_eos": True}} for i in range(N)]
+    requests = tmp_path / "long.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    env = {**os.environ, **tiny_env(settings), **S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
+           "BERTH_CHECKPOINT_INTERVAL": "16"}
+    job = api.submit(requests, settings, eager=True)  # ingested here; the messages wait in RabbitMQ
+    db = open_database(pg_url)
+    rng = random.Random(20240601)
+    before_crashes = generated = restored = lag_at_crashes = 0
+    for i in range(KILLS):
+        proc, port = _start_worker(env, tmp_path / f"worker{i}.log")
+        try:
+            _wait_generating(proc, port)
+            time.sleep(rng.uniform(1.0, 4.0))  # each crash costs about half an interval per running request
+            tokens = _metric(port, "berth_output_tokens_total")
+            restored += _metric(port, "berth_checkpoint_restored_tokens_total")
+            lag_at_crashes += _metric(port, "berth_checkpoint_lag_tokens")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        before_crashes += tokens
+        assert _results(db)[0] < N, "the job ended before the last crash: make the requests longer"
+    proc, port = _start_worker(env, tmp_path / "worker-last.log")
+    try:
+        deadline = time.monotonic() + 240
+        while _results(db)[0] < N:
+            assert proc.poll() is None, f"the last worker died: see {tmp_path / 'worker-last.log'}"
+            assert time.monotonic() < deadline, f"only {_results(db)[0]} of {N} results"
+            time.sleep(0.5)
+        generated = before_crashes + _metric(port, "berth_output_tokens_total")
+        restored += _metric(port, "berth_checkpoint_restored_tokens_total")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    with db.session() as s:
+        per_request = s.execute(select(Result.request_id, func.count()).group_by(Result.request_id)).all()
+    assert len(per_request) == N and all(count == 1 for _, count in per_request)
+    kept = _results(db)[1]
+    assert kept == N * MAX_TOKENS
+    regenerated = generated - kept
+    share = regenerated / before_crashes
+    print(f"\n{KILLS} crashes: {before_crashes:.0f} tokens generated before them, {regenerated:.0f} generated again "
+          f"({share:.1%}); {restored:.0f} taken from checkpoints; {lag_at_crashes:.0f} not yet checkpointed at the "
+          "crashes")
+    assert share < 0.2, f"{share:.1%} of the tokens generated before the crashes were generated again"
+
+    finalize(db, JobFiles(settings.storage_url), job.id)
+    view = api.status(job.id, settings)
+    assert view.status is JobStatus.COMPLETED and (view.completed, view.failed) == (N, 0)
+    files = api.results(job.id, tmp_path / "out.jsonl", settings=settings)
+    generate_file(requests, tmp_path / "direct.jsonl", settings, progress=False)
+    assert choices_by_custom_id(files.output) == choices_by_custom_id(tmp_path / "direct.jsonl")

@@ -1,0 +1,156 @@
+"""A request killed half-way continues in a fresh engine from its checkpoint, token for token as an
+undisturbed run, whether its KV blocks are read back or recomputed; checkpoints that do not apply
+are ignored with a warning; the choice between reading and recomputing follows measured rates."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from storage import open_store
+from tests.checkpoint_support import checkpointer, prompts, run_steps, tiny_engine, tokens
+from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, state_key
+from worker.engine import EngineStats
+from worker.request import Request, SamplingParams
+from worker.resume import Restorer, TransferRates
+
+PARAMS = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+          SamplingParams(max_tokens=48, temperature=0.8, seed=11, ignore_eos=True),
+          SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, n=2, ignore_eos=True)]
+PROMPTS = prompts([37, 50, 21], seed=7)
+READ = TransferRates(prefill_tokens_per_second=1.0, storage_bytes_per_second=1e12)  # reading is far cheaper
+RECOMPUTE = TransferRates(prefill_tokens_per_second=1e12, storage_bytes_per_second=1.0)  # computing is
+
+
+def _requests() -> list[Request]:
+    return [Request(str(i), p, params) for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_loaded):
+    return tokens(run_steps(tiny_engine(tiny_loaded), None, _requests()))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return open_store(f"file://{tmp_path / 'store'}")
+
+
+@pytest.fixture
+def killed_half_way(tiny_loaded, store):
+    """Run the requests with checkpoints until each has about half its tokens, then drop the engine."""
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store, checkpoint_interval=8)
+    run_steps(engine, cp, _requests(), until=lambda: engine.stats.output_tokens >= 24 * 4)
+    assert cp.writer.flush(30)
+    cp.close()
+    states = {o.key: RequestCheckpoint.from_json(store.get(o.key)) for o in store.list(STATE_PREFIX)}
+    assert len(states) == 3 and all(s.output_tokens >= 16 * len(s.samples) for s in states.values())
+    return states
+
+
+def _resume(tiny_loaded, store, rates: TransferRates):
+    """A fresh engine restoring every request; run to the end. (outputs, engine, metrics)"""
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store)
+    restorer = Restorer(engine, store, cp, cp.metrics, rates)
+    for request in _requests():
+        restorer.submit(request)
+    ready, deadline = [], time.monotonic() + 30
+    while restorer.pending:
+        assert time.monotonic() < deadline
+        ready += restorer.ready()
+        time.sleep(0.01)
+    outputs = run_steps(engine, cp, ready)
+    cp.close()
+    restorer.close()
+    return tokens(outputs), engine, cp.metrics
+
+
+def _restores(metrics, kv: str) -> float:
+    return metrics.registry.get_sample_value("berth_checkpoint_restores_total", {"kv": kv}) or 0
+
+
+def _computed(engine) -> int:
+    return engine.stats.prompt_tokens_computed + engine.stats.recomputed_tokens
+
+
+def _generated_after_resume(undisturbed, states) -> int:
+    """Tokens a resumed run generates: all of them but those its checkpoints held."""
+    total = sum(len(t) for samples in undisturbed.values() for t in samples)
+    return total - sum(s.output_tokens for s in states.values())
+
+
+def _tokens_at_checkpoint(states) -> int:
+    """Prompt tokens plus every sample's generated tokens: what the engine must hold again."""
+    return sum(s.prompt_tokens + s.output_tokens for s in states.values())
+
+
+def test_resume_reading_kv_blocks_continues_token_for_token(tiny_loaded, store, killed_half_way, undisturbed):
+    outputs, engine, metrics = _resume(tiny_loaded, store, READ)
+    assert outputs == undisturbed
+    assert engine.stats.output_tokens == _generated_after_resume(undisturbed, killed_half_way)
+    assert _restores(metrics, "loaded") == 3 and _restores(metrics, "recomputed") == 0
+    restored = sum(len(s.block_hashes()) for s in killed_half_way.values()) * 16
+    assert _computed(engine) <= _tokens_at_checkpoint(killed_half_way) - restored + 16 * 2, \
+        "blocks read back were computed again"
+    assert metrics.registry.get_sample_value("berth_checkpoint_restored_tokens_total") == sum(
+        s.output_tokens for s in killed_half_way.values())
+
+
+def test_resume_recomputing_kv_continues_token_for_token(tiny_loaded, store, killed_half_way, undisturbed):
+    outputs, engine, metrics = _resume(tiny_loaded, store, RECOMPUTE)
+    assert outputs == undisturbed
+    assert engine.stats.output_tokens == _generated_after_resume(undisturbed, killed_half_way)
+    assert _restores(metrics, "recomputed") == 3 and _restores(metrics, "loaded") == 0
+    assert _computed(engine) >= _tokens_at_checkpoint(killed_half_way) - 3 * 16
+
+
+def test_a_checkpoint_of_another_model_or_corrupt_is_ignored(tiny_loaded, store, killed_half_way, undisturbed,
+                                                             caplog):
+    other = RequestCheckpoint.from_json(store.get(state_key("0")))
+    store.put(state_key("0"), other.to_json().replace(other.fingerprint.encode(), b"0" * 32))
+    store.put(state_key("1"), b'{"version": 1, "request_id": "1", "samp')
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        outputs, _, metrics = _resume(tiny_loaded, store, READ)
+    assert outputs == undisturbed
+    assert _restores(metrics, "loaded") == 1
+    text = caplog.text
+    assert "request 0 starts over: its checkpoint does not apply: it was made by another model" in text
+    assert "request 1 starts over: its checkpoint cannot be read" in text
+
+
+def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, killed_half_way, undisturbed, caplog):
+    state = killed_half_way[state_key("1")]
+    victim = state.samples[0].block_hashes[1]
+    key = next(o.key for o in store.list(KV_PREFIX) if victim.hex() in o.key)
+    raw = bytearray(store.get(key))
+    raw[-5] ^= 0xFF
+    store.put(key, bytes(raw))
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        outputs, _, _ = _resume(tiny_loaded, store, READ)
+    assert outputs == undisturbed
+    assert f"KV block {victim.hex()} cannot be read back (not a berth KV block: checksum mismatch)" in caplog.text
+
+
+def test_the_estimate_follows_measured_rates():
+    rates = TransferRates()
+    block_bytes, block_size = 1 << 20, 16  # a large block: 1 MiB for 16 tokens
+    stats = EngineStats()
+    for _ in range(20):  # steps of 512 prefill tokens each taking 0.1 s: ~5,000 tokens/s
+        stats.prompt_tokens_computed += 512
+        stats.forward_seconds += 0.1
+        rates.observe_step(stats)
+    assert rates.prefill_tokens_per_second == pytest.approx(5120, rel=0.01)
+    stats.output_tokens += 10_000  # a decode-only step says nothing about prefill
+    stats.forward_seconds += 100
+    rates.observe_step(stats)
+    assert rates.prefill_tokens_per_second == pytest.approx(5120, rel=0.01)
+    for _ in range(20):
+        rates.observe_read(10 << 20, 1.0)  # a slow store: 10 MiB/s
+    assert rates.load_seconds(10, block_bytes) > rates.recompute_seconds(10, block_size)
+    for _ in range(20):
+        rates.observe_read(10 << 30, 1.0)  # a fast one: 10 GiB/s
+    assert rates.load_seconds(10, block_bytes) < rates.recompute_seconds(10, block_size)

@@ -1,0 +1,148 @@
+"""What a checkpoint is on the store: a request's state as a small JSON object, and KV blocks as
+binary objects named by what they hold.
+
+    checkpoints/v1/state/<request id>.json               one per running request, replaced as it grows
+    checkpoints/v1/kv/<fingerprint>/<block hash>.kv      one per distinct full KV block, written once
+
+A block's name is the engine's fingerprint (model files, dtype, block size) and the hash chained
+over every token up to the block's end, so a prefix shared by many requests is stored once and a
+block is only ever read by an engine that computes the same numbers. A state lists, per sample, the
+hashes of its blocks in order; a block is written before any state that lists it. A request id
+other than berth's own (a database integer) is hashed into the key: keys never carry user text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from worker.request import Request, SamplingParams
+
+VERSION = 1
+ROOT = f"checkpoints/v{VERSION}"
+STATE_PREFIX = f"{ROOT}/state/"
+KV_PREFIX = f"{ROOT}/kv/"
+PROBE_KEY = f"{ROOT}/probe"  # written to learn whether the store is back
+_DATABASE_ID = re.compile(r"[0-9]{1,30}")
+_BLOCK_MAGIC = b"berth-kv\x01"
+
+
+class CorruptCheckpoint(ValueError):
+    """A stored object that is not a checkpoint this version of berth wrote."""
+
+
+def state_key(request_id: str) -> str:
+    """berth's request ids (database integers) name the state as they are; any other id is hashed."""
+    name = request_id if _DATABASE_ID.fullmatch(request_id) else "h-" + hashlib.sha256(request_id.encode()).hexdigest()
+    return f"{STATE_PREFIX}{name}.json"
+
+
+def block_key(fingerprint: str, block_hash: bytes) -> str:
+    return f"{KV_PREFIX}{fingerprint}/{block_hash.hex()}.kv"
+
+
+def request_digest(prompt_token_ids: list[int], params: SamplingParams) -> str:
+    """Names what a request asks for, so a checkpoint is applied only to the same request."""
+    what = json.dumps([list(prompt_token_ids), asdict(params)], sort_keys=True)
+    return hashlib.sha256(what.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class SampleCheckpoint:
+    index: int
+    output_token_ids: list[int]
+    block_hashes: list[bytes]  # its full KV blocks, in order
+
+
+@dataclass(frozen=True)
+class RequestCheckpoint:
+    """A request's progress: enough to continue it token for token on any worker."""
+
+    request_id: str
+    fingerprint: str
+    request_digest: str  # of the prompt and the sampling parameters: what decides a match
+    prompt_tokens: int
+    samples: list[SampleCheckpoint]
+    saved_at: float  # unix time the engine's state was read
+    version: int = VERSION
+    params: dict = field(default_factory=dict)  # the sampling parameters (seed among them), for people to read
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(s.output_token_ids) for s in self.samples)
+
+    def block_hashes(self) -> list[bytes]:
+        """Every distinct block, each sample's in chain order (a shared prompt's blocks once)."""
+        return list(dict.fromkeys(h for s in self.samples for h in s.block_hashes))
+
+    def keep_blocks(self, durable) -> RequestCheckpoint:
+        """The checkpoint listing, per sample, only the leading blocks found in ``durable``."""
+        samples = []
+        for s in self.samples:
+            n = next((i for i, h in enumerate(s.block_hashes) if h not in durable), len(s.block_hashes))
+            samples.append(SampleCheckpoint(s.index, s.output_token_ids, s.block_hashes[:n]))
+        return replace(self, samples=samples)
+
+    def mismatch(self, request: Request, fingerprint: str) -> str | None:
+        """Why this checkpoint cannot continue ``request`` on an engine with ``fingerprint``; None if it can."""
+        if self.request_id != request.request_id:
+            return f"it belongs to request {self.request_id!r}"
+        if self.request_digest != request_digest(request.prompt_token_ids, request.params):
+            return "the request's prompt or sampling parameters differ"
+        if self.fingerprint != fingerprint:
+            return f"it was made by another model, dtype or block size (fingerprint {self.fingerprint})"
+        if sorted(s.index for s in self.samples) != list(range(request.params.n)):
+            return f"it has {len(self.samples)} samples, the request asks for {request.params.n}"
+        return None
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        for s in data["samples"]:
+            s["block_hashes"] = [h.hex() for h in s["block_hashes"]]
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> RequestCheckpoint:
+        try:
+            data = json.loads(raw)
+            if data.get("version") != VERSION:
+                raise CorruptCheckpoint(f"checkpoint version {data.get('version')!r}, this berth reads {VERSION}")
+            samples = [SampleCheckpoint(int(s["index"]), [int(t) for t in s["output_token_ids"]],
+                                        [bytes.fromhex(h) for h in s["block_hashes"]]) for s in data.pop("samples")]
+            checkpoint = cls(samples=samples, **data)
+            if not (isinstance(checkpoint.request_id, str) and isinstance(checkpoint.fingerprint, str)):
+                raise TypeError("request_id and fingerprint must be strings")
+            return checkpoint
+        except CorruptCheckpoint:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise CorruptCheckpoint(f"not a berth checkpoint state: {exc}") from None
+
+
+def encode_block(data: torch.Tensor) -> bytes:
+    """One block's K and V, ``[layers, 2, block_size, kv_heads, head_dim]``, with a checksum."""
+    payload = data.contiguous().view(torch.uint8).numpy().tobytes()
+    header = json.dumps({"dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+                         "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+    return _BLOCK_MAGIC + len(header).to_bytes(4, "little") + header + payload
+
+
+def decode_block(raw: bytes) -> torch.Tensor:
+    """The tensor ``encode_block`` wrote; ``CorruptCheckpoint`` for anything else or a bad checksum."""
+    try:
+        if not raw.startswith(_BLOCK_MAGIC):
+            raise ValueError("no KV block header")
+        start = len(_BLOCK_MAGIC) + 4
+        end = start + int.from_bytes(raw[len(_BLOCK_MAGIC):start], "little")
+        header = json.loads(raw[start:end])
+        payload = raw[end:]
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
+            raise ValueError("checksum mismatch")
+        dtype = getattr(torch, header["dtype"])
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+        raise CorruptCheckpoint(f"not a berth KV block: {exc}") from None
