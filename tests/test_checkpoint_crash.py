@@ -28,7 +28,7 @@ from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_e
 from tests.s3_support import S3_ENV
 from tests.test_jobs_end_to_end import _free_port
 
-N, MAX_TOKENS, KILLS = 100, 160, 6
+N, MAX_TOKENS, KILLS = 100, 240, 6
 
 
 def _metric(port: int, name: str) -> float:
@@ -58,6 +58,16 @@ def _wait_generating(proc, port, timeout=120) -> None:
         time.sleep(0.2)
 
 
+def _run_until(proc, port, tokens: float, timeout=240) -> float:
+    """Let the worker generate ``tokens`` output tokens (or a little more); returns its count."""
+    deadline = time.monotonic() + timeout
+    while (done := _metric(port, "berth_output_tokens_total")) < tokens:
+        assert proc.poll() is None, "the worker died on its own"
+        assert time.monotonic() < deadline, "the worker stopped generating"
+        time.sleep(0.02)
+    return done
+
+
 def _results(db) -> tuple[int, int]:
     with db.session() as s:
         return (s.scalar(select(func.count(Result.id))),
@@ -83,8 +93,9 @@ def test_a_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_dir, pg_ur
         proc, port = _start_worker(env, tmp_path / f"worker{i}.log")
         try:
             _wait_generating(proc, port)
-            time.sleep(rng.uniform(1.0, 4.0))  # each crash costs about half an interval per running request
-            tokens = _metric(port, "berth_output_tokens_total")
+            # Crash at a random point of progress, not of time, so a fast machine cannot finish the
+            # job early: each life generates 8-13% of the job's tokens.
+            tokens = _run_until(proc, port, rng.uniform(0.08, 0.13) * N * MAX_TOKENS)
             restored += _metric(port, "berth_checkpoint_restored_tokens_total")
             lag_at_crashes += _metric(port, "berth_checkpoint_lag_tokens")
         finally:

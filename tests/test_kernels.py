@@ -227,3 +227,21 @@ def test_wrappers_read_no_tensor_values(monkeypatch):
     triton_attention.paged_decode_attention(*decode, SCALE, num_splits=2)
     triton_attention.paged_prefill_attention(*prefill, SCALE)
     triton_attention.write_kv(kv, kv, decode[1], decode[2], slots)
+
+
+def test_engine_with_triton_kernels_matches_the_torch_path(tiny_loaded, text_ids):
+    """The engine behind the attention interface, once with the Triton kernels (interpreted here),
+    once with PyTorch: chunked prefill and decode give the same greedy tokens."""
+    from tests.conftest import cut_prompts
+    from worker.engine import Engine
+    from worker.request import SamplingParams
+
+    prompts = cut_prompts(text_ids, [5, 23, 40])
+    params = SamplingParams(max_tokens=6, temperature=0, min_tokens=6)
+    tokens = {}
+    for backend in ("triton", "torch"):
+        engine = Engine(loaded=tiny_loaded, kv_memory="8MiB", block_size=16, max_num_batched_tokens=32,
+                        attention_backend=backend)
+        assert engine.runner.ops.name == backend
+        tokens[backend] = [o.completions[0].token_ids for o in engine.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]

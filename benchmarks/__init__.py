@@ -1,0 +1,1 @@
+"""Benchmarks of berth: throughput against Hugging Face transformers, and the attention kernels."""

@@ -1,0 +1,490 @@
+"""Throughput of berth against Hugging Face transformers on one seeded bulk workload, in one run.
+
+Systems, all with the same model, dtype and torch thread count, each timed on its generation only
+(model loads and a two-request warm-up excluded):
+
+1. berth: ``Engine.generate`` over every request at once, per-request ``max_tokens``, greedy,
+   ``ignore_eos``.
+2. transformers static batching: batches of 16 in arrival order, left-padded, each ``generate`` call
+   running ``max_new_tokens = min_new_tokens =`` the longest output of its batch.
+3. transformers continuous batching: its ``ContinuousBatchingManager``, each request added with its
+   own ``max_new_tokens`` and ``eos_token_id=-1`` (no EOS), under berth's token budget per step,
+   request cap and KV bytes.
+
+Useful output tokens/s = the tokens the requests asked for (sum of their lengths) / wall seconds.
+The run also measures PyTorch's matrix-multiply rate on the model's MLP shapes (the compute roof),
+berth's achieved model FLOP/s against it, and berth's KV cache figures. Prints a table, writes
+JSON to ``--out`` and a bar plot of useful tokens/s beside it (same name, ``.png``).
+
+    python benchmarks/throughput.py --quick --dtype float32      # 32 requests, a few minutes
+    python benchmarks/throughput.py --dtype bfloat16             # 256 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.workload import Workload, make_workload  # noqa: E402
+from worker.config import Settings, default_model_path  # noqa: E402
+from worker.engine import DTYPES, Engine, EngineStats  # noqa: E402
+from worker.model_loader import LoadedModel, load_model  # noqa: E402
+from worker.request import SamplingParams  # noqa: E402
+
+LABELS = {"berth": "berth", "static": "transformers static (16)", "continuous": "transformers continuous"}
+COLORS = {"berth": "tab:blue", "static": "tab:gray", "continuous": "tab:orange"}
+STATIC_BATCH = 16
+QUICK_REQUESTS = 32
+WARMUP_PROMPTS = [list(range(1000, 1008)), list(range(2000, 2024))]
+"""Token ids unlike any text, so the warm-up leaves nothing in berth's prefix cache for the workload."""
+WARMUP_TOKENS = 4
+ROOF_ROWS = (2048, 256)
+ROOF_REPEATS = 5
+
+
+# ---------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="GGUF file or safetensors folder (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads for every system (default: all cores, %(default)s)")
+    parser.add_argument("--requests", type=int, default=256, help="number of requests (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", default="", help="comma-separated systems to skip: static, continuous")
+    parser.add_argument("--kv-memory", default="auto", help="berth's KV cache (bytes with a unit, e.g. 4GiB); "
+                        "auto = enough for every request at once. transformers' continuous batching gets as many "
+                        "blocks of the same size (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one step, berth and transformers continuous (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="cap on running requests, berth and transformers continuous (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: "
+                        "benchmarks/results/throughput-<dtype>[-quick].json); the plot goes beside it")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = QUICK_REQUESTS
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.skip - {"static", "continuous"}:
+        parser.error(f"--skip takes static and/or continuous, not {sorted(args.skip - {'static', 'continuous'})}")
+    if args.out is None:
+        args.out = Path("benchmarks/results") / f"throughput-{args.dtype}{'-quick' if args.quick else ''}.json"
+    args.model = args.model or default_model_path()
+    return args
+
+
+# ---------------------------------------------------------------- berth
+def berth_settings(args, workload: Workload, config) -> Settings:
+    """The engine's settings from the command line, ``--kv-memory auto`` resolved to bytes."""
+    block_size = Settings().block_size
+    kv_memory = kv_bytes_for(workload, config, args.dtype, block_size) if args.kv_memory == "auto" else args.kv_memory
+    return Settings(model=args.model, dtype=args.dtype, threads=args.threads, kv_memory=kv_memory,
+                    block_size=block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_num_seqs=args.max_num_seqs)
+
+
+def kv_bytes_for(workload: Workload, config, dtype: str, block_size: int) -> int:
+    """KV bytes whose blocks hold every request's prompt and output at once, plus the warm-up's."""
+    lengths = [len(p) + n for p, n in zip(workload.prompts, workload.output_lens)]
+    lengths += [len(p) + WARMUP_TOKENS for p in WARMUP_PROMPTS]
+    blocks = sum(-(-n // block_size) for n in lengths)
+    block_bytes = 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim(config)
+    return blocks * block_bytes * DTYPES[dtype].itemsize
+
+
+def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings) -> dict:
+    """Time ``Engine.generate`` over the workload; add the engine's counters and KV figures."""
+    engine = Engine(settings, loaded=loaded)
+    engine.generate(WARMUP_PROMPTS, _berth_params(WARMUP_TOKENS))
+    engine.stats = EngineStats()
+    peak = track_peak_blocks(engine)
+    params = [_berth_params(n) for n in workload.output_lens]
+    t0 = time.perf_counter()
+    outputs = engine.generate(workload.prompts, params)
+    seconds = time.perf_counter() - t0
+    tokens = [out.completions[0].token_ids for out in outputs]
+    result = _timing(workload, seconds, tokens)
+    result["engine"] = _engine_figures(engine, peak["blocks_used"])
+    return result
+
+
+def _berth_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def track_peak_blocks(engine: Engine) -> dict:
+    """Record the most KV blocks in use at any forward pass (one counter read per step)."""
+    peak = {"blocks_used": 0}
+    execute = engine.runner.execute
+
+    def counting_execute(step_input):
+        peak["blocks_used"] = max(peak["blocks_used"], engine.block_manager.num_used_blocks)
+        return execute(step_input)
+
+    engine.runner.execute = counting_execute
+    return peak
+
+
+def _engine_figures(engine: Engine, peak_blocks: int) -> dict:
+    s = engine.stats
+    usage = engine.kv_usage()
+    return {
+        "steps": s.steps, "preemptions": s.preemptions, "output_tokens": s.output_tokens,
+        "prompt_tokens_computed": s.prompt_tokens_computed, "prompt_tokens_cached": s.prompt_tokens_cached,
+        "recomputed_tokens": s.recomputed_tokens, "forward_seconds": round(s.forward_seconds, 3),
+        "mean_slot_utilization": round(s.mean_slot_utilization, 4),
+        "kv": {"block_size": engine.block_manager.block_size, "blocks_total": usage["blocks_total"],
+               "peak_blocks_used": peak_blocks, "peak_share": round(peak_blocks / usage["blocks_total"], 4),
+               "kv_bytes": usage["kv_bytes"]},
+    }
+
+
+# ---------------------------------------------------------------- transformers
+def load_hf_model(path: str, dtype: str):
+    """transformers' own reading of the model file (GGUF or safetensors folder), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    kwargs = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
+    folder = p.parent if p.suffix == ".gguf" else p
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype], **kwargs).eval()
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids padded on the left to the longest prompt, and the attention mask that hides the pad."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def static_generate(model, prompts: list[list[int]], lengths: list[int], pad_id: int) -> list[list[int]]:
+    """Greedy tokens of one static batch, each row cut to the length its request asked for."""
+    ids, mask = left_pad(prompts, pad_id)
+    n = max(lengths)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=pad_id)
+    return [row[ids.shape[1]:ids.shape[1] + k].tolist() for row, k in zip(out, lengths)]
+
+
+def run_static(model, workload: Workload, pad_id: int) -> dict:
+    """Batches of ``STATIC_BATCH`` requests in arrival order, each run to its longest output."""
+    with torch.inference_mode():
+        static_generate(model, WARMUP_PROMPTS, [WARMUP_TOKENS] * len(WARMUP_PROMPTS), pad_id)
+        tokens: list[list[int]] = []
+        t0 = time.perf_counter()
+        for i in range(0, len(workload), STATIC_BATCH):
+            tokens += static_generate(model, workload.prompts[i:i + STATIC_BATCH],
+                                      workload.output_lens[i:i + STATIC_BATCH], pad_id)
+        seconds = time.perf_counter() - t0
+    result = _timing(workload, seconds, tokens)
+    result["batch_size"] = STATIC_BATCH
+    result["tokens_run"] = _static_tokens_run(workload)
+    return result
+
+
+def _static_tokens_run(workload: Workload) -> int:
+    """Positions the static batches push through the model, padding and overrun included."""
+    total = 0
+    for i in range(0, len(workload), STATIC_BATCH):
+        prompts = workload.prompts[i:i + STATIC_BATCH]
+        total += len(prompts) * (max(map(len, prompts)) + max(workload.output_lens[i:i + STATIC_BATCH]))
+    return total
+
+
+def continuous_generate(manager, prompts: list[list[int]], lengths: list[int], tag: str) -> list[list[int]]:
+    """Add every request with its own ``max_new_tokens`` and no EOS; wait for all; tokens in input order."""
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for request_id, prompt, n in zip(ids, prompts, lengths):
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=n, eos_token_id=-1)
+    done = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError(f"the generation thread stopped with {len(ids) - len(done)} requests unfinished")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+        if result.is_finished():
+            done[result.request_id] = result.generated_tokens
+    return [done[request_id] for request_id in ids]
+
+
+def run_continuous(model, workload: Workload, settings: Settings, kv: dict, pad_id: int) -> dict:
+    """transformers' continuous batching with berth's step budget, request cap and KV blocks (``kv``:
+    berth's ``block_size`` and ``blocks_total``)."""
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    cb_config = ContinuousBatchingConfig(page_size=kv["block_size"], num_blocks=kv["blocks_total"],
+                                         max_batch_tokens=settings.max_num_batched_tokens,
+                                         max_requests_per_batch=settings.max_num_seqs)
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
+                                         eos_token_id=-1, pad_token_id=pad_id)
+    with torch.inference_mode(), model.continuous_batching_context_manager(
+            generation_config=generation_config, continuous_batching_config=cb_config, block=True,
+            timeout=30) as manager:
+        continuous_generate(manager, WARMUP_PROMPTS, [WARMUP_TOKENS] * len(WARMUP_PROMPTS), "warmup")
+        t0 = time.perf_counter()
+        tokens = continuous_generate(manager, workload.prompts, workload.output_lens, "r")
+        seconds = time.perf_counter() - t0
+        resolved = manager.continuous_batching_config
+        attention = model.config._attn_implementation
+    result = _timing(workload, seconds, tokens)
+    result["config"] = {"page_size": resolved.page_size, "num_blocks": resolved.num_blocks,
+                        "max_batch_tokens": resolved.max_batch_tokens,
+                        "max_requests_per_batch": resolved.max_requests_per_batch, "attn_implementation": attention}
+    return result
+
+
+# ---------------------------------------------------------------- shared measurement helpers
+def _timing(workload: Workload, seconds: float, tokens: list[list[int]]) -> dict:
+    """Seconds, useful tokens (what the requests asked for, if produced) and useful tokens/s."""
+    useful = sum(min(len(t), n) for t, n in zip(tokens, workload.output_lens))
+    return {"seconds": round(seconds, 3), "useful_tokens": useful, "tokens_per_s": round(useful / seconds, 2),
+            "short_requests": sum(len(t) < n for t, n in zip(tokens, workload.output_lens)),
+            "tokens": tokens}
+
+
+def measure(name: str, fn: Callable[[], dict], guarded: bool = True) -> dict:
+    """Run one system, noting the load average around it. If ``guarded``, an exception becomes
+    ``{"error": ...}`` so the other systems still report (a failure of berth itself is raised)."""
+    print(f"[{_clock()}] {LABELS[name]}: running", flush=True)
+    load_before = os.getloadavg()[0]
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 (any failure of a baseline is a result to record)
+        if not guarded:
+            raise
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[{_clock()}] {LABELS[name]}: FAILED: {result['error']}", flush=True)
+    else:
+        print(f"[{_clock()}] {LABELS[name]}: {result['seconds']:.1f} s, {result['tokens_per_s']:.1f} useful tok/s",
+              flush=True)
+    result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return result
+
+
+def agreement(results: dict) -> None:
+    """Per baseline, how many requests' greedy tokens equal berth's (a check that all ran the same work)."""
+    berth = results["berth"]["tokens"]
+    for name, r in results.items():
+        if name != "berth" and "tokens" in r:
+            r["same_tokens_as_berth"] = sum(a == b for a, b in zip(berth, r["tokens"]))
+
+
+def _clock() -> str:
+    return datetime.now().strftime("%H:%M:%S")
+
+
+# ---------------------------------------------------------------- compute roof and model FLOPs
+def measure_roof(config, dtype: str) -> dict:
+    """PyTorch's best matmul rate (GFLOP/s) on the model's MLP shapes, best of ``ROOF_REPEATS``."""
+    h, m = config.hidden_size, config.intermediate_size
+    shapes = [(rows, k, n) for rows in ROOF_ROWS for k, n in ((h, m), (m, h))]
+    rates = {}
+    for rows, k, n in shapes:
+        a = torch.randn(rows, k, dtype=DTYPES[dtype])
+        b = torch.randn(k, n, dtype=DTYPES[dtype])
+        rates[f"[{rows},{k}]x[{k},{n}]"] = round(_best_rate(a, b) / 1e9, 2)
+    return {"gflops_by_shape": rates, "roof_gflops": max(rates.values())}
+
+
+def _best_rate(a: torch.Tensor, b: torch.Tensor) -> float:
+    """FLOP/s of ``a @ b``: the best of ``ROOF_REPEATS`` timings of enough products to take ~0.1 s."""
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    a @ b  # noqa: B018 (warm-up)
+    t0 = time.perf_counter()
+    a @ b  # noqa: B018
+    iters = max(1, int(0.1 / max(time.perf_counter() - t0, 1e-6)))
+    best = float("inf")
+    for _ in range(ROOF_REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b  # noqa: B018
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return flops / best
+
+
+def head_dim(config) -> int:
+    """The attention head size (configs without ``head_dim`` imply hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def linear_params_per_token(config) -> int:
+    """Weights of the decoder's linear layers (embedding and LM head excluded): FLOPs/2 per token."""
+    h, m = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = head_dim(config)
+    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * m
+    return config.num_hidden_layers * per_layer
+
+
+def berth_model_flops(config, workload: Workload, engine: dict) -> dict:
+    """FLOPs berth's forward passes did, by part.
+
+    Linear: 2 x linear weights x tokens run through the model (prompt tokens computed, tokens
+    recomputed after preemption, and every output token but each request's last). LM head:
+    2 x vocab x hidden per sampled token. Attention: 4 x layers x heads x head_dim x the context
+    each token attends to, counting every position of every request once (so approximately:
+    prefix-cache hits and recomputation are ignored here).
+    """
+    tokens_run = (engine["prompt_tokens_computed"] + engine["recomputed_tokens"]
+                  + engine["output_tokens"] - len(workload))
+    contexts = sum((len(p) + n - 1) * (len(p) + n) // 2 for p, n in zip(workload.prompts, workload.output_lens))
+    flops = {
+        "linear": 2 * linear_params_per_token(config) * tokens_run,
+        "lm_head": 2 * config.vocab_size * config.hidden_size * engine["output_tokens"],
+        "attention": 4 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * contexts,
+    }
+    return {"tokens_run": tokens_run, "gflop": {k: round(v / 1e9, 2) for k, v in flops.items()},
+            "total_gflop": round(sum(flops.values()) / 1e9, 2)}
+
+
+def compute_share(flops: dict, roof: dict, berth: dict) -> dict:
+    """The roof, berth's FLOPs, and what they make over berth's wall time: GFLOP/s and share of the roof."""
+    achieved = flops["total_gflop"] / berth["seconds"]
+    return {**roof, **flops, "achieved_gflops": round(achieved, 2),
+            "share_of_roof": round(achieved / roof["roof_gflops"], 4)}
+
+
+# ---------------------------------------------------------------- report
+def machine_info(threads: int) -> dict:
+    import transformers
+
+    return {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "threads": threads,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def ratios(results: dict) -> dict:
+    """berth's useful tokens/s over each baseline's that ran."""
+    berth = results["berth"]["tokens_per_s"]
+    return {f"berth/{name}": round(berth / r["tokens_per_s"], 2)
+            for name, r in results.items() if name != "berth" and "tokens_per_s" in r}
+
+
+def print_report(report: dict) -> None:
+    print(f"\n{report['workload']['requests']} requests, {report['workload']['prompt_tokens']} prompt tokens, "
+          f"{report['workload']['output_tokens']} useful output tokens; {report['dtype']}, "
+          f"threads={report['machine']['threads']}, {report['machine']['cpu_count']} CPUs")
+    print(f"{'system':<26}{'seconds':>10}{'useful tok':>12}{'tok/s':>10}{'same as berth':>15}")
+    for name, r in report["systems"].items():
+        if "error" in r:
+            print(f"{LABELS[name]:<26}  error: {r['error']}")
+            continue
+        same = f"{r['same_tokens_as_berth']}/{report['workload']['requests']}" if "same_tokens_as_berth" in r else ""
+        print(f"{LABELS[name]:<26}{r['seconds']:>10.1f}{r['useful_tokens']:>12}{r['tokens_per_s']:>10.1f}{same:>15}")
+    for key, value in report["ratios"].items():
+        print(f"{key}: {value:.2f}x")
+    c = report["compute"]
+    print(f"\nroof (best matmul): {c['roof_gflops']:.1f} GFLOP/s  {c['gflops_by_shape']}")
+    print(f"berth model FLOPs: {c['total_gflop']:.1f} GFLOP {c['gflop']} -> {c['achieved_gflops']:.1f} GFLOP/s, "
+          f"{100 * c['share_of_roof']:.1f}% of the roof")
+    e = report["systems"]["berth"]["engine"]
+    kv = e["kv"]
+    print(f"berth KV: peak {kv['peak_blocks_used']}/{kv['blocks_total']} blocks of {kv['block_size']} tokens "
+          f"({100 * kv['peak_share']:.1f}%), mean slot utilization {100 * e['mean_slot_utilization']:.1f}%; "
+          f"prompt tokens computed {e['prompt_tokens_computed']}, cached {e['prompt_tokens_cached']}; "
+          f"{e['steps']} steps ({e['forward_seconds']:.1f} s in forward), {e['preemptions']} preemptions")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Bar plot of useful output tokens/s per system that ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [name for name, r in report["systems"].items() if "tokens_per_s" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar([LABELS[n] for n in ran], [report["systems"][n]["tokens_per_s"] for n in ran],
+                  color=[COLORS[n] for n in ran])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("useful output tokens / s")
+    w = report["workload"]
+    ax.set_title(f"{w['requests']} requests, {report['dtype']}, threads={report['machine']['threads']} "
+                 f"({report['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+# ---------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, DTYPES[args.dtype])
+    config = loaded.config
+    workload = make_workload(loaded.tokenizer, args.requests, args.seed)
+    pad_id = loaded.tokenizer.pad_token_id
+    pad_id = config.eos_token_id if pad_id is None else pad_id
+    print(f"[{_clock()}] workload: {workload.summary()}", flush=True)
+
+    settings = berth_settings(args, workload, config)
+    roof = measure_roof(config, args.dtype)
+    results = {"berth": measure("berth", lambda: run_berth(loaded, workload, settings), guarded=False)}
+    del loaded  # the engine's copy of the weights went with run_berth; free these before transformers loads
+    gc.collect()
+    if {"static", "continuous"} - args.skip:
+        model = load_hf_model(args.model, args.dtype)
+        if "static" not in args.skip:
+            results["static"] = measure("static", lambda: run_static(model, workload, pad_id))
+        if "continuous" not in args.skip:
+            kv = results["berth"]["engine"]["kv"]
+            results["continuous"] = measure("continuous",
+                                            lambda: run_continuous(model, workload, settings, kv, pad_id))
+
+    agreement(results)
+    for r in results.values():
+        r.pop("tokens", None)
+    flops = berth_model_flops(config, workload, results["berth"]["engine"])
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype,
+        "quick": args.quick, "model": args.model,
+        "settings": {"kv_memory": args.kv_memory, "block_size": settings.block_size,
+                     "max_num_batched_tokens": settings.max_num_batched_tokens, "max_num_seqs": settings.max_num_seqs},
+        "machine": machine_info(args.threads), "workload": workload.summary(), "systems": results,
+        "ratios": ratios(results), "compute": compute_share(flops, roof, results["berth"]),
+    }
+    print_report(report)
+    write_report(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
