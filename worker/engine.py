@@ -85,6 +85,7 @@ class Engine:
         dtype = DTYPES[settings.dtype]
         loaded = loaded or load_model(settings.model_path(), dtype)
         self.model_config = loaded.config
+        self.model_path = loaded.path  # what was loaded, also when ``loaded`` was handed in
         self.tokenizer = loaded.tokenizer
         self.model_name = settings.served_model_name()
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
@@ -183,7 +184,7 @@ class Engine:
         """Names the KV cache's meaning: model files, dtype and block size. Checkpointed blocks are
         reused only under the same fingerprint."""
         h = hashlib.sha256()
-        path = Path(self.settings.model_path())
+        path = Path(self.model_path)
         for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
             size = f.stat().st_size
             h.update(f"{f.name}:{size}".encode())
