@@ -107,21 +107,28 @@ def kv_bytes_for(workload: Workload, config, dtype: str, block_size: int) -> int
 
 def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings) -> dict:
     """Time ``Engine.generate`` over the workload; add the engine's counters and KV figures."""
-    engine = Engine(settings, loaded=loaded)
-    engine.generate(WARMUP_PROMPTS, _berth_params(WARMUP_TOKENS))
-    engine.stats = EngineStats()
+    engine = warmed_engine(loaded, settings)
     peak = track_peak_blocks(engine)
-    params = [_berth_params(n) for n in workload.output_lens]
+    params = [greedy_params(n) for n in workload.output_lens]
     t0 = time.perf_counter()
     outputs = engine.generate(workload.prompts, params)
     seconds = time.perf_counter() - t0
     tokens = [out.completions[0].token_ids for out in outputs]
-    result = _timing(workload, seconds, tokens)
+    result = useful_timing(workload, seconds, tokens)
     result["engine"] = _engine_figures(engine, peak["blocks_used"])
     return result
 
 
-def _berth_params(max_tokens: int) -> SamplingParams:
+def warmed_engine(loaded: LoadedModel, settings: Settings) -> Engine:
+    """A new engine on ``loaded``'s weights (its own KV cache and prefix cache), warmed up by a
+    two-request generation, its counters reset."""
+    engine = Engine(settings, loaded=loaded)
+    engine.generate(WARMUP_PROMPTS, greedy_params(WARMUP_TOKENS))
+    engine.stats = EngineStats()
+    return engine
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
@@ -193,7 +200,7 @@ def run_static(model, workload: Workload, pad_id: int) -> dict:
             tokens += static_generate(model, workload.prompts[i:i + STATIC_BATCH],
                                       workload.output_lens[i:i + STATIC_BATCH], pad_id)
         seconds = time.perf_counter() - t0
-    result = _timing(workload, seconds, tokens)
+    result = useful_timing(workload, seconds, tokens)
     result["batch_size"] = STATIC_BATCH
     result["tokens_run"] = _static_tokens_run(workload)
     return result
@@ -247,7 +254,7 @@ def run_continuous(model, workload: Workload, settings: Settings, kv: dict, pad_
         seconds = time.perf_counter() - t0
         resolved = manager.continuous_batching_config
         attention = model.config._attn_implementation
-    result = _timing(workload, seconds, tokens)
+    result = useful_timing(workload, seconds, tokens)
     result["config"] = {"page_size": resolved.page_size, "num_blocks": resolved.num_blocks,
                         "max_batch_tokens": resolved.max_batch_tokens,
                         "max_requests_per_batch": resolved.max_requests_per_batch, "attn_implementation": attention}
@@ -255,7 +262,7 @@ def run_continuous(model, workload: Workload, settings: Settings, kv: dict, pad_
 
 
 # ---------------------------------------------------------------- shared measurement helpers
-def _timing(workload: Workload, seconds: float, tokens: list[list[int]]) -> dict:
+def useful_timing(workload: Workload, seconds: float, tokens: list[list[int]]) -> dict:
     """Seconds, useful tokens (what the requests asked for, if produced) and useful tokens/s."""
     useful = sum(min(len(t), n) for t, n in zip(tokens, workload.output_lens))
     return {"seconds": round(seconds, 3), "useful_tokens": useful, "tokens_per_s": round(useful / seconds, 2),
@@ -266,7 +273,7 @@ def _timing(workload: Workload, seconds: float, tokens: list[list[int]]) -> dict
 def measure(name: str, fn: Callable[[], dict], guarded: bool = True) -> dict:
     """Run one system, noting the load average around it. If ``guarded``, an exception becomes
     ``{"error": ...}`` so the other systems still report (a failure of berth itself is raised)."""
-    print(f"[{_clock()}] {LABELS[name]}: running", flush=True)
+    print(f"[{clock()}] {LABELS[name]}: running", flush=True)
     load_before = os.getloadavg()[0]
     try:
         result = fn()
@@ -274,9 +281,9 @@ def measure(name: str, fn: Callable[[], dict], guarded: bool = True) -> dict:
         if not guarded:
             raise
         result = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"[{_clock()}] {LABELS[name]}: FAILED: {result['error']}", flush=True)
+        print(f"[{clock()}] {LABELS[name]}: FAILED: {result['error']}", flush=True)
     else:
-        print(f"[{_clock()}] {LABELS[name]}: {result['seconds']:.1f} s, {result['tokens_per_s']:.1f} useful tok/s",
+        print(f"[{clock()}] {LABELS[name]}: {result['seconds']:.1f} s, {result['tokens_per_s']:.1f} useful tok/s",
               flush=True)
     result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return result
@@ -290,7 +297,7 @@ def agreement(results: dict) -> None:
             r["same_tokens_as_berth"] = sum(a == b for a, b in zip(berth, r["tokens"]))
 
 
-def _clock() -> str:
+def clock() -> str:
     return datetime.now().strftime("%H:%M:%S")
 
 
@@ -453,7 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
     workload = make_workload(loaded.tokenizer, args.requests, args.seed)
     pad_id = loaded.tokenizer.pad_token_id
     pad_id = config.eos_token_id if pad_id is None else pad_id
-    print(f"[{_clock()}] workload: {workload.summary()}", flush=True)
+    print(f"[{clock()}] workload: {workload.summary()}", flush=True)
 
     settings = berth_settings(args, workload, config)
     roof = measure_roof(config, args.dtype)

@@ -4,7 +4,7 @@ rebuilt from its request row at any time (``from_row``)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from jobs.batch_format import BatchLine
 from worker.request import Request, SamplingParams
@@ -17,7 +17,7 @@ class MalformedMessage(ValueError):
 
 
 def params_to_dict(params: SamplingParams) -> dict:
-    return asdict(params)
+    return {f.name: getattr(params, f.name) for f in fields(params)}  # its fields are immutable: no deep copy
 
 
 def params_from_dict(data: dict) -> SamplingParams:
@@ -46,7 +46,9 @@ class RequestMessage:
                    dict(row.params), priority, tenant)
 
     def to_body(self) -> dict:
-        return asdict(self)
+        # not dataclasses.asdict: it deep-copies each token id on its own, the most costly step of a large submit
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "prompt_token_ids": list(self.prompt_token_ids), "params": dict(self.params)}
 
     @classmethod
     def from_body(cls, body) -> RequestMessage:
