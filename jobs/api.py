@@ -25,6 +25,7 @@ from jobs.status import JobView, get_job
 from jobs.status import list_jobs as query_jobs
 from jobs.submit import JobSpec, create_job
 from jobs.tasks import INGEST, finalize_later, make_app
+from jobs.tenants import set_weight
 from worker.config import Settings
 
 
@@ -106,6 +107,11 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
         worker.run(until=job_over)
     job = status(job.id, settings)
     return job, results(job.id, output, errors, settings)
+
+
+def set_tenant_weight(name: str, weight: float, settings: Settings | None = None) -> None:
+    """A tenant's share of the engines (1 by default): with weights 2 and 1, twice the seats."""
+    set_weight(open_database((settings or Settings()).database_url), name, weight)
 
 
 def upgrade_database(settings: Settings | None = None) -> str:

@@ -126,6 +126,7 @@ def user_errors():
     """berth's own errors become one line for the user, not a traceback."""
     from jobs.db import SchemaError
     from jobs.lifecycle import JobNotFound, JobStateError
+    from jobs.tenants import TenantNotFound
     from jobs.validate import InputError
     from worker.engine import RequestRejected
     from worker.model_loader import ModelLoadError
@@ -133,7 +134,7 @@ def user_errors():
     try:
         yield
     except (ConfigError, ModelLoadError, RequestRejected, SchemaError, JobNotFound, JobStateError, InputError,
-            FileNotFoundError, ValueError) as exc:
+            TenantNotFound, FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -227,6 +228,20 @@ def cancel(job_id, **flags):
     with user_errors():
         view = api.cancel(job_id, settings_from(flags))
     click.echo(f"{view.id}: {view.status.value}")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--weight", type=float, required=True,
+              help="its share of the engines against other tenants' (default 1; 2 = twice the seats)")
+@service_options
+def tenant(name, weight, **flags):
+    """Set a tenant's share of the engines; running workers apply it within a second."""
+    from jobs import api
+
+    with user_errors():
+        api.set_tenant_weight(name, weight, settings_from(flags))
+    click.echo(f"tenant {name}: weight {weight:g}")
 
 
 @main.command()

@@ -2,9 +2,13 @@
 
 Topology (names start with ``Settings.queue_prefix``):
 
-- ``<prefix>.requests`` — a durable direct exchange; the routing key is the model name.
-- ``<prefix>.requests.<model>`` — one durable queue per model, every message persistent,
-  published with confirms, its priority the job's priority.
+- ``<prefix>.requests`` — a durable direct exchange; the routing key is ``<model>.<tenant>``.
+- ``<prefix>.requests.<model>.<tenant>`` — one durable queue per model and tenant, every message
+  persistent, published with confirms, its priority the job's priority. An engine worker consumes
+  the queues of every tenant with live jobs for its model, each with its own prefetch window, so
+  its engine always sees every tenant's waiting work and shares its seats between them (a queue
+  per model alone would be first-come first-served: a tenant's 100,000-line job would hold the
+  head of the queue and every other tenant would wait behind it, whatever its share).
 - ``<prefix>.dead`` — the dead-letter exchange and queue: a request that was delivered
   ``max_delivery_attempts`` times without finishing, or a message berth cannot read, is published
   there (with an ``x-berth-reason`` header) and its delivery acked.
@@ -136,8 +140,9 @@ class Topology:
     def exchange(self) -> Exchange:
         return Exchange(f"{self.prefix}.requests", "direct", durable=True)
 
-    def request_queue(self, model: str) -> Queue:
-        return Queue(f"{self.prefix}.requests.{model}", self.exchange, routing_key=model, durable=True,
+    def request_queue(self, model: str, tenant: str) -> Queue:
+        key = f"{model}.{tenant}"
+        return Queue(f"{self.prefix}.requests.{key}", self.exchange, routing_key=key, durable=True,
                      queue_arguments={"x-queue-type": "classic", "x-max-priority": MAX_PRIORITY + 1})
 
     @property
@@ -153,9 +158,10 @@ class Topology:
         return f"{self.prefix}.tasks"
 
 
-def queue_depth(connection: Connection, queue: Queue) -> int:
-    """Messages ready in ``queue`` (not counting those delivered and not yet acked)."""
-    return queue.bind(connection.default_channel).queue_declare(passive=True).message_count
+def queue_depth(connection: Connection, queues: Iterable[Queue]) -> int:
+    """Messages ready in ``queues`` (not counting those delivered and not yet acked)."""
+    channel = connection.default_channel
+    return sum(q.bind(channel).queue_declare(passive=True).message_count for q in queues)
 
 
 class PublishError(RuntimeError):
@@ -183,7 +189,7 @@ class Publisher:
         self._declared: set[str] = set()
 
     def publish(self, messages: Iterable[RequestMessage]) -> int:
-        batch = [(self.topology.request_queue(m.model),
+        batch = [(self.topology.request_queue(m.model, m.tenant),
                   {"body": m.to_body(), "serializer": "json", "priority": min(max(m.priority, 0), MAX_PRIORITY)})
                  for m in messages]
         return self._publish(batch)

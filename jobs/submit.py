@@ -7,15 +7,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
-
 from jobs import files as keys
 from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
-from jobs.models import Job, JobStatus, Tenant, now
+from jobs.models import Job, JobStatus, now
 from jobs.queue import MAX_PRIORITY
+from jobs.tenants import tenant_id
 
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")
 
@@ -54,22 +52,11 @@ def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec
     files.put_file(keys.input_key(job_id), path)
     created = now()
     with db.session() as s, s.begin():
-        tenant_id = _tenant_id(s, spec.tenant)
-        s.add(Job(id=job_id, tenant_id=tenant_id, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
+        tenant = tenant_id(s, spec.tenant)
+        s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
                   completion_window=spec.completion_window, metadata_=dict(spec.metadata), input_name=path.name[:500],
                   input_key=keys.input_key(job_id), total=0, completed=0, failed=0, prompt_tokens=0,
                   completion_tokens=0, created_at=created,
                   expires_at=created + window_seconds(spec.completion_window)))
     return job_id
 
-
-def _tenant_id(session, name: str) -> int:
-    tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == name))
-    if tenant_id is None:
-        try:
-            with session.begin_nested():
-                session.add(Tenant(name=name, weight=1.0, created_at=now()))
-        except IntegrityError:
-            pass  # another submit created it at the same moment
-        tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == name))
-    return tenant_id

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.jobs_support import pg_url, queue_prefix  # noqa: E402,F401 (the jobs tests' server fixtures)
+from tests.jobs_support import pg_url, queue_prefix, tiny_engine  # noqa: E402,F401 (the jobs tests' fixtures)
 from tests.s3_support import s3_endpoint, s3_url  # noqa: E402,F401 (an S3 server for the storage tests)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

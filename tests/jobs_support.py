@@ -14,6 +14,7 @@ import pytest
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 TINY_NAME = "tiny-llama"
+TENANTS = ("default", "alice", "bob")  # the tenants the tests submit for: their queues are cleaned up
 
 
 def _reachable(port: int) -> bool:
@@ -34,7 +35,7 @@ def pg_url():
     from jobs.db import close_database
 
     name = f"berth_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)  # survives a restart
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
@@ -59,10 +60,19 @@ def queue_prefix():
     topology = Topology(prefix)
     with Connection(AMQP_URL) as conn:
         channel = conn.channel()
-        for queue in (topology.request_queue(TINY_NAME).name, topology.dead_queue.name, topology.celery_queue):
+        queues = [topology.request_queue(TINY_NAME, t).name for t in TENANTS]
+        for queue in (*queues, topology.dead_queue.name, topology.celery_queue):
             channel.queue_delete(queue)
         for exchange in (topology.exchange.name, topology.dead_exchange.name, topology.celery_queue):
             channel.exchange_delete(exchange)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir):
+    """An engine on the tiny model, shared by the tests of one module."""
+    from worker.engine import Engine
+
+    return Engine(tiny_settings(tiny_llama_dir))
 
 
 def tiny_settings(model_dir, **overrides):

@@ -10,12 +10,6 @@ import pytest
 from jobs import api
 from jobs.models import JobStatus
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, tiny_settings
-from worker.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_llama_dir):
-    return Engine(tiny_settings(tiny_llama_dir))
 
 
 def _settings(tmp_path, tiny_llama_dir):

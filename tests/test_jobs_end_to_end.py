@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 
 def _wait_for_consumers(settings, n: int, procs) -> None:
-    queue = Topology(settings.queue_prefix).request_queue(TINY_NAME)
+    queue = Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")
     deadline = time.monotonic() + 90
     with Connection(AMQP_URL) as conn:
         while True:
@@ -64,9 +64,9 @@ def test_two_engine_workers_share_a_rabbitmq_queue(tmp_path, tiny_llama_dir, pg_
     procs += [_spawn(worker + ["--metrics-port", str(metrics_port)], env, tmp_path / "worker0.log"),
               _spawn(worker, env, tmp_path / "worker1.log")]
     try:
-        _wait_for_consumers(settings, 2, procs)  # so that both workers take a share
         job = api.submit(requests, settings)
         assert job.status is JobStatus.VALIDATING  # accepted at once; a Celery worker ingests it
+        _wait_for_consumers(settings, 2, procs)  # both workers follow the job's tenant queue
         deadline = time.monotonic() + 150
         while not (job := api.status(job.id, settings)).status.is_final:
             assert time.monotonic() < deadline, f"job stuck in {job.status.value} at {job.done}/{job.total}"

@@ -30,12 +30,6 @@ from tests.jobs_support import (
     work_until_over,
     write_requests,
 )
-from worker.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_llama_dir):
-    return Engine(tiny_settings(tiny_llama_dir))
 
 
 @pytest.fixture
@@ -78,7 +72,7 @@ def test_a_message_delivered_twice_yields_one_result(tmp_path, settings, tiny_en
     files = api.results(job.id, tmp_path / "out.jsonl", settings=settings)
     assert [line["custom_id"] for line in read_jsonl(files.output)] == ["req-0", "req-1", "req-2", "req-3"]
     with connect(settings) as conn:  # every copy was acked
-        assert queue_depth(conn, Topology(settings.queue_prefix).request_queue(TINY_NAME)) == 0
+        assert queue_depth(conn, [Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")]) == 0
 
 
 def test_a_poison_request_is_dead_lettered_and_the_queue_keeps_flowing(tmp_path, settings, tiny_engine,

@@ -17,12 +17,6 @@ from jobs.models import JobStatus, RequestRow, Result
 from jobs.queue import Topology, connect, queue_depth
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
 from worker.consumer import EngineWorker
-from worker.engine import Engine
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_llama_dir):
-    return Engine(tiny_settings(tiny_llama_dir))
 
 
 @pytest.fixture
@@ -58,7 +52,7 @@ def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tm
     assert tiny_engine.num_unfinished == 0
     assert [r.attempts for r in _rows(settings, job.id)] == [0, 0, 0, 0]
     with connect(settings) as conn:
-        assert queue_depth(conn, Topology(settings.queue_prefix).request_queue(TINY_NAME)) == 4
+        assert queue_depth(conn, [Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")]) == 4
 
     job = work_until_over(settings, tiny_engine, job.id)  # another worker takes them over
     assert (job.status, job.completed) == (JobStatus.COMPLETED, 4)
@@ -83,4 +77,4 @@ def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(t
         assert len(s.scalars(select(Result).where(Result.job_id == job.id)).all()) == 4
     assert all(r.attempts == 1 for r in _rows(settings, job.id))  # redeliveries were adopted, not rerun
     with connect(settings) as conn:
-        assert queue_depth(conn, Topology(settings.queue_prefix).request_queue(TINY_NAME)) == 0
+        assert queue_depth(conn, [Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")]) == 0

@@ -190,3 +190,14 @@ def test_aging_lets_low_priority_pass_a_stream_of_high_priority():
     strict = finish_steps(fake_run(Scheduler(BlockManager(4096, 16), 256, max_num_seqs=2, aging_steps=10**9),
                                    stream, steps=400))
     assert "low" not in strict, "without aging the stream should have kept it waiting (the test is too easy)"
+
+
+def test_a_tenants_priority_does_not_take_seats_from_another_tenant():
+    """Priority orders a tenant's own work; across tenants the shares decide."""
+    sched = Scheduler(BlockManager(4096, 16), 256, max_num_seqs=4, aging_steps=10_000)
+    sched.waiting.shares["B"] = 3.0
+    a = [Request(f"a{i}", [1] * 20, SamplingParams(max_tokens=30), tenant="A", priority=9) for i in range(40)]
+    b = [Request(f"b{i}", [2] * 20, SamplingParams(max_tokens=30), tenant="B", priority=0) for i in range(40)]
+    history = fake_run(sched, {0: a + b}, steps=150)
+    tokens = Counter(t for step in history[:150] for t, _ in step)
+    assert 2.4 <= tokens["B"] / tokens["A"] <= 3.6, tokens  # weight 3 against 1, whatever A's priority

@@ -9,14 +9,21 @@ One loop, never blocked while the engine has work:
    with the job's tenant and priority;
 3. one engine step; the requests it finished get their result rows and job counters in one
    transaction, and only after the commit are their messages acked;
-4. about every second: abort the requests of cancelled or expired jobs, resize the prefetch window,
+4. about every second: abort the requests of cancelled or expired jobs, follow the tenants with
+   live jobs (consume their queues, give the engine their weights), resize the prefetch window,
    refresh the metrics.
 
-Prefetch: the window of unacked deliveries is what the engine can hold running (``max_num_seqs``,
-or fewer when the KV cache cannot fit that many of the requests seen so far, counting each
-request's prompt plus ``n * max_tokens``) plus a quarter more waiting, so that seats freed by a
-step are filled at the next one (never starved) while the rest of the queue stays with the broker
-for other workers (never flooded). ``Settings.prefetch`` fixes it instead.
+Tenants: each tenant has its own queue for the model (``jobs.queue``), consumed with its own
+prefetch window, so the engine sees every tenant's waiting requests and its scheduler shares the
+seats by the tenants' weights (``jobs.tenants``); priorities order the requests within a tenant's
+queue on the broker and across all of them in the engine.
+
+Prefetch: the window of unacked deliveries of each tenant queue is what the engine can hold
+running (``max_num_seqs``, or fewer when the KV cache cannot fit that many of the requests seen so
+far, counting each request's prompt plus ``n * max_tokens``) plus a quarter more waiting, so that
+seats freed by a step are filled at the next one (never starved) while the rest of the queue stays
+with the broker for other workers (never flooded); all tenant queues together are capped at twice
+that. ``Settings.prefetch`` fixes it instead.
 
 Idempotency: a result's ``request_id`` is unique and written with "on conflict do nothing"; a
 delivery of a request that has a result is acked and skipped; a second delivery of a request this
@@ -35,6 +42,13 @@ that long is legitimate in a bulk service; (2) the worker survives the channel c
 its requests running, reconnects, and on finishing writes the result without acking the void
 delivery; the redelivered copy is adopted if it comes back here, or acked as done (or computed
 twice at worst, one result kept) if it went elsewhere. Nothing is lost either way.
+
+Outages: the loop never waits on a service that is down. Without the broker it tries to reconnect
+once a second (``RECONNECT_INTERVAL``; kombu's own retries would sleep in the loop) and runs what
+it holds. Without the database it backs off (``DATABASE_RETRY``): finished outcomes wait in
+``_unrecorded``, their requests kept in ``inflight`` and their messages unacked (the ack still
+follows the commit), deliveries wait unadmitted, closed jobs and tenants are not looked up; the
+next try that gets through commits the waiting outcomes. Both show in the metrics.
 
 SIGTERM (or Ctrl-C): stop consuming, hand back at once the requests not started, let the running
 ones finish for up to ``Settings.drain_timeout`` seconds, checkpoint and hand back the rest (reject
@@ -62,6 +76,7 @@ from typing import Callable
 import kombu
 from kombu.exceptions import OperationalError
 from kombu.message import Message
+from sqlalchemy import exc as sql_errors
 from sqlalchemy import select
 
 from jobs.batch_format import response_line
@@ -71,6 +86,7 @@ from jobs.messages import RequestMessage
 from jobs.models import Job, ResultStatus
 from jobs.queue import Publisher, Topology, connect, queue_depth
 from jobs.results import Outcome, note_error, record_deliveries, record_outcomes, release
+from jobs.tenants import live_tenants
 from jobs.tasks import finalize_later, make_app
 from storage import open_store
 from worker.checkpointer import Checkpointer
@@ -87,6 +103,9 @@ RESTORE_WAIT = 0.02  # ... when it has nothing to do but requests are being rest
 CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoints to be written
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
+RECONNECT_INTERVAL = 1.0  # seconds between tries to reach a broker that went away
+DATABASE_RETRY = (0.5, 10.0)  # seconds between tries of a database that went away: first, most
+DATABASE_DOWN = (sql_errors.OperationalError, sql_errors.InterfaceError)  # not reachable (bugs are other errors)
 
 
 def prefetch_window(max_num_seqs: int, kv_capacity_tokens: int, mean_kv_tokens: float | None) -> int:
@@ -115,7 +134,8 @@ class EngineWorker:
         self.engine = engine or Engine(settings)
         self.db = open_database(settings.database_url)
         self.tasks = make_app(settings, eager_tasks)
-        self.queue = Topology(settings.queue_prefix).request_queue(self.engine.model_name)
+        self.topology = Topology(settings.queue_prefix)
+        self.queues: dict[str, kombu.Queue] = {}  # tenant -> its request queue for this engine's model
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.metrics = WorkerMetrics()
         self.checkpoints: Checkpointer | None = None
@@ -135,6 +155,12 @@ class EngineWorker:
         self.consumer: kombu.Consumer | None = None
         self._publisher: Publisher | None = None
         self._broken = False  # the channel failed; reconnect before the next receive
+        self._reconnect_at = 0.0  # monotonic time of the next try to reconnect
+        self._unrecorded: list[tuple[Outcome, RequestMessage, Message | None, str | None]] = []  # database down
+        self._db_down_since: float | None = None
+        self._db_retry_at = 0.0  # monotonic time of the next try while the database is down
+        self._db_backoff = DATABASE_RETRY[0]
+        self.metrics.database_up.set(1)
 
     # ---- the loop
     def run(self, until: Callable[[], bool] | None = None) -> None:
@@ -143,7 +169,8 @@ class EngineWorker:
             self.metrics.serve(self.settings.metrics_port)
         previous_handlers = self._install_signal_handlers()
         self._connect()
-        log.info("worker %s consuming %s (prefetch %d)", self.name, self.queue.name, self.window)
+        log.info("worker %s consuming %s.requests.%s.* (prefetch %d)", self.name, self.settings.queue_prefix,
+                 self.engine.model_name, self.window)
         drain_deadline = None
         next_control = next_depth = 0.0
         graceful = False
@@ -153,8 +180,11 @@ class EngineWorker:
                     self._reconnect()
                 if self._broken and not self.engine.has_unfinished():
                     time.sleep(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
+                if not self._database_ready() and not self.engine.has_unfinished():
+                    time.sleep(IDLE_WAIT)  # no database and nothing to run: the same
                 wait = 0 if self.engine.has_unfinished() else RESTORE_WAIT if self._restoring() else IDLE_WAIT
                 self._receive(wait)
+                self._record_waiting()
                 self._admit()
                 self._add_restored()
                 if self.engine.has_unfinished():
@@ -170,7 +200,8 @@ class EngineWorker:
                 if self.stop_requested:
                     if drain_deadline is None:
                         drain_deadline = self._begin_drain()
-                    if self.stop_requested > 1 or not self.engine.has_unfinished() or t > drain_deadline:
+                    finished = not self.engine.has_unfinished() and not self._unrecorded
+                    if self.stop_requested > 1 or finished or t > drain_deadline:
                         graceful = True
                         break
         finally:
@@ -194,24 +225,39 @@ class EngineWorker:
     def _connect(self, max_retries: int | None = None) -> None:
         self.connection = connect(self.settings)
         self.connection.ensure_connection(max_retries=max_retries, interval_max=10)
-        self.consumer = kombu.Consumer(self.connection.channel(), queues=[self.queue], callbacks=[self._on_delivery],
-                                       accept=["json"], no_ack=False)
-        self.consumer.qos(prefetch_count=self.window)
+        self.consumer = kombu.Consumer(self.connection.channel(), queues=list(self.queues.values()),
+                                       callbacks=[self._on_delivery], accept=["json"], no_ack=False)
+        self._set_prefetch(self.window)
         self.consumer.consume()
         self._broken = False
+        self.metrics.broker_up.set(1)
+        self._follow_tenants()
 
     def _reconnect(self) -> None:
-        """A new connection and consumer; one try, so that the engine keeps stepping meanwhile."""
-        log.warning("worker %s: broker channel lost; reconnecting, %d requests keep running",
-                    self.name, len(self.inflight))
+        """A new connection and consumer: one try (kombu's retries sleep) every ``RECONNECT_INTERVAL``
+        seconds, so that the engine keeps stepping meanwhile."""
+        now = time.monotonic()
+        if now < self._reconnect_at:
+            return
+        first = self._reconnect_at == 0.0
+        self._reconnect_at = now + RECONNECT_INTERVAL
+        if first:
+            self.metrics.broker_up.set(0)
+            log.warning("worker %s: broker channel lost; reconnecting every %.0fs, %d requests keep running",
+                        self.name, RECONNECT_INTERVAL, len(self.inflight))
         for item in self.inflight.values():
             item.delivery = None  # the broker requeued these; a redelivery here is adopted
         self.incoming.clear()
         self._close_connection()
         try:
-            self._connect(max_retries=1)
-        except self._broker_errors() + (OperationalError, OSError):
-            log.warning("worker %s: broker unreachable; trying again", self.name)
+            self._connect(max_retries=0)
+        except self._broker_errors() + (OperationalError, OSError) as exc:
+            if first:
+                log.warning("worker %s: broker unreachable (%s); trying again", self.name, exc)
+            return
+        self._reconnect_at = 0.0
+        self.metrics.broker_reconnects.inc()
+        log.warning("worker %s: reconnected to the broker", self.name)
 
     def _on_delivery(self, _body, delivery: Message) -> None:
         self.incoming.append(delivery)
@@ -228,6 +274,8 @@ class EngineWorker:
             timeout = 0
 
     def _admit(self) -> None:
+        if not self._database_ready():
+            return  # deliveries wait in ``incoming`` (the window keeps more from coming)
         batch, self.incoming = self.incoming, []
         fresh: list[tuple[RequestMessage, Message]] = []
         for delivery in batch:
@@ -246,7 +294,13 @@ class EngineWorker:
                 self._ack(delivery)  # a duplicate of what this worker runs
         if not fresh:
             return
-        known = record_deliveries(self.db, [m.request_id for m, _ in fresh])
+        try:
+            known = record_deliveries(self.db, [m.request_id for m, _ in fresh])
+        except DATABASE_DOWN as exc:
+            self._database_down(exc)
+            self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
+            return
+        self._database_up()
         failures: list[tuple[Outcome, RequestMessage, Message, str | None]] = []
         for message, delivery in fresh:
             d = known.get(message.request_id)
@@ -297,7 +351,10 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 (anything else: hand it back, the attempt counts)
             del self.inflight[message.engine_id]
             log.exception("request %s could not be admitted", message.request_id)
-            note_error(self.db, message.request_id, f"{type(exc).__name__}: {exc}")
+            try:
+                note_error(self.db, message.request_id, f"{type(exc).__name__}: {exc}")
+            except DATABASE_DOWN as db_exc:  # the error goes unrecorded; the attempt still counts
+                self._database_down(db_exc)
             self._reject(item.delivery)
             return
         size = message.kv_tokens
@@ -317,8 +374,6 @@ class EngineWorker:
             if item is not None:
                 done.append((self._completed(item.message, output), item.message, item.delivery, None))
         self._record(done)
-        for _, message, _, _ in done:
-            self.inflight.pop(message.engine_id, None)
 
     def _completed(self, message: RequestMessage, output: RequestOutput) -> Outcome:
         line = response_line(message.batch_line(), output, self.engine.model_name, self.engine.tokenizer)
@@ -326,11 +381,25 @@ class EngineWorker:
                        prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens)
 
     def _record(self, items: list[tuple[Outcome, RequestMessage, Message | None, str | None]]) -> None:
-        """Commit the outcomes, then dead-letter what must be and ack every delivery."""
+        """Commit the outcomes, then dead-letter what must be and ack every delivery. While the
+        database is down they wait in ``_unrecorded``, their requests still in ``inflight`` (so a
+        redelivery is adopted, not run again) and their deliveries unacked."""
         if not items:
             return
-        recorded = record_outcomes(self.db, [o for o, *_ in items], self.name)
+        if not self._database_ready():
+            self._keep_unrecorded(items)
+            return
+        try:
+            recorded = record_outcomes(self.db, [o for o, *_ in items], self.name)
+        except DATABASE_DOWN as exc:
+            self._database_down(exc)
+            self._keep_unrecorded(items)
+            return
+        self._database_up()
         for outcome, message, delivery, dead_reason in items:
+            item = self.inflight.pop(message.engine_id, None)
+            if item is not None:
+                delivery = item.delivery  # the broker may have redelivered it since it finished
             if dead_reason is not None and delivery is not None:
                 self._dead_letter(delivery, dead_reason, self.settings.max_delivery_attempts)
             self._ack(delivery)
@@ -339,20 +408,62 @@ class EngineWorker:
             if outcome.request_id in recorded.new:
                 counter = self.metrics.finished if outcome.status is ResultStatus.COMPLETED else self.metrics.failed
                 counter.labels(message.tenant).inc()
-        finalize_later(self.tasks, recorded.finalize)
+        try:
+            finalize_later(self.tasks, recorded.finalize)
+        except Exception:  # noqa: BLE001 (the broker is down: the reconciler finalizes jobs left finalizing)
+            log.exception("worker %s: could not dispatch the finalizing of jobs %s", self.name, recorded.finalize)
+
+    def _keep_unrecorded(self, items: list) -> None:
+        self._unrecorded.extend(items)
+        self.metrics.outcomes_waiting.set(len(self._unrecorded))
+
+    def _record_waiting(self) -> None:
+        """Try again to commit the outcomes kept while the database was down, when a try is due."""
+        if self._unrecorded and self._database_ready():
+            items, self._unrecorded = self._unrecorded, []
+            self.metrics.outcomes_waiting.set(0)
+            self._record(items)
+
+    # ---- the database, which may go away for a while (a restart, a failover)
+    def _database_ready(self) -> bool:
+        """False while the database is down and its next try is not due yet."""
+        return self._db_down_since is None or time.monotonic() >= self._db_retry_at
+
+    def _database_down(self, exc: Exception) -> None:
+        """A call failed for want of the database: try again after a backoff; meanwhile the engine
+        keeps stepping, finished outcomes wait unacked and new deliveries wait unadmitted."""
+        self.metrics.database_errors.inc()
+        if self._db_down_since is None:
+            self._db_down_since, self._db_backoff = time.monotonic(), DATABASE_RETRY[0]
+            self.metrics.database_up.set(0)
+            log.warning("worker %s: database unreachable, %d requests keep running and their results wait: %s",
+                        self.name, len(self.inflight), str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        else:
+            self._db_backoff = min(2 * self._db_backoff, DATABASE_RETRY[1])
+        self._db_retry_at = time.monotonic() + self._db_backoff
+
+    def _database_up(self) -> None:
+        """A database call succeeded."""
+        if self._db_down_since is not None:
+            log.warning("worker %s: database back after %.1fs", self.name, time.monotonic() - self._db_down_since)
+            self._db_down_since = None
+            self.metrics.database_up.set(1)
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:
         try:
-            self.connection.heartbeat_check()
+            if not self._broken:  # on a lost connection kombu would try to connect, sleeping 2s
+                self.connection.heartbeat_check()
         except self._broker_errors():
             self._broken = True
-        self._drop_closed_jobs()
+        if self._database_ready():
+            self._drop_closed_jobs()
+            self._follow_tenants()
         self._resize_window()
         self.metrics.observe_kv(self.engine)
         if measure_queue and not self._broken:
             try:
-                self.metrics.queue_depth.set(queue_depth(self.connection, self.queue))
+                self.metrics.queue_depth.set(queue_depth(self.connection, self.queues.values()))
             except self._broker_errors():
                 self._broken = True
 
@@ -361,8 +472,13 @@ class EngineWorker:
         job_ids = {item.message.job_id for item in self.inflight.values()}
         if not job_ids:
             return
-        with self.db.session() as s:
-            closed = set(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(LIVE))))
+        try:
+            with self.db.session() as s:
+                closed = set(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(LIVE))))
+        except DATABASE_DOWN as exc:
+            self._database_down(exc)
+            return
+        self._database_up()
         for engine_id, item in list(self.inflight.items()):
             if item.message.job_id in closed:
                 self.engine.abort(engine_id)
@@ -371,13 +487,47 @@ class EngineWorker:
                 if self.checkpoints is not None:
                     self.checkpoints.finished(engine_id)
 
+    def _follow_tenants(self) -> None:
+        """Consume the queue of every tenant with live jobs for this model; set their weights."""
+        try:
+            tenants = live_tenants(self.db, self.engine.model_name)
+        except DATABASE_DOWN as exc:  # the queues already followed stay; new tenants once it is back
+            self._database_down(exc)
+            return
+        self._database_up()
+        for tenant, weight in tenants.items():
+            self.engine.set_tenant_share(tenant, weight)
+        new = [t for t in tenants if t not in self.queues]
+        if not new or self._broken:
+            return
+        try:
+            for tenant in new:
+                self.consumer.add_queue(self.topology.request_queue(self.engine.model_name, tenant))
+            self.consumer.consume()  # starts consuming the queues added
+        except self._broker_errors():
+            self._broken = True
+            return
+        for tenant in new:  # kept across reconnections: a new consumer starts with them all
+            self.queues[tenant] = self.topology.request_queue(self.engine.model_name, tenant)
+
+    def _set_prefetch(self, window: int) -> None:
+        """``window`` unacked deliveries per tenant queue, and twice that for all of them together.
+
+        RabbitMQ applies a per-consumer limit to the consumers started after it is set (a tenant
+        queue followed later, a reconnection), and a channel-wide one at once: so a resize takes
+        effect through the channel-wide cap, and many tenants cannot make a worker hoard the queue.
+        (The embedded transport keeps one channel-wide limit: the last one set.)
+        """
+        self.consumer.qos(prefetch_count=window)
+        self.consumer.qos(prefetch_count=2 * window, apply_global=True)
+
     def _resize_window(self) -> None:
         if self.settings.prefetch:
             return
         want = prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens)
         if abs(want - self.window) * 8 > self.window and not self._broken:  # not for every small change
             try:
-                self.consumer.qos(prefetch_count=want)
+                self._set_prefetch(want)
                 self.window = want
             except self._broker_errors():
                 self._broken = True
@@ -432,7 +582,8 @@ class EngineWorker:
         return self.connection.connection_errors + self.connection.channel_errors
 
     def _current(self, delivery: Message | None) -> bool:
-        return delivery is not None and not self._broken and delivery.channel is self.consumer.channel
+        return (delivery is not None and not self._broken and delivery.channel is self.consumer.channel
+                and not delivery.acknowledged)  # e.g. acked when its job closed while its outcome waited
 
     def _ack(self, delivery: Message | None) -> None:
         if self._current(delivery):

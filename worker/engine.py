@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,7 @@ class EngineStats:
     prompt_tokens_cached: int = 0  # prompt tokens taken from the prefix cache instead
     recomputed_tokens: int = 0  # generated tokens computed again after a preemption
     output_tokens: int = 0
+    output_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
     requests_finished: int = 0
     preemptions: int = 0
     forward_seconds: float = 0.0
@@ -249,6 +251,7 @@ class Engine:
             if logprob is not None:
                 seq.logprobs.append({"token_id": token, **logprob})
             self.stats.output_tokens += 1
+            self.stats.output_tokens_by_tenant[seq.request.tenant] += 1
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.finish_reason:
                 self.scheduler.finish(seq)

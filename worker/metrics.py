@@ -18,6 +18,8 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.output_tokens = Counter("berth_output_tokens", "Tokens generated", registry=r)
+        self.tenant_output_tokens = Counter("berth_tenant_output_tokens", "Tokens generated, by tenant", ["tenant"],
+                                            registry=r)
         self.prefill_tokens = Counter("berth_prefill_tokens",
                                       "Prompt tokens computed (prefix-cache hits excluded)", registry=r)
         self.output_rate = Gauge("berth_output_tokens_per_second",
@@ -54,7 +56,16 @@ class WorkerMetrics:
                                 "came back", ["kv"], registry=r)
         self.restored_tokens = Counter("berth_checkpoint_restored_tokens",
                                        "Generated tokens taken from checkpoints instead of generated again", registry=r)
+        self.broker_up = Gauge("berth_broker_up", "1 while the worker is connected to the broker, else 0", registry=r)
+        self.broker_reconnects = Counter("berth_broker_reconnects", "Connections to the broker made again after "
+                                         "losing one", registry=r)
+        self.database_up = Gauge("berth_database_up", "0 while the jobs database is failing, else 1", registry=r)
+        self.database_errors = Counter("berth_database_errors", "Database calls that failed for want of the database",
+                                       registry=r)
+        self.outcomes_waiting = Gauge("berth_outcomes_waiting", "Finished requests whose result waits for the "
+                                      "database to come back (their messages unacked)", registry=r)
         self._last = (0, 0, 0)  # engine totals last seen: output tokens, prompt tokens, preemptions
+        self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
 
     def serve(self, port: int) -> None:
@@ -68,6 +79,10 @@ class WorkerMetrics:
         self.prefill_tokens.inc(totals[1] - self._last[1])
         self.preemptions.inc(totals[2] - self._last[2])
         self._last = totals
+        for tenant, n in st.output_tokens_by_tenant.items():
+            if n != self._last_by_tenant.get(tenant, 0):
+                self.tenant_output_tokens.labels(tenant).inc(n - self._last_by_tenant.get(tenant, 0))
+                self._last_by_tenant[tenant] = n
         self.step_seconds.observe(seconds)
         t = time.monotonic()
         self._window.append((t, totals[0], totals[1]))

@@ -3,9 +3,12 @@
 Each tenant keeps its own queue ordered by ``priority * aging_steps - arrival_step``: a request
 gains one priority level for every ``aging_steps`` steps it waits, so an old low-priority request
 eventually passes new high-priority ones and nothing starves. The next admission goes to the
-tenant whose first request has the highest aged priority; between tenants at the same level, to
-the one running the fewest sequences for its share, so tenants with equal shares get equal slots
-(and so equal decode tokens) while both have work waiting.
+tenant running the fewest sequences for its share, so tenants with equal shares get equal slots
+(and so equal decode tokens) while both have work waiting; between tenants equally served, to the
+one whose first request has the highest aged priority.
+
+Priority orders a tenant's own work, not one tenant against another: a job's priority is the
+tenant's choice, and if it outranked shares, any tenant could take every seat by asking for 9.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class WaitingQueue:
             if not queue:
                 continue
             key, head = queue[0]
-            rank = (-self.level(head, step), load[tenant] / self.shares.get(tenant, 1.0), key)
+            rank = (load[tenant] / self.shares.get(tenant, 1.0), -self.level(head, step), key)
             if best_rank is None or rank < best_rank:
                 best, best_rank = head, rank
         return best
