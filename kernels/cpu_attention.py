@@ -3,7 +3,7 @@
 PyTorch cannot attend over a paged cache without first gathering every sequence's blocks into a
 padded copy; at a few hundred running requests that copy, not the matrix multiplies, bounds a CPU
 decode step. The C kernel reads each cached key and value once, in place. It is compiled once per
-source, compiler and CPU into ``$BERTH_KERNEL_CACHE`` (default ``~/.cache/berth/kernels``) and
+source, compiler and CPU into ``$BERTH_CACHE_DIR/kernels`` (default ``~/.cache/berth/kernels``) and
 shares PyTorch's OpenMP runtime. ``available()`` is False where no compiler works; the engine then
 keeps the PyTorch path.
 """
@@ -45,7 +45,9 @@ def _library():
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + compiler.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("BERTH_KERNEL_CACHE", Path.home() / ".cache" / "berth" / "kernels"))
+    from worker.config import cache_dir
+
+    cache = cache_dir("kernels")
     target = cache / f"cpu_decode-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)

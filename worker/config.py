@@ -42,6 +42,12 @@ def default_model_path() -> str:
     return str(path)
 
 
+def cache_dir(kind: str) -> Path:
+    """Where berth keeps what it derives once and reuses (built kernels, converted tokenizers):
+    ``$BERTH_CACHE_DIR/<kind>``, by default ``~/.cache/berth/<kind>``. Safe to delete."""
+    return Path(os.environ.get("BERTH_CACHE_DIR") or Path.home() / ".cache" / "berth") / kind
+
+
 def parse_memory(text: str | float | int) -> float:
     """'2GiB', '512MB', '1073741824' -> bytes; '0.4' (at most 1) -> a fraction of free memory."""
     if isinstance(text, (int, float)):
