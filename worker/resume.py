@@ -125,6 +125,17 @@ class Restorer:
     def observe_step(self) -> None:
         self.rates.observe_step(self.engine.stats)
 
+    def estimate(self, num_blocks: int) -> tuple[float, float]:
+        """Seconds to read ``num_blocks`` KV blocks back and to compute them again, at the rates measured so far."""
+        return (self.rates.load_seconds(num_blocks, self.block_bytes),
+                self.rates.recompute_seconds(num_blocks, self.block_size))
+
+    def reads_blocks(self, num_blocks: int) -> bool:
+        """Whether a request resuming with ``num_blocks`` KV blocks on the store gets them read back (True)
+        or recomputed by prefill (False): the choice ``submit`` makes, asked without side effects."""
+        load, recompute = self.estimate(num_blocks)
+        return num_blocks > 0 and load < recompute
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -143,12 +154,11 @@ class Restorer:
             log.warning("request %s starts over: its checkpoint does not apply: %s", rid, reason)
             return _Fetched(request)
         hashes = checkpoint.block_hashes()
-        load = self.rates.load_seconds(len(hashes), self.block_bytes)
-        recompute = self.rates.recompute_seconds(len(hashes), self.block_size)
+        load, recompute = self.estimate(len(hashes))
+        read = self.reads_blocks(len(hashes))
         log.info("request %s resumes at %d generated tokens; its %d KV blocks: %s (%.3fs to read, %.3fs to compute)",
-                 rid, checkpoint.output_tokens, len(hashes), "read" if load < recompute else "recomputed",
-                 load, recompute)
-        if not hashes or load >= recompute:
+                 rid, checkpoint.output_tokens, len(hashes), "read" if read else "recomputed", load, recompute)
+        if not read:
             return _Fetched(request, checkpoint)
         return _Fetched(request, checkpoint, *self._read_blocks(rid, hashes))
 
