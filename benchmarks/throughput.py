@@ -424,8 +424,12 @@ def print_report(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Bar plot of useful output tokens/s per system that ran."""
-    import matplotlib
+    """Bar plot of useful output tokens/s per system that ran (skipped, saying so, without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install -e '.[bench]'); the figures are in {path.with_suffix('.json')}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -442,13 +446,14 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    print(f"wrote {path}")
 
 
 def write_report(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
     plot(report, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
 
 
 # ---------------------------------------------------------------- main
