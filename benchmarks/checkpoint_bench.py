@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (QUICK_REQUESTS, WARMUP_PROMPTS, WARMUP_TOKENS, berth_settings,  # noqa: E402
+from benchmarks.throughput import (QUICK_REQUESTS, WARMUP_PROMPTS, add_workload_options, WARMUP_TOKENS, berth_settings,  # noqa: E402
                                    clock, greedy_params, machine_info, useful_timing)
 from benchmarks.workload import Workload, corpus_token_ids, make_workload  # noqa: E402
 from storage import ObjectStore, open_store  # noqa: E402
@@ -73,10 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("restore", "overhead"), default=None, help="run one measurement")
-    parser.add_argument("--model", default="", help="GGUF file or safetensors folder (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads (default: all cores, %(default)s)")
+    add_workload_options(parser)  # --requests / --quick: the overhead measurement's workload
     parser.add_argument("--storage-url", default="", help="s3://BUCKET/PREFIX or file:///FOLDER "
                         "(default: a moto S3 server started in a child process)")
     parser.add_argument("--interval", type=int, default=16, help="checkpoint every this many tokens (default: 16)")
@@ -84,9 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="restore: context lengths in tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="restore: timings of each path (default: 3)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead: off/on pairs (default: 3)")
-    parser.add_argument("--requests", type=int, default=256, help="overhead: number of requests (default: 256)")
-    parser.add_argument("--quick", action="store_true", help=f"overhead: {QUICK_REQUESTS} requests")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-memory", default="auto", help="overhead: the engine's KV cache, as in "
                         "throughput.py (default: auto = every request at once)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -53,7 +53,8 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import QUICK_REQUESTS, berth_settings, clock, machine_info, warmed_engine  # noqa: E402
+from benchmarks.throughput import (QUICK_REQUESTS, add_workload_options, berth_settings, clock,  # noqa: E402
+                                   machine_info, warmed_engine)
 from benchmarks.workload import Workload, make_workload  # noqa: E402
 from worker.config import Settings, default_model_path  # noqa: E402
 from worker.engine import DTYPES, Engine  # noqa: E402
@@ -71,13 +72,7 @@ PROBE_START_TIMEOUT = 120.0  # seconds for the status probe process to import be
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="", help="GGUF file or safetensors folder (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads (default: all cores, %(default)s)")
-    parser.add_argument("--requests", type=int, default=256, help="number of requests (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_options(parser)
     parser.add_argument("--rounds", type=int, default=1, help="runs of every system, alternating (default: 1)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: servers, submit")
     parser.add_argument("--kv-memory", default="auto", help="the engine's KV cache; auto = enough for every "

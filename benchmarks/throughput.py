@@ -54,9 +54,8 @@ ROOF_REPEATS = 5
 
 
 # ---------------------------------------------------------------- command line
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark here shares: the model, its dtype, the threads and the workload."""
     parser.add_argument("--model", default="", help="GGUF file or safetensors folder (default: SmolLM2-135M)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -64,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=256, help="number of requests (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_options(parser)
     parser.add_argument("--skip", default="", help="comma-separated systems to skip: static, continuous")
     parser.add_argument("--kv-memory", default="auto", help="berth's KV cache (bytes with a unit, e.g. 4GiB); "
                         "auto = enough for every request at once. transformers' continuous batching gets as many "
@@ -428,7 +433,8 @@ def plot(report: dict, path: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        print(f"no plot: matplotlib is not installed (pip install -e '.[bench]'); the figures are in {path.with_suffix('.json')}")
+        print(f"no plot: matplotlib is not installed (pip install -e '.[bench]'); "
+              f"the figures are in {path.with_suffix('.json')}")
         return
 
     matplotlib.use("Agg")
