@@ -161,3 +161,31 @@ def test_checkpoint_state_and_kv_blocks_restore_in_another_engine(tiny_loaded, t
     assert outs[0].completions[0].token_ids == whole
     restored = len(sample.block_hashes) * 16
     assert second.stats.prompt_tokens_computed + second.stats.recomputed_tokens == 70 + 14 - restored
+
+
+def test_a_stop_string_late_in_a_long_output(tiny_loaded):
+    """Stop strings are looked for in the last tokens only; one that first appears late in a long
+    output still stops it at the same token and cuts the text at the same place as a full search."""
+    engine = Engine(loaded=tiny_loaded, kv_memory="16MiB", threads=1)
+    tok = engine.tokenizer
+    full = run(engine, [[5, 6, 7]], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))[0].completions[0]
+    text = full.text
+    # a stop string across a token boundary late in the text: the tail must hold several tokens
+    ids = full.token_ids
+    for k in range(int(0.8 * len(ids)), len(ids)):
+        before = tok.decode(ids[:k], skip_special_tokens=True)
+        if before == text[:len(before)] and len(before) >= 2 and len(text) - len(before) >= 2:
+            stop = text[len(before) - 2:len(before) + 2]
+            if stop.strip() == stop and len(set(stop)) > 1:
+                break
+    first = text.index(stop)
+    assert first > 100, "pick a stop string that first appears late (the test is too easy)"
+    want_tokens = next(n for n in range(1, len(full.token_ids) + 1)
+                       if stop in tok.decode(full.token_ids[:n], skip_special_tokens=True))
+    stops = ("never \x00", stop)
+    assert want_tokens > 4 * max(map(len, stops)) + 8, "the match must lie beyond the decoded window"
+    got = run(engine, [[5, 6, 7]], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True,
+                                                  stop=stops))[0].completions[0]
+    assert got.finish_reason == "stop"
+    assert got.token_ids == full.token_ids[:want_tokens]
+    assert got.text == text[:first]

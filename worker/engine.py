@@ -297,8 +297,19 @@ class Engine:
         return None
 
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in seq.request.params.stop) if i >= 0]
+        """Whether the output now holds a stop string (and where the text ends). Checked after
+        every token: only the last tokens are decoded (a new match ends in the newest token, and a
+        character takes at most 4 byte tokens), and the whole output only to place a match, which
+        ends the sequence; decoding it all every step would be quadratic in its length."""
+        stops = seq.request.params.stop
+        ids = seq.output_token_ids
+        window = 4 * max(map(len, stops)) + 8
+        if len(ids) > window:
+            tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            if not any(s in tail for s in stops):
+                return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
         if hits:
             seq.stop_text_end = min(hits)
         return bool(hits)
