@@ -326,17 +326,22 @@ def _queue_counts(prefix: str) -> dict[str, tuple[int, int]]:
     return {r[0]: (int(r[1]), int(r[2])) for r in rows if len(r) == 3 and r[0].startswith(prefix + ".")}
 
 
+def _job_on_the_servers(tmp_path, tiny_llama_dir, pg_url, queue_prefix, lengths: list[int]):
+    """The job queued in RabbitMQ and PostgreSQL, and a worker process started on it."""
+    settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
+                             storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=SEATS, drain_timeout=10)
+    requests = _job(tmp_path, lengths)
+    job = api.submit(requests, settings, eager=True)
+    worker = Worker({**os.environ, **tiny_env(settings)}, tmp_path / "worker.log")
+    return settings, requests, job, open_database(pg_url), worker
+
+
 @pytest.mark.slow
 def test_rabbitmq_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
     _require_service_control("rabbitmqctl", "rabbitmq-server")
     lengths = [300] * 24  # more than the worker's window: most messages wait in the broker through the restart
     total = sum(lengths)
-    settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
-                             storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=SEATS, drain_timeout=10)
-    requests = _job(tmp_path, lengths)
-    job = api.submit(requests, settings, eager=True)
-    db = open_database(pg_url)
-    worker = Worker({**os.environ, **tiny_env(settings)}, tmp_path / "worker.log")
+    settings, requests, job, db, worker = _job_on_the_servers(tmp_path, tiny_llama_dir, pg_url, queue_prefix, lengths)
     try:
         worker.run_until(0.2 * total)
         waiting = sum(ready for ready, _ in _queue_counts(queue_prefix).values())
@@ -371,12 +376,7 @@ def test_postgresql_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_pr
     _require_service_control("pg_ctlcluster")
     lengths = [300 + 25 * (i % 8) for i in range(16)]  # requests finish at different moments
     total = sum(lengths)
-    settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
-                             storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=SEATS, drain_timeout=10)
-    requests = _job(tmp_path, lengths)
-    job = api.submit(requests, settings, eager=True)
-    db = open_database(pg_url)
-    worker = Worker({**os.environ, **tiny_env(settings)}, tmp_path / "worker.log")
+    settings, requests, job, db, worker = _job_on_the_servers(tmp_path, tiny_llama_dir, pg_url, queue_prefix, lengths)
     try:
         worker.run_until(0.25 * total)
         assert _results(db)[0] < len(lengths), "the job ended before the outage: make the requests longer"
