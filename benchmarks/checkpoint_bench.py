@@ -27,7 +27,6 @@ set, or ``file:///folder``). Every run writes under a fresh prefix and deletes i
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -47,13 +46,14 @@ from typing import Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (QUICK_REQUESTS, WARMUP_PROMPTS, add_workload_options, WARMUP_TOKENS, berth_settings,  # noqa: E402
-                                   clock, greedy_params, machine_info, useful_timing)
+from benchmarks.throughput import (WARMUP_PROMPTS, WARMUP_TOKENS, add_workload_options,  # noqa: E402
+                                   berth_settings, clock, greedy_params, machine_info, parse_workload_args,
+                                   save_report, useful_timing)
 from benchmarks.workload import Workload, corpus_token_ids, make_workload  # noqa: E402
 from storage import ObjectStore, open_store  # noqa: E402
 from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key  # noqa: E402
 from worker.checkpointer import Checkpointer  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
+from worker.config import Settings  # noqa: E402
 from worker.engine import DTYPES, Engine, EngineStats  # noqa: E402
 from worker.metrics import WorkerMetrics  # noqa: E402
 from worker.model_loader import LoadedModel, load_model  # noqa: E402
@@ -81,21 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="restore: context lengths in tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="restore: timings of each path (default: 3)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead: off/on pairs (default: 3)")
-    parser.add_argument("--kv-memory", default="auto", help="overhead: the engine's KV cache, as in "
-                        "throughput.py (default: auto = every request at once)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: benchmarks/results/checkpoint-<dtype>[-quick].json)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests = QUICK_REQUESTS
+    args = parse_workload_args(parser, argv, "checkpoint")
     args.contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     if args.interval < 1:
         parser.error("--interval must be at least 1")
-    if args.out is None:
-        args.out = Path("benchmarks/results") / f"checkpoint-{args.dtype}{'-quick' if args.quick else ''}.json"
-    args.model = args.model or default_model_path()
     return args
 
 
@@ -555,9 +546,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["overhead"] = run_overhead(loaded, args, base_url, server_pid)
             print_overhead(report["overhead"])
     report["load_average_1m_end"] = round(os.getloadavg()[0], 2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    save_report(report, args.out)
     return report
 
 

@@ -53,10 +53,10 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (QUICK_REQUESTS, add_workload_options, berth_settings, clock,  # noqa: E402
-                                   machine_info, warmed_engine)
+from benchmarks.throughput import (add_workload_options, berth_settings, clock,  # noqa: E402
+                                   machine_info, parse_workload_args, save_report, warmed_engine)
 from benchmarks.workload import Workload, make_workload  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
+from worker.config import Settings  # noqa: E402
 from worker.engine import DTYPES, Engine  # noqa: E402
 from worker.model_loader import LoadedModel, load_model  # noqa: E402
 
@@ -75,10 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_workload_options(parser)
     parser.add_argument("--rounds", type=int, default=1, help="runs of every system, alternating (default: 1)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: servers, submit")
-    parser.add_argument("--kv-memory", default="auto", help="the engine's KV cache; auto = enough for every "
-                        "request at once (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--checkpoint-interval", type=int, default=None,
                         help="the worker's checkpoint interval in tokens (default: berth's default; 0 = off)")
     parser.add_argument("--status-interval", type=float, default=0.1,
@@ -90,15 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: benchmarks/results/end_to_end-<dtype>[-quick].json)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests = QUICK_REQUESTS
+    args = parse_workload_args(parser, argv, "end_to_end")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.skip - {"servers", "submit"}:
         parser.error(f"--skip takes servers and/or submit, not {sorted(args.skip - {'servers', 'submit'})}")
-    if args.out is None:
-        args.out = Path("benchmarks/results") / f"end_to_end-{args.dtype}{'-quick' if args.quick else ''}.json"
-    args.model = args.model or default_model_path()
     return args
 
 
@@ -557,9 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     drop_samples(rounds)
     print_report(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    save_report(report, args.out)
     return report
 
 

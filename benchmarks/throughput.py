@@ -55,7 +55,8 @@ ROOF_REPEATS = 5
 
 # ---------------------------------------------------------------- command line
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
-    """The options every benchmark here shares: the model, its dtype, the threads and the workload."""
+    """The options every benchmark here shares: the model, its dtype, the threads, the workload and
+    the engine settings ``berth_settings`` reads. Parse with ``parse_workload_args``."""
     parser.add_argument("--model", default="", help="GGUF file or safetensors folder (default: SmolLM2-135M)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -63,6 +64,24 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=256, help="number of requests (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-memory", default="auto", help="berth's KV cache (bytes with a unit, e.g. 4GiB); "
+                        "auto = enough for every request at once (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one engine step (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="cap on running requests (default: %(default)s)")
+
+
+def parse_workload_args(parser: argparse.ArgumentParser, argv: list[str] | None, name: str) -> argparse.Namespace:
+    """``parser``'s arguments with the shared ones resolved: ``--quick`` sets the number of requests,
+    ``--model`` defaults to SmolLM2-135M, ``--out`` to ``benchmarks/results/<name>-<dtype>[-quick].json``."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = QUICK_REQUESTS
+    if args.out is None:
+        args.out = Path("benchmarks/results") / f"{name}-{args.dtype}{'-quick' if args.quick else ''}.json"
+    args.model = args.model or default_model_path()
+    return args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,24 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_options(parser)
     parser.add_argument("--skip", default="", help="comma-separated systems to skip: static, continuous")
-    parser.add_argument("--kv-memory", default="auto", help="berth's KV cache (bytes with a unit, e.g. 4GiB); "
-                        "auto = enough for every request at once. transformers' continuous batching gets as many "
-                        "blocks of the same size (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="token budget of one step, berth and transformers continuous (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=256,
-                        help="cap on running requests, berth and transformers continuous (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: "
                         "benchmarks/results/throughput-<dtype>[-quick].json); the plot goes beside it")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests = QUICK_REQUESTS
+    args = parse_workload_args(parser, argv, "throughput")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.skip - {"static", "continuous"}:
         parser.error(f"--skip takes static and/or continuous, not {sorted(args.skip - {'static', 'continuous'})}")
-    if args.out is None:
-        args.out = Path("benchmarks/results") / f"throughput-{args.dtype}{'-quick' if args.quick else ''}.json"
-    args.model = args.model or default_model_path()
     return args
 
 
@@ -455,10 +462,15 @@ def plot(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def write_report(report: dict, out: Path) -> None:
+def save_report(report: dict, out: Path) -> None:
+    """The report as JSON at ``out`` (folders made as needed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}")
+
+
+def write_report(report: dict, out: Path) -> None:
+    save_report(report, out)
     plot(report, out.with_suffix(".png"))
 
 
