@@ -497,18 +497,17 @@ class EngineWorker:
         self._database_up()
         for tenant, weight in tenants.items():
             self.engine.set_tenant_share(tenant, weight)
-        new = [t for t in tenants if t not in self.queues]
+        new = {t: self.topology.request_queue(self.engine.model_name, t) for t in tenants if t not in self.queues}
         if not new or self._broken:
             return
         try:
-            for tenant in new:
-                self.consumer.add_queue(self.topology.request_queue(self.engine.model_name, tenant))
+            for queue in new.values():
+                self.consumer.add_queue(queue)
             self.consumer.consume()  # starts consuming the queues added
         except self._broker_errors():
             self._broken = True
             return
-        for tenant in new:  # kept across reconnections: a new consumer starts with them all
-            self.queues[tenant] = self.topology.request_queue(self.engine.model_name, tenant)
+        self.queues.update(new)  # kept across reconnections: a new consumer starts with them all
 
     def _set_prefetch(self, window: int) -> None:
         """``window`` unacked deliveries per tenant queue, and twice that for all of them together.
