@@ -8,7 +8,7 @@
  * dtype: 0 = float32, 1 = bfloat16 (q, caches and out share it). Accumulation is float32.
  * One task per (sequence, kv head) computes all the query heads of that group, so each K/V row is
  * read once; an online softmax runs block by block. With AVX-512 and head_dim 64 (the default
- * model's), a batch of sequences goes one task per sequence instead (see attend_sequence_64).
+ * model's) the same tasks run vectorised code (see attend_heads_64).
  */
 #include <math.h>
 #include <stdint.h>
@@ -117,7 +117,8 @@ static inline __m512 exp512(__m512 x) { /* exp(x), x <= 0: 2^n * p(r), Cephes' p
     return _mm512_scalef_ps(p, n);
 }
 
-static inline void load_row64(const void *base, int64_t index, int dtype, __m512 row[4]) {
+static inline __attribute__((always_inline)) void load_row64(const void *base, int64_t index, int dtype,
+                                                              __m512 row[4]) {
     if (dtype == 0) {
         const float *src = (const float *)base + index;
         for (int j = 0; j < 4; j++) row[j] = _mm512_loadu_ps(src + 16 * j);
@@ -130,71 +131,142 @@ static inline void load_row64(const void *base, int64_t index, int dtype, __m512
     }
 }
 
-static void attend_sequence_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-                               int context_len, void *out, int seq, int num_heads, int num_kv_heads,
-                               int block_size, float scale, int dtype) {
-    enum { D = 64, MAX_HEADS = 64 };
-    const int group = num_heads / num_kv_heads;
-    __m512 qv[MAX_HEADS][4];
-    float acc[MAX_HEADS][D] __attribute__((aligned(64)));
-    float m[MAX_HEADS], l[MAX_HEADS];
-    for (int h = 0; h < num_heads; h++) {
-        load_row64(q, ((int64_t)seq * num_heads + h) * D, dtype, qv[h]);
-        for (int j = 0; j < 4; j++) qv[h][j] = _mm512_mul_ps(qv[h][j], _mm512_set1_ps(scale));
-        memset(acc[h], 0, sizeof acc[h]);
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
+/* Lane t of the result is the sum of the 16 lanes of v[t]: sixteen dot products finished with 15
+ * shuffle-and-add steps, instead of a horizontal reduction per token. */
+static inline __attribute__((always_inline)) __m512 transpose_sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], z[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3] */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: one partial sum of each of v4i .. v4i+3 */
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * D;
-    for (int start = 0, run; start < context_len; start += run) {
-        const int block = table[start / block_size], offset = start % block_size;
-        run = context_len - start < 16 ? context_len - start : 16;
-        if (run > block_size - offset) run = block_size - offset;  /* a run of tokens stays in one block */
-        const int64_t first = ((int64_t)block * block_size + offset) * slot_stride;
-        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
-            for (int g = 0; g < group; g++) {
-                const int h = kvh * group + g;
-                float s[16] __attribute__((aligned(64)));
-                for (int t = 0; t < run; t++) {
-                    __m512 k[4];
-                    load_row64(k_cache, first + t * slot_stride + (int64_t)kvh * D, dtype, k);
-                    __m512 a = _mm512_mul_ps(qv[h][0], k[0]), b = _mm512_mul_ps(qv[h][2], k[2]);
-                    a = _mm512_fmadd_ps(qv[h][1], k[1], a);
-                    b = _mm512_fmadd_ps(qv[h][3], k[3], b);
-                    s[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-                }
-                const __mmask16 valid = (__mmask16)((1u << run) - 1u);
-                const __m512 scores = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s);
-                const float run_max = _mm512_reduce_max_ps(scores);
-                const float new_max = run_max > m[h] ? run_max : m[h];
-                const float correction = m[h] == -INFINITY ? 0.0f : expf(m[h] - new_max);
-                const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-                l[h] = l[h] * correction + _mm512_reduce_add_ps(p);
-                m[h] = new_max;
-                _mm512_store_ps(s, p);
-                __m512 o[4];
-                for (int j = 0; j < 4; j++) o[j] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * j), _mm512_set1_ps(correction));
-                for (int t = 0; t < run; t++) {
-                    __m512 v[4];
-                    load_row64(v_cache, first + t * slot_stride + (int64_t)kvh * D, dtype, v);
-                    const __m512 w = _mm512_set1_ps(s[t]);
-                    for (int j = 0; j < 4; j++) o[j] = _mm512_fmadd_ps(w, v[j], o[j]);
-                }
-                for (int j = 0; j < 4; j++) _mm512_store_ps(acc[h] + 16 * j, o[j]);
-            }
-        }
-    }
-    for (int h = 0; h < num_heads; h++) {
-        const int64_t oi = ((int64_t)seq * num_heads + h) * D;
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        if (dtype == 0) {
-            for (int i = 0; i < D; i++) ((float *)out)[oi + i] = acc[h][i] * inv;
-        } else {
-            for (int i = 0; i < D; i++) ((uint16_t *)out)[oi + i] = f32_to_bf16(acc[h][i] * inv);
+    for (int i = 0; i < 2; i++)  /* fold the four 128-bit lanes of each x into two */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The length of the run of tokens that starts at ``start``: up to 16, within one block. */
+static inline int run_length(int start, int context_len, int block_size) {
+    int run = context_len - start < 16 ? context_len - start : 16;
+    const int room = block_size - start % block_size;
+    return run < room ? run : room;
+}
+
+/* Prefetch the key and value rows of kv head ``kvh`` in the run that starts at ``start``. Each run lies
+ * in another block, where the hardware prefetcher loses the stream: fetching the next run while the
+ * current one computes made decode attention 1.3 (float32) to 1.7 (bfloat16) times as fast on a
+ * cache too large for the CPU's caches. Fetching two or three runs ahead was slower. */
+static inline __attribute__((always_inline)) void prefetch_run(
+        const void *k_cache, const void *v_cache, const int32_t *table, int context_len, int start, int kvh,
+        int64_t slot_stride, int block_size, int dtype) {
+    const int run = run_length(start, context_len, block_size), esize = dtype == 0 ? 4 : 2;
+    const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
+                          + (int64_t)kvh * 64;
+    for (int t = 0; t < run; t++) {
+        const char *krow = (const char *)k_cache + (first + t * slot_stride) * esize;
+        const char *vrow = (const char *)v_cache + (first + t * slot_stride) * esize;
+        for (int b = 0; b < 64 * esize; b += 64) {
+            _mm_prefetch(krow + b, _MM_HINT_T0);
+            _mm_prefetch(vrow + b, _MM_HINT_T0);
         }
     }
 }
-#define HAVE_SEQUENCE_64 1
+
+/* NG (1 to 4, a constant after inlining) query heads h0 .. h0+NG-1 sharing kv head ``kvh`` attend
+ * over the whole context: each key and value row is loaded once for all of them. Per run of up to
+ * 16 tokens: NG x 16 dot products reduced together, an online-softmax update with a vector
+ * exponential, then the weighted values into registers of accumulators. */
+static inline __attribute__((always_inline)) void attend_heads_64(
+        const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+        int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
+        float scale, int dtype) {
+    enum { D = 64 };
+    __m512 qv[4][4], acc[4][4], part[4][16];
+    float m[4], l[4], p[4][16] __attribute__((aligned(64)));
+    for (int g = 0; g < NG; g++) {
+        load_row64(q, ((int64_t)seq * num_heads + h0 + g) * D, dtype, qv[g]);
+        for (int j = 0; j < 4; j++) {
+            qv[g][j] = _mm512_mul_ps(qv[g][j], _mm512_set1_ps(scale));
+            acc[g][j] = _mm512_setzero_ps();
+        }
+        for (int t = 0; t < 16; t++) part[g][t] = _mm512_setzero_ps();
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t slot_stride = (int64_t)num_kv_heads * D;
+    for (int start = 0, run; start < context_len; start += run) {
+        const int offset = start % block_size;
+        run = run_length(start, context_len, block_size);
+        const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
+                              + (int64_t)kvh * D;
+        if (start + run < context_len)  /* the next run lies in another block: fetch it while this one computes */
+            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, dtype);
+        for (int t = 0; t < run; t++) {
+            __m512 k[4];
+            load_row64(k_cache, first + t * slot_stride, dtype, k);
+            for (int g = 0; g < NG; g++) {
+                __m512 a = _mm512_mul_ps(qv[g][0], k[0]), b = _mm512_mul_ps(qv[g][2], k[2]);
+                a = _mm512_fmadd_ps(qv[g][1], k[1], a);
+                b = _mm512_fmadd_ps(qv[g][3], k[3], b);
+                part[g][t] = _mm512_add_ps(a, b);
+            }
+        }
+        const __mmask16 valid = (__mmask16)((1u << run) - 1u);
+        for (int g = 0; g < NG; g++) {
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, transpose_sum16(part[g]));
+            const float run_max = _mm512_reduce_max_ps(scores);
+            const float new_max = run_max > m[g] ? run_max : m[g];
+            const float correction = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+            l[g] = l[g] * correction + _mm512_reduce_add_ps(e);
+            m[g] = new_max;
+            _mm512_store_ps(p[g], e);
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(correction));
+        }
+        for (int t = 0; t < run; t++) {
+            __m512 v[4];
+            load_row64(v_cache, first + t * slot_stride, dtype, v);
+            for (int g = 0; g < NG; g++) {
+                const __m512 w = _mm512_set1_ps(p[g][t]);
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
+            }
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        const int64_t oi = ((int64_t)seq * num_heads + h0 + g) * D;
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        float row[D] __attribute__((aligned(64)));
+        for (int j = 0; j < 4; j++) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+        if (dtype == 0) {
+            memcpy((float *)out + oi, row, sizeof row);
+        } else {
+            for (int i = 0; i < D; i++) ((uint16_t *)out)[oi + i] = f32_to_bf16(row[i]);
+        }
+    }
+}
+
+/* Every query head of kv head ``kvh`` of one sequence, four at a time. */
+static void attend_kv_head_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                              int context_len, void *out, int seq, int kvh, int num_heads, int num_kv_heads,
+                              int block_size, float scale, int dtype) {
+    const int group = num_heads / num_kv_heads;
+    for (int g0 = 0; g0 < group; g0 += 4) {
+        const int h0 = kvh * group + g0;
+#define ATTEND(NG) attend_heads_64(NG, q, k_cache, v_cache, table, context_len, out, seq, h0, kvh, num_heads, \
+                                   num_kv_heads, block_size, scale, dtype)
+        switch (group - g0 < 4 ? group - g0 : 4) {
+            case 1: ATTEND(1); break;
+            case 2: ATTEND(2); break;
+            case 3: ATTEND(3); break;
+            default: ATTEND(4); break;
+        }
+#undef ATTEND
+    }
+}
+#define HAVE_HEADS_64 1
 #endif
 
 int berth_limits(int *max_group, int *max_head_dim, int *max_block) {
@@ -207,12 +279,14 @@ int berth_limits(int *max_group, int *max_head_dim, int *max_block) {
 void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, int max_blocks, float scale, int dtype, int num_threads) {
-#ifdef HAVE_SEQUENCE_64
-    if (head_dim == 64 && num_heads <= 64 && num_seqs >= 4 * num_threads) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#ifdef HAVE_HEADS_64
+    if (head_dim == 64) {
+        #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
         for (int s = 0; s < num_seqs; s++) {
-            attend_sequence_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out, s,
-                               num_heads, num_kv_heads, block_size, scale, dtype);
+            for (int h = 0; h < num_kv_heads; h++) {
+                attend_kv_head_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out,
+                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype);
+            }
         }
         return;
     }
