@@ -93,12 +93,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         table = block_tables[s, : (ctx + block_size - 1) // block_size]
         k = _gather(k_cache, table)[:, :ctx].to(q.dtype)  # [kvh, ctx, d]
         v = _gather(v_cache, table)[:, :ctx].to(q.dtype)
-        qs = q[lo:hi].transpose(0, 1)  # [h, q_len, d]
+        # Each kv head repeated for its query heads, in 4-D: PyTorch's CPU flash kernel takes that
+        # shape, while 3-D or enable_gqa falls back to the unfused math path (2-3 times slower).
+        group = q.shape[1] // k.shape[0]
+        k = k.repeat_interleave(group, dim=0)[None]
+        v = v.repeat_interleave(group, dim=0)[None]
+        qs = q[lo:hi].transpose(0, 1)[None]  # [1, h, q_len, d]
         if q_len == ctx:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
         else:
             pos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[lo:hi] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        out[lo:hi] = o[0].transpose(0, 1)
     return out
