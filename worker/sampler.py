@@ -54,7 +54,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         if r.num_output_tokens < r.params.min_tokens and r.suppress_ids:
             logits[i, list(r.suppress_ids)] = float("-inf")
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
+    if len(greedy) == n:  # the common bulk case: no copy of the logits
+        tokens = logits.argmax(dim=-1).cpu()
+    elif greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
