@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionOps
+from worker.linear import Linear, make_linear
 
 
 @dataclass
@@ -35,11 +36,11 @@ class StepInput:
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,17 +73,17 @@ class LlamaModel:
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w.pop("lm_head.weight"))
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             self.layers.append(Layer(
                 input_norm=w[p + "input_layernorm.weight"],
-                qkv=torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                o=w[p + "self_attn.o_proj.weight"],
+                qkv=make_linear(torch.cat([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                o=make_linear(w.pop(p + "self_attn.o_proj.weight")),
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                down=w[p + "mlp.down_proj.weight"]))
+                gate_up=make_linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+                down=make_linear(w.pop(p + "mlp.down_proj.weight"))))
         # Rotary tables for every position, from transformers' own rotary module (rope scaling
         # variants included), in the same float32 arithmetic, cast to the model dtype.
         rotary = LlamaRotaryEmbedding(config)
@@ -102,21 +103,21 @@ class LlamaModel:
         h = self.embed[step.input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, self.eps)
-            q, k, v = F.linear(x, layer.qkv).split([H * D, KVH * D, KVH * D], dim=-1)
+            q, k, v = layer.qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
             q = q.view(T, H, D)
             k = k.view(T, KVH, D)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             self.ops.write_kv(k, v.view(T, KVH, D), k_cache, v_cache, step.slot_mapping)
             attn = self._attention(q, k_cache, v_cache, step)
-            h = h + F.linear(attn.view(T, H * D), layer.o)
+            h = h + layer.o(attn.view(T, H * D))
             x = rms_norm(h, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h[step.logits_rows], self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _attention(self, q, k_cache, v_cache, step: StepInput) -> torch.Tensor:
         nd = step.num_decode
