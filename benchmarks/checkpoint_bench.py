@@ -52,6 +52,7 @@ from benchmarks.throughput import (WARMUP_PROMPTS, WARMUP_TOKENS, add_workload_o
 from benchmarks.workload import Workload, corpus_token_ids, make_workload  # noqa: E402
 from storage import ObjectStore, open_store  # noqa: E402
 from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key  # noqa: E402
+from worker.checkpoint_writer import THREAD_NAME  # noqa: E402
 from worker.checkpointer import Checkpointer  # noqa: E402
 from worker.config import Settings  # noqa: E402
 from worker.engine import DTYPES, Engine, EngineStats  # noqa: E402
@@ -65,7 +66,6 @@ CONTEXTS = (256, 1024, 4096)
 GENERATED = 32  # tokens a restore benchmark request has generated when it is "killed" (2 checkpoints at 16)
 RESTORE_KV_MEMORY = "1GiB"
 TARGET_RATIO = 0.95
-WRITER_THREADS = "berth-checkpoint-writer"  # the CheckpointWriter's thread names
 
 
 # ---------------------------------------------------------------- command line
@@ -432,7 +432,7 @@ class CpuClock:
     store's server process."""
 
     def __init__(self, server_pid: int | None):
-        self.writer_tids = [t.native_id for t in threading.enumerate() if t.name.startswith(WRITER_THREADS)]
+        self.writer_tids = [t.native_id for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
         self.server_pid = server_pid
         self.start = self.now()
 

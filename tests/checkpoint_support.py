@@ -8,6 +8,7 @@ import threading
 from collections import Counter
 
 from storage import ObjectStore, StorageError
+from worker.checkpoint_format import KV_PREFIX
 from worker.checkpointer import Checkpointer
 from worker.config import Settings
 from worker.engine import Engine
@@ -16,14 +17,17 @@ from worker.request import Request, RequestOutput
 
 
 class ControlledStore(ObjectStore):
-    """Another store behind stalled writes (``gate`` cleared: every put waits until it is set), an
-    outage (``down``), and a count of the writes of each key."""
+    """Another store behind stalled writes (``gate`` cleared: every put waits until it is set;
+    ``kv_gate`` cleared: every put of a KV block), an outage (``down``), and a count of the writes of
+    each key."""
 
     def __init__(self, inner: ObjectStore):
         self.inner = inner
         self.url = inner.url
         self.gate = threading.Event()
         self.gate.set()
+        self.kv_gate = threading.Event()
+        self.kv_gate.set()
         self.down = False
         self.puts: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -35,6 +39,8 @@ class ControlledStore(ObjectStore):
     def put(self, key, data):
         self._check()
         self.gate.wait()
+        if key.startswith(KV_PREFIX):
+            self.kv_gate.wait()
         self.inner.put(key, data)
         with self._lock:
             self.puts[key] += 1

@@ -82,6 +82,35 @@ def test_a_stalled_store_makes_checkpoints_lag_and_never_stops_the_engine(tiny_l
     cp.close(timeout=0)
 
 
+def test_states_never_wait_behind_kv_blocks_and_a_finished_requests_blocks_are_dropped(tiny_loaded, store):
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store, checkpoint_interval=4)
+    store.kv_gate.clear()  # KV block writes hang; states go through
+    unstall = threading.Timer(120, store.kv_gate.set)  # a regression fails below instead of hanging
+    unstall.start()
+    requests = [Request(str(i), p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([40, 50, 60, 70]))]
+    run_steps(engine, cp, requests)
+    deadline = time.monotonic() + 30
+    while cp.writer.lag_seconds() > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    states = _states(store)
+    assert len(states) == 4 and all(s.output_tokens >= 20 for s in states.values()), \
+        "states waited behind the KV blocks"
+    assert not _blocks(store) and not any(s.block_hashes() for s in states.values()), \
+        "a state named a block that is not on the store"
+    in_flight = checkpoint_writer.BLOCK_THREADS * (engine.kv_usage()["kv_bytes"] // engine.kv_usage()["blocks_total"])
+    assert cp.writer.pending_block_bytes > in_flight, "the test needs KV blocks queued behind the stalled ones"
+    for r in requests:
+        cp.finished(r.request_id)
+    assert cp.writer.pending_block_bytes <= in_flight, "a finished request's queued blocks were kept"
+    store.kv_gate.set()
+    unstall.cancel()
+    assert cp.writer.flush(30)
+    assert len(_blocks(store)) <= checkpoint_writer.BLOCK_THREADS and not _states(store)
+    cp.close()
+
+
 def test_states_are_never_torn_and_name_only_blocks_on_the_store(tiny_loaded, store):
     engine = tiny_engine(tiny_loaded)
     cp = checkpointer(engine, store, checkpoint_interval=2)

@@ -1,15 +1,22 @@
 """Checkpoint uploads, on threads of their own beside the engine loop.
 
-The engine thread hands in snapshots (``submit``) and never waits: the queue holds at most one
-snapshot per request (a newer one replaces the one not yet written, keeping its blocks, its place
-in line and the time of its oldest progress) and at most ``max_pending_bytes`` of KV block data
-(the engine side takes no new blocks past that; the states, small, still go). So when the store
-is slow the checkpoints fall behind the engine, never the reverse; ``lag_seconds`` says how far.
+The engine thread hands in snapshots (``submit``) and never waits. A snapshot's two parts go
+separately, so that a request's small state never waits behind anyone's KV data:
 
-A writer thread takes the oldest snapshot of a request no other thread is writing (so a request's
-states are written in order), writes its blocks, then its state, trimmed to the blocks known
-written: a state never names a block that is not on the store. A failed write marks the store
-down: the warning is logged once, the snapshot dropped, and the threads probe the store with
+- States, on ``STATE_THREADS`` threads. The queue holds at most one state per request (a newer one
+  replaces the one not yet written, keeping its place in line and the time of its oldest
+  progress); a thread takes the oldest state of a request no other thread is writing, so a
+  request's states are written in order. A state is trimmed to the blocks known written when it
+  goes: it never names a block that is not on the store (later states name the rest).
+- KV blocks, on ``BLOCK_THREADS`` threads at the lowest CPU priority (on Linux), oldest first, each
+  block once, at most ``max_pending_bytes`` of block data held (the engine side takes no new
+  blocks past that). On a CPU worker they use the cycles the engine leaves idle: a block costs a
+  resumed request nothing it could not recompute, and the engine's own threads are the throughput.
+  The queued blocks of a request whose result is in are dropped unwritten.
+
+So when the store or the CPU is slow the checkpoints fall behind the engine, never the reverse;
+``lag_seconds`` says how far, ``pending_block_bytes`` how much KV waits. A failed write marks the
+store down: the warning is logged once, the write dropped, and the threads probe the store with
 backoff until it takes a write; meanwhile ``up`` is false, the engine side takes no snapshots,
 and what was queued waits.
 """
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -31,9 +40,11 @@ from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("berth.checkpoint")
 
-UPLOAD_THREADS = 4  # object stores answer each write after a round trip: several at once keep up
+STATE_THREADS = 4  # object stores answer each write after a round trip: several at once keep up
+BLOCK_THREADS = 2
 MAX_REMEMBERED_BLOCKS = 200_000  # hashes of blocks known written; the oldest are forgotten past this
 PROBE_BACKOFF = (1.0, 30.0)  # seconds between probes of a store that is down: first, most
+THREAD_NAME = "berth-checkpoint-writer"  # every writer thread's name starts so
 
 
 @dataclass
@@ -49,9 +60,16 @@ class Snapshot:
     def request_id(self) -> str:
         return self.checkpoint.request_id
 
+
+@dataclass
+class _Block:
+    data: torch.Tensor
+    shared: bool  # another worker may have written it already: ask the store first
+    request_id: str  # the request that brought it
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.blocks.values())
+        return self.data.numel() * self.data.element_size()
 
 
 @dataclass
@@ -77,9 +95,18 @@ class _RecentSet:
             self._items.popitem(last=False)
 
 
+def _lowest_cpu_priority() -> None:
+    """Nice 19 for the calling thread alone (Linux schedules threads by their own nice value)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+
+
 class CheckpointWriter:
     def __init__(self, store: ObjectStore, fingerprint: str, metrics: WorkerMetrics, max_pending_bytes: int,
-                 threads: int = UPLOAD_THREADS):
+                 state_threads: int = STATE_THREADS, block_threads: int = BLOCK_THREADS):
         self.store = store
         self.fingerprint = fingerprint
         self.metrics = metrics
@@ -87,47 +114,50 @@ class CheckpointWriter:
         self.up = True
         self.durable_tokens: dict[str, int] = {}  # request id -> output tokens in its state on the store
         self._written = _RecentSet(MAX_REMEMBERED_BLOCKS)
-        self._queued: set[bytes] = set()
-        self._pending: OrderedDict[str, Snapshot | _Delete] = OrderedDict()
-        self._pending_bytes = 0
-        self._writing: dict[str, Snapshot | _Delete] = {}  # by request: one write of a request at a time
+        self._states: OrderedDict[str, Snapshot | _Delete] = OrderedDict()
+        self._writing: dict[str, Snapshot | _Delete] = {}  # by request: one state write of a request at a time
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # queued, oldest first
+        self._uploading: dict[bytes, _Block] = {}
+        self._pending_bytes = 0  # block data queued or uploading
         self._cond = threading.Condition()
         self._closing = threading.Event()
         metrics.storage_up.set(1)
-        self._threads = [threading.Thread(target=self._run, name=f"berth-checkpoint-writer-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [threading.Thread(target=self._run_states, name=f"{THREAD_NAME}-state-{i}", daemon=True)
+                         for i in range(state_threads)]
+        self._threads += [threading.Thread(target=self._run_blocks, name=f"{THREAD_NAME}-kv-{i}", daemon=True)
+                          for i in range(block_threads)]
         for t in self._threads:
             t.start()
 
     # ---- the engine thread's side: none of these wait on the store
     def submit(self, snapshot: Snapshot) -> None:
         with self._cond:
-            old = self._pending.get(snapshot.request_id)
-            if isinstance(old, Snapshot):  # not written yet: the newer state takes its place, its blocks stay
-                snapshot.blocks = {**old.blocks, **snapshot.blocks}
-                snapshot.shared |= old.shared
+            for h, data in snapshot.blocks.items():
+                if h not in self._blocks and h not in self._uploading and h not in self._written:
+                    block = self._blocks[h] = _Block(data, h in snapshot.shared, snapshot.request_id)
+                    self._pending_bytes += block.nbytes
+            snapshot.blocks, snapshot.shared = {}, set()  # the block queue holds them now
+            old = self._states.get(snapshot.request_id)
+            if isinstance(old, Snapshot):  # not written yet: the newer state takes its place and time
                 snapshot.taken = old.taken
-                self._pending_bytes -= old.nbytes
                 self.metrics.checkpoint_superseded.inc()
             else:
-                self._pending.pop(snapshot.request_id, None)
-            self._pending[snapshot.request_id] = snapshot
-            self._pending_bytes += snapshot.nbytes
-            self._queued.update(snapshot.blocks)
-            self._cond.notify()
+                self._states.pop(snapshot.request_id, None)
+            self._states[snapshot.request_id] = snapshot
+            self._cond.notify_all()
 
     def delete(self, request_id: str) -> None:
-        """Remove a request's state, after any write of it already under way."""
+        """Remove a request's state, after any write of it already under way; drop its queued blocks."""
         with self._cond:
-            old = self._pending.pop(request_id, None)
-            if isinstance(old, Snapshot):
-                self._drop(old)
-            self._pending[request_id] = _Delete(request_id)
-            self._cond.notify()
+            self._states.pop(request_id, None)
+            self._states[request_id] = _Delete(request_id)
+            for h in [h for h, b in self._blocks.items() if b.request_id == request_id]:
+                self._pending_bytes -= self._blocks.pop(h).nbytes
+            self._cond.notify_all()
 
     def knows(self, block_hash: bytes) -> bool:
         """The block is on the store or on its way there."""
-        return block_hash in self._written or block_hash in self._queued
+        return block_hash in self._written or block_hash in self._blocks or block_hash in self._uploading
 
     def mark_written(self, block_hashes) -> None:
         """Blocks found on the store (read back when a request resumed)."""
@@ -139,18 +169,22 @@ class CheckpointWriter:
         """Bytes of block data the queue can still take."""
         return self.max_pending_bytes - self._pending_bytes
 
+    @property
+    def pending_block_bytes(self) -> int:
+        return self._pending_bytes
+
     def lag_seconds(self) -> float:
-        """How old the oldest progress not yet on the store is (0 when everything is written)."""
+        """How old the oldest progress not yet in a stored state is (0 when every state is written)."""
         with self._cond:
             taken = [item.taken for item in self._writing.values()]
-            taken += [item.taken for item in itertools.islice(self._pending.values(), 1)]  # the oldest pending
+            taken += [item.taken for item in itertools.islice(self._states.values(), 1)]  # the oldest pending
             return time.monotonic() - min(taken) if taken else 0.0
 
     def flush(self, timeout: float) -> bool:
         """Wait until everything submitted is written (or dropped); False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._writing:
+            while self._states or self._writing or self._blocks or self._uploading:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -168,52 +202,47 @@ class CheckpointWriter:
             t.join(timeout=1.0)
 
     # ---- the writer threads
-    def _run(self) -> None:
+    def _run_states(self) -> None:
+        self._run(self._take_state, self._write_state, self._state_done)
+
+    def _run_blocks(self) -> None:
+        _lowest_cpu_priority()
+        self._run(self._take_block, self._write_block, self._block_done)
+
+    def _run(self, take, write, done) -> None:
+        """Until closing: ``take()`` an item (under the lock; None when there is none), ``write`` it,
+        then ``done`` with it (under the lock)."""
         while self.up or self._wait_for_store():
-            item = self._next()
-            if item is None:
+            with self._cond:
+                while not self._closing.is_set() and (item := take()) is None:
+                    self._cond.wait()
+            if self._closing.is_set():
                 return
             try:
-                self._write(item)
+                write(item)
             except StorageError as exc:
                 self._went_down(exc)
             except Exception:  # noqa: BLE001 (a bug here must not stop checkpoints for good)
-                log.exception("checkpoint of request %s failed", item.request_id)
+                log.exception("checkpoint write failed")
                 self.metrics.checkpoint_failures.inc()
             finally:
                 with self._cond:
-                    if isinstance(item, Snapshot):
-                        self._queued.difference_update(item.blocks)
-                    del self._writing[item.request_id]
+                    done(item)
                     self._cond.notify_all()
 
-    def _next(self) -> Snapshot | _Delete | None:
-        """The oldest pending item of a request no other thread is writing; None once closing."""
-        with self._cond:
-            while not self._closing.is_set():
-                request_id = next((r for r in self._pending if r not in self._writing), None)
-                if request_id is not None:
-                    item = self._writing[request_id] = self._pending.pop(request_id)
-                    if isinstance(item, Snapshot):
-                        self._pending_bytes -= item.nbytes
-                    return item
-                self._cond.wait()
+    def _take_state(self) -> Snapshot | _Delete | None:
+        """The oldest pending state of a request no other thread is writing."""
+        request_id = next((r for r in self._states if r not in self._writing), None)
+        if request_id is None:
             return None
+        item = self._writing[request_id] = self._states.pop(request_id)
+        return item
 
-    def _write(self, item: Snapshot | _Delete) -> None:
+    def _write_state(self, item: Snapshot | _Delete) -> None:
         if isinstance(item, _Delete):
             self.store.delete(state_key(item.request_id))
             self.durable_tokens.pop(item.request_id, None)
             return
-        for h, data in item.blocks.items():
-            key = block_key(self.fingerprint, h)
-            if h not in self._written and not (h in item.shared and self.store.exists(key)):
-                raw = encode_block(data)
-                self.store.put(key, raw)
-                self.metrics.checkpoint_bytes.inc(len(raw))
-                self.metrics.checkpoint_blocks.inc()
-            with self._cond:
-                self._written.add(h)
         checkpoint = item.checkpoint.keep_blocks(self._written)
         raw = checkpoint.to_json()
         self.store.put(state_key(item.request_id), raw)
@@ -221,9 +250,30 @@ class CheckpointWriter:
         self.metrics.checkpoint_bytes.inc(len(raw))
         self.metrics.checkpoint_states.inc()
 
-    def _drop(self, snapshot: Snapshot) -> None:
-        self._pending_bytes -= snapshot.nbytes
-        self._queued.difference_update(snapshot.blocks)
+    def _state_done(self, item: Snapshot | _Delete) -> None:
+        del self._writing[item.request_id]
+
+    def _take_block(self) -> bytes | None:
+        """The hash of the oldest queued block."""
+        if not self._blocks:
+            return None
+        h, block = self._blocks.popitem(last=False)
+        self._uploading[h] = block
+        return h
+
+    def _write_block(self, h: bytes) -> None:
+        block = self._uploading[h]
+        key = block_key(self.fingerprint, h)
+        if not (block.shared and self.store.exists(key)):
+            raw = encode_block(block.data)
+            self.store.put(key, raw)
+            self.metrics.checkpoint_bytes.inc(len(raw))
+            self.metrics.checkpoint_blocks.inc()
+        with self._cond:
+            self._written.add(h)
+
+    def _block_done(self, h: bytes) -> None:
+        self._pending_bytes -= self._uploading.pop(h).nbytes
 
     def _went_down(self, exc: StorageError) -> None:
         self.metrics.checkpoint_failures.inc()
