@@ -57,25 +57,29 @@ def test_two_engine_workers_share_a_rabbitmq_queue(tmp_path, tiny_llama_dir, pg_
                              storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=16, drain_timeout=10)
     requests = write_requests(tmp_path / "requests.jsonl", N)
     env = {**os.environ, **tiny_env(settings)}
-    procs = [_spawn([sys.executable, "-m", "celery", "-A", "jobs.tasks", "worker", "--pool=solo", "--loglevel=WARNING",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"], env, tmp_path / "celery.log")]
     metrics_port = _free_port()
     worker = [sys.executable, "-m", "jobs.cli", "worker"]
-    procs += [_spawn(worker + ["--metrics-port", str(metrics_port)], env, tmp_path / "worker0.log"),
-              _spawn(worker, env, tmp_path / "worker1.log")]
+    procs = [_spawn(worker + ["--metrics-port", str(metrics_port)], env, tmp_path / "worker0.log"),
+             _spawn(worker, env, tmp_path / "worker1.log")]
     try:
         job = api.submit(requests, settings)
         assert job.status is JobStatus.VALIDATING  # accepted at once; a Celery worker ingests it
-        _wait_for_consumers(settings, 2, procs)  # both workers follow the job's tenant queue
+        # Both workers follow the job's tenant queue before a line of it is queued: the Celery worker
+        # that ingests it starts only then. (Started together, one worker could run all 200 short
+        # requests before the other had loaded its model.)
+        _wait_for_consumers(settings, 2, procs)
+        procs.append(_spawn([sys.executable, "-m", "celery", "-A", "jobs.tasks", "worker", "--pool=solo",
+                             "--loglevel=WARNING", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+                            env, tmp_path / "celery.log"))
         deadline = time.monotonic() + 150
         while not (job := api.status(job.id, settings)).status.is_final:
             assert time.monotonic() < deadline, f"job stuck in {job.status.value} at {job.done}/{job.total}"
             assert all(p.poll() is None for p in procs), "a worker died: see its log in " + str(tmp_path)
             time.sleep(0.5)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        for p in procs[1:]:
+        for p in procs[:2]:
             p.send_signal(signal.SIGTERM)
-        assert [p.wait(timeout=30) for p in procs[1:]] == [0, 0]  # graceful drain
+        assert [p.wait(timeout=30) for p in procs[:2]] == [0, 0]  # graceful drain
     finally:
         for p in procs:
             if p.poll() is None:
