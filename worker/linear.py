@@ -1,10 +1,11 @@
 """The model's matrix multiplies: ``x @ weight.T``, with the weight prepared once at load.
 
 On the CPU each weight is reordered once into oneDNN's blocked layout and multiplied through
-oneDNN. PyTorch's ``F.linear`` calls MKL's sgemm, which repacks the weight on every call and, on AMD
-CPUs, runs AVX2 code: on the 2-core AMD EPYC machines berth is benchmarked on, the reordered oneDNN
-multiply ran 2.2-3.3 times as fast in float32 at this model's shapes (1.3-1.8 times in bfloat16),
-with float32 accuracy unchanged (float32 accumulation either way). Where PyTorch was built without
+oneDNN. PyTorch's float32 ``F.linear`` calls MKL's sgemm, which runs AVX2 code on AMD CPUs (MKL's
+own pre-packed weights were no faster): on the 2-core AMD EPYC machines berth is benchmarked on, the
+reordered oneDNN multiply ran 2.2-3.4 times as fast in float32 at this model's shapes, with float32
+accuracy unchanged (float32 accumulation either way), and 1.3-1.9 times as fast in bfloat16, where
+PyTorch already uses oneDNN but reorders the weight on every call. Where PyTorch was built without
 oneDNN, or on CUDA, ``F.linear`` it is.
 """
 

@@ -1,0 +1,34 @@
+"""The model's linear layers (oneDNN with weights reordered once, where PyTorch has oneDNN) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.linear import make_linear
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256, 300])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (50, 33)])
+def test_float32_matches_f_linear_at_float32_accuracy(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=g) * 0.05
+    x = torch.randn(rows, in_features, generator=g)
+    exact = F.linear(x.double(), weight.double())
+    got = make_linear(weight)(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert (got.double() - exact).abs().max() < 1e-4  # a bfloat16 product would be off by ~1e-2
+
+
+def test_bfloat16_matches_f_linear_within_one_rounding():
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()
+    x = torch.randn(40, 1536, generator=g).bfloat16()
+    torch.testing.assert_close(make_linear(weight)(x).float(), F.linear(x, weight).float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_other_dtypes_take_f_linear():
+    weight = torch.randn(8, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(make_linear(weight)(x), F.linear(x, weight))
