@@ -45,7 +45,7 @@ twice at worst, one result kept) if it went elsewhere. Nothing is lost either wa
 
 Outages: the loop never waits on a service that is down. Without the broker it tries to reconnect
 once a second (``RECONNECT_INTERVAL``; kombu's own retries would sleep in the loop) and runs what
-it holds. Without the database it backs off (``DATABASE_RETRY``): finished outcomes wait in
+it holds. Without the database it backs off (``worker.database_health``): finished outcomes wait in
 ``_unrecorded``, their requests kept in ``inflight`` and their messages unacked (the ack still
 follows the commit), deliveries wait unadmitted, closed jobs and tenants are not looked up; the
 next try that gets through commits the waiting outcomes. Both show in the metrics.
@@ -76,7 +76,6 @@ from typing import Callable
 import kombu
 from kombu.exceptions import OperationalError
 from kombu.message import Message
-from sqlalchemy import exc as sql_errors
 from sqlalchemy import select
 
 from jobs.batch_format import response_line
@@ -89,8 +88,10 @@ from jobs.results import Outcome, note_error, record_deliveries, record_outcomes
 from jobs.tenants import live_tenants
 from jobs.tasks import finalize_later, make_app
 from storage import open_store
+from worker import database_health
 from worker.checkpointer import Checkpointer
 from worker.config import Settings
+from worker.database_health import DatabaseHealth
 from worker.engine import Engine, RequestRejected
 from worker.metrics import WorkerMetrics
 from worker.request import Request, RequestOutput
@@ -104,8 +105,6 @@ CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoi
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 RECONNECT_INTERVAL = 1.0  # seconds between tries to reach a broker that went away
-DATABASE_RETRY = (0.5, 10.0)  # seconds between tries of a database that went away: first, most
-DATABASE_DOWN = (sql_errors.OperationalError, sql_errors.InterfaceError)  # not reachable (bugs are other errors)
 
 
 def prefetch_window(max_num_seqs: int, kv_capacity_tokens: int, mean_kv_tokens: float | None) -> int:
@@ -157,9 +156,7 @@ class EngineWorker:
         self._broken = False  # the channel failed; reconnect before the next receive
         self._reconnect_at = 0.0  # monotonic time of the next try to reconnect
         self._unrecorded: list[tuple[Outcome, RequestMessage, Message | None, str | None]] = []  # database down
-        self._db_down_since: float | None = None
-        self._db_retry_at = 0.0  # monotonic time of the next try while the database is down
-        self._db_backoff = DATABASE_RETRY[0]
+        self.database = DatabaseHealth(self.name, self.metrics)
         self.metrics.database_up.set(1)
 
     # ---- the loop
@@ -180,7 +177,7 @@ class EngineWorker:
                     self._reconnect()
                 if self._broken and not self.engine.has_unfinished():
                     time.sleep(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
-                if not self._database_ready() and not self.engine.has_unfinished():
+                if not self.database.ready() and not self.engine.has_unfinished():
                     time.sleep(IDLE_WAIT)  # no database and nothing to run: the same
                 wait = 0 if self.engine.has_unfinished() else RESTORE_WAIT if self._restoring() else IDLE_WAIT
                 self._receive(wait)
@@ -274,7 +271,7 @@ class EngineWorker:
             timeout = 0
 
     def _admit(self) -> None:
-        if not self._database_ready():
+        if not self.database.ready():
             return  # deliveries wait in ``incoming`` (the window keeps more from coming)
         batch, self.incoming = self.incoming, []
         fresh: list[tuple[RequestMessage, Message]] = []
@@ -296,11 +293,11 @@ class EngineWorker:
             return
         try:
             known = record_deliveries(self.db, [m.request_id for m, _ in fresh])
-        except DATABASE_DOWN as exc:
-            self._database_down(exc)
+        except database_health.DOWN as exc:
+            self.database.failed(exc, len(self.inflight))
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
-        self._database_up()
+        self.database.succeeded()
         failures: list[tuple[Outcome, RequestMessage, Message, str | None]] = []
         for message, delivery in fresh:
             d = known.get(message.request_id)
@@ -353,8 +350,8 @@ class EngineWorker:
             log.exception("request %s could not be admitted", message.request_id)
             try:
                 note_error(self.db, message.request_id, f"{type(exc).__name__}: {exc}")
-            except DATABASE_DOWN as db_exc:  # the error goes unrecorded; the attempt still counts
-                self._database_down(db_exc)
+            except database_health.DOWN as db_exc:  # the error goes unrecorded; the attempt still counts
+                self.database.failed(db_exc, len(self.inflight))
             self._reject(item.delivery)
             return
         size = message.kv_tokens
@@ -386,16 +383,16 @@ class EngineWorker:
         redelivery is adopted, not run again) and their deliveries unacked."""
         if not items:
             return
-        if not self._database_ready():
+        if not self.database.ready():
             self._keep_unrecorded(items)
             return
         try:
             recorded = record_outcomes(self.db, [o for o, *_ in items], self.name)
-        except DATABASE_DOWN as exc:
-            self._database_down(exc)
+        except database_health.DOWN as exc:
+            self.database.failed(exc, len(self.inflight))
             self._keep_unrecorded(items)
             return
-        self._database_up()
+        self.database.succeeded()
         for outcome, message, delivery, dead_reason in items:
             item = self.inflight.pop(message.engine_id, None)
             if item is not None:
@@ -419,35 +416,10 @@ class EngineWorker:
 
     def _record_waiting(self) -> None:
         """Try again to commit the outcomes kept while the database was down, when a try is due."""
-        if self._unrecorded and self._database_ready():
+        if self._unrecorded and self.database.ready():
             items, self._unrecorded = self._unrecorded, []
             self.metrics.outcomes_waiting.set(0)
             self._record(items)
-
-    # ---- the database, which may go away for a while (a restart, a failover)
-    def _database_ready(self) -> bool:
-        """False while the database is down and its next try is not due yet."""
-        return self._db_down_since is None or time.monotonic() >= self._db_retry_at
-
-    def _database_down(self, exc: Exception) -> None:
-        """A call failed for want of the database: try again after a backoff; meanwhile the engine
-        keeps stepping, finished outcomes wait unacked and new deliveries wait unadmitted."""
-        self.metrics.database_errors.inc()
-        if self._db_down_since is None:
-            self._db_down_since, self._db_backoff = time.monotonic(), DATABASE_RETRY[0]
-            self.metrics.database_up.set(0)
-            log.warning("worker %s: database unreachable, %d requests keep running and their results wait: %s",
-                        self.name, len(self.inflight), str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        else:
-            self._db_backoff = min(2 * self._db_backoff, DATABASE_RETRY[1])
-        self._db_retry_at = time.monotonic() + self._db_backoff
-
-    def _database_up(self) -> None:
-        """A database call succeeded."""
-        if self._db_down_since is not None:
-            log.warning("worker %s: database back after %.1fs", self.name, time.monotonic() - self._db_down_since)
-            self._db_down_since = None
-            self.metrics.database_up.set(1)
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:
@@ -456,7 +428,7 @@ class EngineWorker:
                 self.connection.heartbeat_check()
         except self._broker_errors():
             self._broken = True
-        if self._database_ready():
+        if self.database.ready():
             self._drop_closed_jobs()
             self._follow_tenants()
         self._resize_window()
@@ -475,10 +447,10 @@ class EngineWorker:
         try:
             with self.db.session() as s:
                 closed = set(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(LIVE))))
-        except DATABASE_DOWN as exc:
-            self._database_down(exc)
+        except database_health.DOWN as exc:
+            self.database.failed(exc, len(self.inflight))
             return
-        self._database_up()
+        self.database.succeeded()
         for engine_id, item in list(self.inflight.items()):
             if item.message.job_id in closed:
                 self.engine.abort(engine_id)
@@ -491,10 +463,10 @@ class EngineWorker:
         """Consume the queue of every tenant with live jobs for this model; set their weights."""
         try:
             tenants = live_tenants(self.db, self.engine.model_name)
-        except DATABASE_DOWN as exc:  # the queues already followed stay; new tenants once it is back
-            self._database_down(exc)
+        except database_health.DOWN as exc:  # the queues already followed stay; new tenants once it is back
+            self.database.failed(exc, len(self.inflight))
             return
-        self._database_up()
+        self.database.succeeded()
         for tenant, weight in tenants.items():
             self.engine.set_tenant_share(tenant, weight)
         new = {t: self.topology.request_queue(self.engine.model_name, t) for t in tenants if t not in self.queues}
