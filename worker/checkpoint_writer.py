@@ -133,7 +133,7 @@ class CheckpointWriter:
     def submit(self, snapshot: Snapshot) -> None:
         with self._cond:
             for h, data in snapshot.blocks.items():
-                if h not in self._blocks and h not in self._uploading and h not in self._written:
+                if not self.knows(h):
                     block = self._blocks[h] = _Block(data, h in snapshot.shared, snapshot.request_id)
                     self._pending_bytes += block.nbytes
             snapshot.blocks, snapshot.shared = {}, set()  # the block queue holds them now
@@ -235,8 +235,8 @@ class CheckpointWriter:
         request_id = next((r for r in self._states if r not in self._writing), None)
         if request_id is None:
             return None
-        item = self._writing[request_id] = self._states.pop(request_id)
-        return item
+        self._writing[request_id] = self._states.pop(request_id)
+        return self._writing[request_id]
 
     def _write_state(self, item: Snapshot | _Delete) -> None:
         if isinstance(item, _Delete):
