@@ -8,7 +8,7 @@ separately, so that a request's small state never waits behind anyone's KV data:
   progress); a thread takes the oldest state of a request no other thread is writing, so a
   request's states are written in order. A state is trimmed to the blocks known written when it
   goes: it never names a block that is not on the store (later states name the rest).
-- KV blocks, on ``BLOCK_THREADS`` threads at the lowest CPU priority (on Linux), oldest first, each
+- KV blocks, on ``block_threads`` threads at the lowest CPU priority (on Linux), oldest first, each
   block once, at most ``max_pending_bytes`` of block data held (the engine side takes no new
   blocks past that). On a CPU worker they use the cycles the engine leaves idle: a block costs a
   resumed request nothing it could not recompute, and the engine's own threads are the throughput.
@@ -41,7 +41,7 @@ from worker.metrics import WorkerMetrics
 log = logging.getLogger("berth.checkpoint")
 
 STATE_THREADS = 4  # object stores answer each write after a round trip: several at once keep up
-BLOCK_THREADS = 2
+BLOCK_THREADS = 1  # Settings.checkpoint_kv_threads
 MAX_REMEMBERED_BLOCKS = 200_000  # hashes of blocks known written; the oldest are forgotten past this
 PROBE_BACKOFF = (1.0, 30.0)  # seconds between probes of a store that is down: first, most
 THREAD_NAME = "berth-checkpoint-writer"  # every writer thread's name starts so

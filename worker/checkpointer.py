@@ -44,7 +44,8 @@ class Checkpointer:
         self.block_size = engine.settings.block_size
         kv = engine.kv_usage()
         self.block_bytes = kv["kv_bytes"] // kv["blocks_total"]
-        self.writer = CheckpointWriter(store, self.fingerprint, metrics, settings.checkpoint_queue_bytes)
+        self.writer = CheckpointWriter(store, self.fingerprint, metrics, settings.checkpoint_queue_bytes,
+                                       block_threads=settings.checkpoint_kv_threads)
         self._progress: dict[str, _Progress] = {}
 
     @property
