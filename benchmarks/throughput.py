@@ -13,8 +13,9 @@ Systems, all with the same model, dtype and torch thread count, each timed on it
 
 Useful output tokens/s = the tokens the requests asked for (sum of their lengths) / wall seconds.
 The run also measures the machine's matrix-multiply rate on the model's MLP shapes (the compute roof:
-the faster of PyTorch's matmul and berth's own linear), berth's achieved model FLOP/s against it, and berth's KV cache figures. Prints a table, writes
-JSON to ``--out`` and a bar plot of useful tokens/s beside it (same name, ``.png``).
+the faster of PyTorch's matmul and berth's own linear), berth's achieved model FLOP/s against it, and
+berth's KV cache figures. Prints a table, writes JSON to ``--out`` and a bar plot of useful tokens/s
+beside it (same name, ``.png``).
 
     python benchmarks/throughput.py --quick --dtype float32      # 32 requests, a few minutes
     python benchmarks/throughput.py --dtype bfloat16             # 256 requests

@@ -91,7 +91,6 @@ from storage import open_store
 from worker import database_health
 from worker.checkpointer import Checkpointer
 from worker.config import Settings
-from worker.database_health import DatabaseHealth
 from worker.engine import Engine, RequestRejected
 from worker.metrics import WorkerMetrics
 from worker.request import Request, RequestOutput
@@ -156,8 +155,7 @@ class EngineWorker:
         self._broken = False  # the channel failed; reconnect before the next receive
         self._reconnect_at = 0.0  # monotonic time of the next try to reconnect
         self._unrecorded: list[tuple[Outcome, RequestMessage, Message | None, str | None]] = []  # database down
-        self.database = DatabaseHealth(self.name, self.metrics)
-        self.metrics.database_up.set(1)
+        self.database = database_health.DatabaseHealth(self.name, self.metrics)
 
     # ---- the loop
     def run(self, until: Callable[[], bool] | None = None) -> None:

@@ -29,6 +29,7 @@ class DatabaseHealth:
         self.down_since: float | None = None
         self._retry_at = 0.0  # monotonic time of the next try while the database is down
         self._backoff = RETRY[0]
+        metrics.database_up.set(1)
 
     def ready(self) -> bool:
         """False while the database is down and its next try is not due yet."""
