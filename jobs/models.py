@@ -12,6 +12,7 @@ import time
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Enum,
     Float,
     ForeignKey,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     Text,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -97,6 +99,7 @@ class Job(Base):
     cancelled_at: Mapped[float | None] = mapped_column(Float)
     expired_at: Mapped[float | None] = mapped_column(Float)
     expires_at: Mapped[float] = mapped_column(Float)
+    ingest_seen_at: Mapped[float | None] = mapped_column(Float)  # the ingest's last sign of life
 
 
 class RequestRow(Base):
@@ -119,6 +122,13 @@ class RequestRow(Base):
     delivered_at: Mapped[float | None] = mapped_column(Float)
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, default=now)
+    # The delivery in hand: the worker holding it ("host:pid"; cleared when it hands it back or records
+    # its outcome), whether an engine step ran it, the checkpointed output tokens it started from, and
+    # the deliveries in a row that ended with their worker dead and no checkpoint progress (poison).
+    holder: Mapped[str | None] = mapped_column(String(200))
+    started: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    progress: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Result(Base):
