@@ -27,14 +27,14 @@ def make_prompts(text_ids):
 def run_capturing_logits(engine: Engine, prompts, params):
     """Generate, keeping each sampled row's logits keyed by (request id, position sampled)."""
     captured = {}
-    original = engine._sample_and_finish
+    original = engine._sampling_rows
 
-    def spy(logits, samplers):
+    def spy(logits, samplers, scheduler):
         for row, seq in zip(logits, samplers):
             captured[(seq.request.request_id, seq.num_tokens)] = row.clone()
-        return original(logits, samplers)
+        return original(logits, samplers, scheduler)
 
-    engine._sample_and_finish = spy
+    engine._sampling_rows = spy
     return engine.generate(prompts, params), captured
 
 

@@ -109,6 +109,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Un-name the blocks a step was to fill (named when scheduled: ``_cache_full_blocks``) when
+        that step failed: their content is not what their hash says."""
+        for b in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent``; the first write to a shared block copies it."""
         child.block_table = list(parent.block_table)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,9 +28,11 @@ from worker.block_manager import BlockManager
 from worker.config import Settings
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
-from worker.request import Completion, Request, RequestOutput, SamplingParams, Sequence
+from worker.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
 from worker.sampler import SampleRow, sample
-from worker.scheduler import Scheduler
+from worker.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("berth.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,12 +70,17 @@ class EngineStats:
     requests_finished: int = 0
     preemptions: int = 0
     forward_seconds: float = 0.0
-    slot_utilization_samples: list[float] = field(default_factory=list)
+    slot_utilization_sum: float = 0.0  # of the samples taken every 8 steps (a sum: a worker runs for months)
+    slot_utilization_count: int = 0
+
+    def observe_slot_utilization(self, value: float) -> None:
+        self.slot_utilization_sum += value
+        self.slot_utilization_count += 1
 
     @property
     def mean_slot_utilization(self) -> float:
-        s = self.slot_utilization_samples
-        return sum(s) / len(s) if s else 0.0
+        n = self.slot_utilization_count
+        return self.slot_utilization_sum / n if n else 0.0
 
 
 class Engine:
@@ -102,9 +110,11 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.aging_steps, mode)
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
+        self.vocab_size = loaded.config.vocab_size
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._swapped_kv: dict[int, torch.Tensor] = {}
+        self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
 
     # ---- requests in and out
     def add_request(self, request: Request) -> None:
@@ -119,6 +129,9 @@ class Engine:
         if total > capacity:
             raise RequestRejected(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
                                   f"({capacity} tokens): raise --kv-memory")
+        self._check_tokens(request)
+        request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
+        request.stop_set = frozenset(request.stop_ids)
         request.arrival_step = self.scheduler.step_count
         request.sequences = []
         if request.resume_output_ids:
@@ -132,6 +145,21 @@ class Engine:
         self.requests[request.request_id] = request
         for seq in request.sequences:
             self.scheduler.add(seq)
+
+    def _check_tokens(self, request: Request) -> None:
+        """What the model cannot run is refused here, whoever let it through: token ids out of the
+        vocabulary (a negative one would index from its end), resumed outputs longer than allowed."""
+        p, vocab = request.params, self.vocab_size
+        for what, ids in (("prompt", request.prompt_token_ids), ("stop_token_ids", p.stop_token_ids),
+                          *((f"resumed sample {i}", out) for i, out in enumerate(request.resume_output_ids))):
+            if ids and not (0 <= min(ids) and max(ids) < vocab):
+                raise RequestRejected(f"request {request.request_id}: {what} has token ids outside [0, {vocab})")
+        for i, out in enumerate(request.resume_output_ids):
+            if len(out) >= p.max_tokens:
+                raise RequestRejected(f"request {request.request_id}: resumed sample {i} has {len(out)} tokens, "
+                                      f"max_tokens is {p.max_tokens}")
+        if p.top_k > vocab:
+            raise RequestRejected(f"request {request.request_id}: top_k {p.top_k} exceeds the vocabulary ({vocab})")
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -207,12 +235,25 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not running: never admitted, preempted, or swapped out."""
-        return len(self.scheduler.waiting) + len(self.scheduler.swapped)
+        """Sequences not running: never admitted, preempted, swapped out, or suspects of a failed step."""
+        suspects = sum(1 for group in self._probation for r in group for seq in r.sequences if not seq.is_finished)
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + suspects
 
     # ---- the step
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        """One scheduled step; the requests it finished (or failed, with ``RequestOutput.error``).
+
+        Blast radius of one: when running a step raises, the step's requests are suspects. They are
+        set back to recompute (their tokens, logprobs and draws kept, so their text is unchanged) and
+        tried again in halves, each half in a step of its own (``_probation``) before the rest of
+        the engine steps again; a suspect that fails a step alone is the culprit, failed with the
+        error. An error while finishing one row (stop strings, detokenising) fails that request.
+        """
+        if self._probation:
+            return self._probe_step()
+        return self._run(self.scheduler.schedule(), self.scheduler)
+
+    def _run(self, plan: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
         self.stats.preemptions += len(plan.preempted)
         self.stats.prompt_tokens_cached += plan.num_cached_tokens
         for seq, blocks in plan.swap_out:
@@ -223,43 +264,120 @@ class Engine:
         if not plan.scheduled:
             return []
         scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
-        step_input, samplers = self.runner.prepare(scheduled)
-        t0 = time.perf_counter()
-        logits = self.runner.execute(step_input)
-        self.stats.forward_seconds += time.perf_counter() - t0
+        try:
+            step_input, samplers = self.runner.prepare(scheduled)
+            t0 = time.perf_counter()
+            logits = self.runner.execute(step_input)
+            self.stats.forward_seconds += time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 (whatever a request made the step raise: find it, fail it alone)
+            return self._step_failed(scheduled, scheduler, exc)
         self.stats.steps += 1
-        for seq, n in scheduled:
+        for seq, n in scheduled:  # their keys and values are in the cache now
             self._count_computed(seq, n)
             seq.num_computed_tokens += n
         if self.stats.steps % 8 == 1:
-            self.stats.slot_utilization_samples.append(self.kv_usage()["slot_utilization"])
-        return self._sample_and_finish(logits, samplers)
+            self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
+        try:
+            rows, logits = self._sampling_rows(logits, samplers, scheduler)
+            sampled = sample(logits, [self._sample_row(s) for s in rows])
+        except Exception as exc:  # noqa: BLE001
+            return self._step_failed(scheduled, scheduler, exc)
+        return self._finish_rows(rows, sampled, scheduler)
 
-    def _sample_and_finish(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[RequestOutput]:
+    def _sampling_rows(self, logits: torch.Tensor, samplers: list[Sequence],
+                       scheduler: Scheduler) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences to sample, in row order (an n > 1 request forks once its prompt is computed)."""
         rows: list[Sequence] = []
         row_of: list[int] = []
         for i, seq in enumerate(samplers):
-            family = [seq] + self._fork_if_due(seq)
+            family = [seq] + self._fork_if_due(seq, scheduler)
             rows += family
             row_of += [i] * len(family)
         if len(row_of) != len(samplers):
             logits = logits[torch.tensor(row_of, device=logits.device)]
-        sampled = sample(logits, [self._sample_row(s) for s in rows])
+        return rows, logits
+
+    def _finish_rows(self, rows: list[Sequence], sampled, scheduler: Scheduler) -> list[RequestOutput]:
         outputs = []
         for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
-            seq.token_ids.append(token)
-            if logprob is not None:
-                seq.logprobs.append({"token_id": token, **logprob})
-            self.stats.output_tokens += 1
-            self.stats.output_tokens_by_tenant[seq.request.tenant] += 1
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason:
-                self.scheduler.finish(seq)
-                if seq.request.is_finished:
-                    outputs.append(self._output(seq.request))
+            request = seq.request
+            if request.request_id not in self.requests:  # failed by an earlier row of this step
+                continue
+            try:
+                seq.token_ids.append(token)
+                if logprob is not None:
+                    seq.logprobs.append({"token_id": token, **logprob})
+                self.stats.output_tokens += 1
+                self.stats.output_tokens_by_tenant[request.tenant] += 1
+                seq.finish_reason = self._finish_reason(seq, token)
+                if seq.finish_reason:
+                    scheduler.finish(seq)
+                    if request.is_finished:
+                        outputs.append(self._output(request))
+            except Exception as exc:  # noqa: BLE001 (this row's own: it fails alone)
+                log.exception("request %s failed while finishing its token", request.request_id)
+                outputs.append(self._fail(request, exc))
         return outputs
 
-    def _fork_if_due(self, seq: Sequence) -> list[Sequence]:
+    def _step_failed(self, scheduled: list[tuple[Sequence, int]], scheduler: Scheduler,
+                     exc: Exception) -> list[RequestOutput]:
+        """Set the failed step's requests back to recompute; fail a lone one, else try them in halves."""
+        suspects = list({seq.request.request_id: seq.request for seq, _ in scheduled}.values())
+        for request in suspects:
+            self._set_back(request, scheduler)
+        if len(suspects) == 1:
+            log.warning("request %s failed a step of its own: %s: %s", suspects[0].request_id, type(exc).__name__, exc)
+            return [self._fail(suspects[0], exc)]
+        log.warning("a step of %d requests failed (%s: %s); trying them again in halves to find the cause",
+                    len(suspects), type(exc).__name__, exc)
+        half = len(suspects) // 2
+        self._probation[:0] = [suspects[:half], suspects[half:]]
+        return []
+
+    def _set_back(self, request: Request, scheduler: Scheduler) -> None:
+        """Out of ``scheduler``, blocks freed, as if preempted for recompute; blocks that the failed step
+        was to fill are no longer findable in the prefix cache."""
+        for seq in request.sequences:
+            if seq.is_finished:
+                continue
+            self.block_manager.forget_uncomputed(seq)
+            scheduler.remove(seq)
+            self._swapped_kv.pop(seq.seq_id, None)
+            seq.status = SeqStatus.WAITING
+
+    def _probe_step(self) -> list[RequestOutput]:
+        """A step of one group of suspects alone; those it ran rejoin the engine, the rest wait their turn."""
+        group = [r for r in self._probation.pop(0) if r.request_id in self.requests]
+        if not group:
+            return []
+        probe = Scheduler(self.block_manager, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
+                          self.settings.aging_steps, "recompute")
+        for request in group:
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    probe.add(seq)
+        plan = probe.schedule()
+        outputs = self._run(plan, probe)
+        for seq in list(probe.running):  # ran: back among the others
+            probe.running.remove(seq)
+            self.scheduler.add_running(seq)
+        untried = list({seq.request.request_id: seq.request for seq in probe.waiting}.values())
+        if untried:
+            if plan.scheduled:
+                self._probation.insert(0, untried)
+            else:  # no room to try them alone: back among the others
+                for request in untried:
+                    for seq in request.sequences:
+                        if seq.status is SeqStatus.WAITING:
+                            self.scheduler.add(seq)
+        return outputs
+
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+        self.abort(request.request_id)
+        return RequestOutput(request.request_id, request.prompt_token_ids, [],
+                             error=f"{type(exc).__name__}: {exc}"[:2000])
+
+    def _fork_if_due(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
         """When an n > 1 request's prompt is computed, its other samples share the prompt's blocks."""
         request = seq.request
         if request.params.n == 1 or len(request.sequences) > 1:
@@ -268,7 +386,7 @@ class Engine:
         for i in range(1, request.params.n):
             child = self._new_sequence(request, i, list(seq.token_ids))
             self.block_manager.fork(seq, child)
-            self.scheduler.add_running(child)
+            scheduler.add_running(child)
             children.append(child)
         return children
 
@@ -278,17 +396,13 @@ class Engine:
         request.sequences.append(seq)
         return seq
 
-    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        eos = () if params.ignore_eos else self.eos_token_ids
-        return tuple(eos) + tuple(params.stop_token_ids)
-
     def _sample_row(self, seq: Sequence) -> SampleRow:
         return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens, seq.num_output_tokens,
-                         self._stop_ids(seq.request.params))
+                         seq.request.stop_ids)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.request.params
-        if token in self._stop_ids(p) and seq.num_output_tokens > p.min_tokens:
+        if token in seq.request.stop_set and seq.num_output_tokens > p.min_tokens:
             return "stop"
         if p.stop and self._cut_at_stop_string(seq):
             return "stop"
@@ -320,8 +434,7 @@ class Engine:
         completions = []
         for seq in request.sequences:
             ids = seq.output_token_ids
-            shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in self._stop_ids(
-                request.params) else ids
+            shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in request.stop_set else ids
             text = self.tokenizer.decode(shown, skip_special_tokens=True)
             if seq.stop_text_end is not None:
                 text = text[:seq.stop_text_end]

@@ -111,6 +111,8 @@ class Request:
     arrival_step: int = 0  # set by the engine
     resume_output_ids: list[list[int]] = field(default_factory=list)  # per sample, from a checkpoint
     sequences: list[Sequence] = field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids, set once by the engine (not per row per step)
+    stop_set: frozenset[int] = frozenset()
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -134,12 +136,14 @@ class Completion:
 
 @dataclass
 class RequestOutput:
-    """A finished request, as ``Engine.step`` hands it back."""
+    """A finished request, as ``Engine.step`` hands it back; ``error`` (no completions) when the engine
+    failed it: running it raised, and it alone (see ``Engine.step``)."""
 
     request_id: str
     prompt_token_ids: list[int]
     completions: list[Completion]
     num_cached_prompt_tokens: int = 0
+    error: str | None = None
 
     @property
     def num_output_tokens(self) -> int:

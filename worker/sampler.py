@@ -77,6 +77,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     x = logits / temps[:, None]
     top_k = [r.params.top_k for r in rows]
     if any(top_k):
+        top_k = [min(k, x.shape[-1]) for k in top_k]  # the door refuses more; never let torch.topk raise
         kth = torch.topk(x, max(top_k), dim=-1).values
         for i, k in enumerate(top_k):
             if k:
