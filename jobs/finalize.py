@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import logging
 from collections.abc import Iterator
 
 from sqlalchemy import insert, literal, select, update
@@ -33,6 +34,9 @@ from jobs.models import (
     ResultStatus,
     now,
 )
+from storage import ObjectNotFound
+
+log = logging.getLogger("berth.finalize")
 
 _CLOSE_CODES = {JobStatus.CANCELLED: ("batch_cancelled", "the job was cancelled before this request ran"),
                 JobStatus.EXPIRED: ("batch_expired", "the job's completion window passed before this request ran")}
@@ -96,6 +100,9 @@ def _close_unread(session, files: JobFiles, job: Job, code: str, message: str) -
                 n += len(batch)
     except InputError:  # not a UTF-8 file at all: it has no lines to report
         pass
+    except ObjectNotFound:
+        log.warning("job %s: its input %s is gone from the job store; its unread lines cannot be reported",
+                    job.id, job.input_key)
     return n
 
 

@@ -44,6 +44,7 @@ from jobs.messages import RequestMessage, params_to_dict
 from jobs.models import Job, JobStatus, LineErrorRow, RequestRow, Tenant, now
 from jobs.queue import Publisher
 from jobs.validate import MAX_CUSTOM_ID, InputError, LineValidator, RawLine, model_info, read_lines
+from storage import ObjectNotFound
 from worker.config import Settings
 
 log = logging.getLogger("berth.ingest")
@@ -94,6 +95,8 @@ def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> li
                     publish(db, publisher, [target.message(r) for r in rows])
         except InputError as exc:
             error = str(exc)
+        except ObjectNotFound:
+            error = f"the input file {input_key} is gone from the job store: submit the file again"
     return _close_validation(db, files, job_id, error)
 
 
