@@ -3,13 +3,19 @@
 
 A job is finalized from ``finalizing`` (to ``completed``, or ``expired`` when its window passed)
 or ``cancelling`` (to ``cancelled``); requests still without an outcome then fail with
-``batch_expired`` or ``batch_cancelled``. Running it twice writes the same files and moves the job once.
+``batch_expired`` or ``batch_cancelled``. A job cancelled or expired while its ingest was still
+reading the file has lines that never became a request or a line error: each becomes a line error
+with the same code (its line number, and its custom_id when the line parses), so every line of the
+input is in exactly one of the two files and the counts add up. Running it twice writes the same
+files and moves the job once.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
+import logging
 from collections.abc import Iterator
 
 from sqlalchemy import insert, literal, select, update
@@ -28,9 +34,15 @@ from jobs.models import (
     ResultStatus,
     now,
 )
+from storage import ObjectNotFound
+
+log = logging.getLogger("berth.finalize")
 
 _CLOSE_CODES = {JobStatus.CANCELLED: ("batch_cancelled", "the job was cancelled before this request ran"),
                 JobStatus.EXPIRED: ("batch_expired", "the job's completion window passed before this request ran")}
+_UNREAD = {JobStatus.CANCELLED: "the job was cancelled before this line was checked",
+           JobStatus.EXPIRED: "the job's completion window passed before this line was checked"}
+INSERT_CHUNK = 2000
 
 
 def finalize(db: Database, files: JobFiles, job_id: str) -> JobStatus | None:
@@ -45,8 +57,11 @@ def finalize(db: Database, files: JobFiles, job_id: str) -> JobStatus | None:
         else:
             target = JobStatus.EXPIRED if job.expired_at is not None else JobStatus.COMPLETED
         if target in _CLOSE_CODES:
-            closed = _fail_unfinished(s, job_id, *_CLOSE_CODES[target])
-            s.execute(update(Job).where(Job.id == job_id).values(failed=Job.failed + closed))
+            code = _CLOSE_CODES[target][0]
+            closed = _fail_unfinished(s, job_id, *_CLOSE_CODES[target])  # first a write: SQLite's lock is held
+            unread = _close_unread(s, files, job, code, _UNREAD[target]) if job.in_progress_at is None else 0
+            s.execute(update(Job).where(Job.id == job_id)
+                      .values(total=Job.total + unread, failed=Job.failed + closed + unread))
     output_key, errors_key = write_outputs(db, files, job_id)
     with db.session() as s, s.begin():
         stamp = getattr(Job, f"{target.value}_at")
@@ -64,6 +79,31 @@ def _fail_unfinished(session, job_id: str, code: str, message: str) -> int:
                   .where(RequestRow.job_id == job_id, Result.id.is_(None)))
     columns = ["request_id", "job_id", "status", "error", "prompt_tokens", "completion_tokens", "created_at"]
     return len(session.scalars(insert(Result).from_select(columns, unfinished).returning(Result.request_id)).all())
+
+
+def _close_unread(session, files: JobFiles, job: Job, code: str, message: str) -> int:
+    """The lines of a job stopped during its ingest that were never stored become line errors with
+    ``code``; how many. The ingest stores lines in order and stores nothing once the job left
+    ``validating``, so they are the lines after the last one stored."""
+    from jobs.ingest import last_stored_line, line_custom_id  # jobs.ingest imports this module
+    from jobs.validate import InputError, read_lines
+
+    last = last_stored_line(session, job.id)
+    n = 0
+    try:
+        with files.open(job.input_key) as f:
+            unread = (raw for raw in read_lines(f) if raw.number > last)
+            while batch := list(itertools.islice(unread, INSERT_CHUNK)):
+                session.execute(insert(LineErrorRow), [
+                    {"job_id": job.id, "line": raw.number, "custom_id": line_custom_id(raw), "param": None,
+                     "code": code, "message": message} for raw in batch])
+                n += len(batch)
+    except InputError:  # not a UTF-8 file at all: it has no lines to report
+        pass
+    except ObjectNotFound:
+        log.warning("job %s: its input %s is gone from the job store; its unread lines cannot be reported",
+                    job.id, job.input_key)
+    return n
 
 
 def write_outputs(db: Database, files: JobFiles, job_id: str) -> tuple[str | None, str | None]:

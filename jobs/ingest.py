@@ -3,17 +3,39 @@
 Each chunk's rows (good lines as requests, bad lines as line errors) are committed in one
 transaction with bulk inserts, and only then published; ``published_at`` is set once the broker
 confirmed. A crash between the two leaves rows without ``published_at``, which the reconciler
-publishes. An ingest run again (a retried task) resumes after the last line stored.
+publishes. An ingest run again (a retried task, or the reconciler's, see below) resumes after the
+last line stored.
+
+The ingest always finishes, whatever one line holds:
+
+- an exception out of the validator other than ``LineError`` is that line's error
+  (``invalid_request``, with the exception's type and message), never the job's;
+- a chunk the database refuses (a ``DataError`` or ``IntegrityError``: a NUL byte PostgreSQL cannot
+  store, say) is stored again a line at a time, and each line it refuses becomes a line error;
+- the ingest writes ``jobs.ingest_seen_at`` when it starts and with every chunk, and the reconciler
+  runs the ingest again of a job still ``validating`` whose ingest fell silent (it died, or a
+  database or broker error stopped it).
+
+So two ingests of one job can run at once (a slow one and its resumption). Each chunk's
+transaction begins by writing the job row (``ingest_seen_at``, only while the job is
+``validating``): that locks the row on PostgreSQL and takes SQLite's one write lock, so chunks are
+stored one at a time and each rechecks the last line stored before inserting; neither ingest
+stores a line twice or skips one. The same condition stops the ingest of a job cancelled or
+expired meanwhile: no chunk is stored once the job left ``validating``, and its finalize puts the
+lines never stored into the errors file (``jobs.finalize``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
+from sqlalchemy.orm import Session
 
-from jobs.batch_format import LineError
+from jobs.batch_format import LineError, parse_line
 from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.finalize import write_outputs
@@ -21,11 +43,15 @@ from jobs.lifecycle import mark_finalizing
 from jobs.messages import RequestMessage, params_to_dict
 from jobs.models import Job, JobStatus, LineErrorRow, RequestRow, Tenant, now
 from jobs.queue import Publisher
-from jobs.validate import InputError, LineValidator, RawLine, model_info, read_lines
+from jobs.validate import MAX_CUSTOM_ID, InputError, LineValidator, RawLine, model_info, read_lines
+from storage import ObjectNotFound
 from worker.config import Settings
+
+log = logging.getLogger("berth.ingest")
 
 CHUNK_LINES = 2000
 PUBLISH_BATCH = 2000
+MAX_MESSAGE = 1000  # characters of an exception's text kept in a line's error
 
 
 @dataclass(frozen=True)
@@ -49,11 +75,10 @@ def job_target(db: Database, job_id: str) -> JobTarget:
 
 def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> list[str]:
     """Validate, store and publish the job's lines; returns the jobs now ready to finalize."""
-    with db.session() as s:
-        job = s.get(Job, job_id)
-        if job is None or job.status is not JobStatus.VALIDATING:
+    with db.session() as s, s.begin():
+        if not hold_validating(s, job_id):
             return []
-        input_key = job.input_key
+        input_key = s.scalar(select(Job.input_key).where(Job.id == job_id))
     target = job_target(db, job_id)
     last_line, seen = _stored(db, job_id)
     validator = LineValidator(model_info(settings), seen=seen)
@@ -65,43 +90,148 @@ def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> li
                 lines = (raw for raw in read_lines(f) if raw.number > last_line)
                 while chunk := list(itertools.islice(lines, CHUNK_LINES)):
                     rows = _store_chunk(db, target, validator, chunk)
-                    publish(db, publisher, [target.message(r) for r in rows])
-                    if not _still_validating(db, job_id):
+                    if rows is None:  # the job was cancelled or expired: its finalize closes the rest
                         return []
+                    publish(db, publisher, [target.message(r) for r in rows])
         except InputError as exc:
             error = str(exc)
+        except ObjectNotFound:
+            error = f"the input file {input_key} is gone from the job store: submit the file again"
     return _close_validation(db, files, job_id, error)
+
+
+def hold_validating(session: Session, job_id: str) -> bool:
+    """Note the ingest's sign of life, if the job is still validating; whether it is. As the first
+    statement of a transaction it locks the job row (PostgreSQL) or the database (SQLite) until the
+    transaction ends, and what the transaction reads after it is current."""
+    return session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.VALIDATING)
+                           .values(ingest_seen_at=now())).rowcount == 1
+
+
+def last_stored_line(session: Session, job_id: str) -> int:
+    return max(session.scalar(select(func.max(RequestRow.line)).where(RequestRow.job_id == job_id)) or 0,
+               session.scalar(select(func.max(LineErrorRow.line)).where(LineErrorRow.job_id == job_id)) or 0)
 
 
 def _stored(db: Database, job_id: str) -> tuple[int, set[str]]:
     with db.session() as s:
-        last = max(s.scalar(select(func.max(RequestRow.line)).where(RequestRow.job_id == job_id)) or 0,
-                   s.scalar(select(func.max(LineErrorRow.line)).where(LineErrorRow.job_id == job_id)) or 0)
+        last = last_stored_line(s, job_id)
         seen = set(s.scalars(select(RequestRow.custom_id).where(RequestRow.job_id == job_id)))
     return last, seen
 
 
-def _store_chunk(db: Database, target: JobTarget, validator: LineValidator, chunk: list[RawLine]) -> list[RequestRow]:
+def line_custom_id(raw: RawLine) -> str | None:
+    """The line's ``custom_id`` if the line parses that far and any database can store it (for its
+    error line), else None."""
+    if raw.data is None:
+        return None
+    try:
+        custom_id = parse_line(raw.data, raw.number).custom_id
+        custom_id.encode("utf-8")  # a lone surrogate ("\ud800" in the JSON) is not text a database stores
+    except Exception:  # noqa: BLE001 (any line that does not parse simply has none)
+        return None
+    return custom_id if len(custom_id) <= MAX_CUSTOM_ID and "\x00" not in custom_id else None
+
+
+def _error_row(job_id: str, line: int, custom_id: str | None, message: str, code: str = "invalid_request",
+               param: str | None = None) -> dict:
+    return {"job_id": job_id, "line": line, "custom_id": custom_id, "param": param, "code": code,
+            "message": message}
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception's type and the first line of its message (a database error's own, not the SQL)."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:MAX_MESSAGE].replace("\x00", "\\x00")
+
+
+def _check(validator: LineValidator, job_id: str, chunk: list[RawLine]) -> tuple[list[dict], list[dict]]:
+    """The chunk's request rows and line-error rows; one line's failure is that line's error."""
     requests, errors = [], []
     created = now()
     for raw in chunk:
         try:
             custom_id, url, request = validator.check(raw)
+            requests.append({"job_id": job_id, "line": raw.number, "custom_id": custom_id, "url": url,
+                             "prompt_token_ids": request.prompt_token_ids, "params": params_to_dict(request.params),
+                             "attempts": 0, "created_at": created})
         except LineError as e:
-            errors.append({"job_id": target.job_id, "line": e.line, "custom_id": e.custom_id, "param": e.param,
-                           "code": e.code, "message": e.message})
-            continue
-        requests.append({"job_id": target.job_id, "line": raw.number, "custom_id": custom_id, "url": url,
-                         "prompt_token_ids": request.prompt_token_ids, "params": params_to_dict(request.params),
-                         "attempts": 0, "created_at": created})
+            errors.append(_error_row(job_id, e.line, e.custom_id, e.message, e.code, e.param))
+        except Exception as exc:  # noqa: BLE001 (a validator bug or a line it cannot digest: this line only)
+            log.warning("job %s line %d: checking it raised %s", job_id, raw.number, _describe(exc), exc_info=True)
+            errors.append(_error_row(job_id, raw.number, line_custom_id(raw),
+                                     f"this line could not be checked: {_describe(exc)}"))
+    return requests, errors
+
+
+def _caused_by_rows(exc: Exception) -> bool:
+    """A database error that the rows themselves caused (not an outage or a lock)."""
+    return isinstance(exc, (DataError, IntegrityError)) or (isinstance(exc, StatementError)
+                                                            and not isinstance(exc, DBAPIError))
+
+
+def _store_chunk(db: Database, target: JobTarget, validator: LineValidator, chunk: list[RawLine]
+                 ) -> list[RequestRow] | None:
+    """Store the chunk's lines not stored yet; the new request rows (None: the job is no longer validating)."""
+    requests, errors = _check(validator, target.job_id, chunk)
+    lines = [raw.number for raw in chunk]
+    try:
+        return _insert(db, target.job_id, lines, requests, errors, one_by_one=False)
+    except Exception as exc:
+        if not _caused_by_rows(exc):
+            raise
+        log.warning("job %s lines %d-%d: the database refused the chunk (%s); storing it line by line",
+                    target.job_id, lines[0], lines[-1], _describe(exc))
+        return _insert(db, target.job_id, lines, requests, errors, one_by_one=True)
+
+
+def _insert(db: Database, job_id: str, lines: list[int], requests: list[dict], errors: list[dict],
+            one_by_one: bool) -> list[RequestRow] | None:
     with db.session() as s, s.begin():
-        ids = list(s.scalars(insert(RequestRow).returning(RequestRow.id, sort_by_parameter_order=True),
-                             requests)) if requests else []
-        if errors:
-            s.execute(insert(LineErrorRow), errors)
-        s.execute(update(Job).where(Job.id == target.job_id)
-                  .values(total=Job.total + len(chunk), failed=Job.failed + len(errors)))
+        if not hold_validating(s, job_id):
+            return None
+        last = last_stored_line(s, job_id)  # another ingest of this job may have stored these lines
+        requests = [r for r in requests if r["line"] > last]
+        errors = [e for e in errors if e["line"] > last]
+        new_lines = sum(1 for n in lines if n > last)
+        if one_by_one:
+            requests, ids = _insert_each(s, requests, errors)
+            errors.sort(key=lambda e: e["line"])
+        else:
+            ids = list(s.scalars(insert(RequestRow).returning(RequestRow.id, sort_by_parameter_order=True),
+                                 requests)) if requests else []
+            if errors:
+                s.execute(insert(LineErrorRow), errors)
+        s.execute(update(Job).where(Job.id == job_id)
+                  .values(total=Job.total + new_lines, failed=Job.failed + len(errors)))
     return [RequestRow(id=i, **r) for i, r in zip(ids, requests)]
+
+
+def _insert_each(s: Session, requests: list[dict], errors: list[dict]) -> tuple[list[dict], list[int]]:
+    """Insert rows one at a time, each in a savepoint: a request the database refuses becomes a line
+    error (``errors`` grows), and an error row it refuses is stored without its custom_id."""
+    stored, ids = [], []
+    for r in requests:
+        try:
+            with s.begin_nested():
+                ids.append(s.scalar(insert(RequestRow).returning(RequestRow.id), r))
+            stored.append(r)
+        except Exception as exc:
+            if not _caused_by_rows(exc):
+                raise
+            errors.append(_error_row(r["job_id"], r["line"], r["custom_id"],
+                                     f"this line could not be stored: {_describe(exc)}"))
+    for e in errors:
+        try:
+            with s.begin_nested():
+                s.execute(insert(LineErrorRow), e)
+        except Exception as exc:
+            if not _caused_by_rows(exc):
+                raise
+            s.execute(insert(LineErrorRow), {**e, "custom_id": None, "param": None,
+                                             "message": e["message"].encode("ascii", "backslashreplace").decode()})
+    return stored, ids
 
 
 def publish(db: Database, publisher: Publisher, messages: list[RequestMessage]) -> int:
@@ -124,25 +254,22 @@ def publish_unpublished(db: Database, publisher: Publisher, job_id: str) -> int:
     return publish(db, publisher, [target.message(r) for r in rows])
 
 
-def _still_validating(db: Database, job_id: str) -> bool:
-    with db.session() as s:
-        return s.scalar(select(Job.status).where(Job.id == job_id)) is JobStatus.VALIDATING
-
-
 def _close_validation(db: Database, files: JobFiles, job_id: str, error: str | None) -> list[str]:
-    with db.session() as s:
+    """Every line is stored: the job goes in progress, or fails when it has no valid line. Under the
+    job's lock, so that a cancel or another ingest in between changes nothing twice."""
+    with db.session() as s, s.begin():
+        if not hold_validating(s, job_id):
+            return []
         total, failed = s.execute(select(Job.total, Job.failed).where(Job.id == job_id)).one()
-    if error is None and total == 0:
-        error = "the input file has no request lines: give one JSON request per line (OpenAI Batch format)"
-    elif error is None and failed == total:
-        error = f"none of the {total} lines is a valid request: the errors file says what is wrong with each"
-    if error is None:
-        with db.session() as s, s.begin():
-            s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.VALIDATING)
+        if error is None and total == 0:
+            error = "the input file has no request lines: give one JSON request per line (OpenAI Batch format)"
+        elif error is None and failed == total:
+            error = f"none of the {total} lines is a valid request: the errors file says what is wrong with each"
+        if error is None:
+            s.execute(update(Job).where(Job.id == job_id)
                       .values(status=JobStatus.IN_PROGRESS, in_progress_at=now()))
             return mark_finalizing(s, [job_id])
-    _, errors_key = write_outputs(db, files, job_id)
-    with db.session() as s, s.begin():
-        s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.VALIDATING).values(
+        _, errors_key = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
+        s.execute(update(Job).where(Job.id == job_id).values(
             status=JobStatus.FAILED, failed_at=now(), error=error, errors_key=errors_key))
     return []

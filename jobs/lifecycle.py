@@ -4,10 +4,16 @@ workers, tasks and users cannot move a job twice:
     validating ──▶ in_progress ──▶ finalizing ──▶ completed
         │               │   └── past its window ──▶ finalizing (expired_at set) ──▶ expired
         │               └── cancel ──▶ cancelling ──▶ cancelled
-        └── no valid line ──▶ failed
+        ├── no valid line ──▶ failed
+        └── cancel or past its window while the ingest runs: as from in_progress
 
 ``finalizing``, ``cancelling`` and a passed window are finished by ``jobs.finalize``; the functions
 here return the jobs that need it, and the caller dispatches the finalize task.
+
+A job can be cancelled or expire while its ingest is still reading the file. The ingest stores a
+chunk only while the job is ``validating``, checked under the job's lock in the transaction that
+stores it (``jobs.ingest``), and these moves take the same lock; so once one commits, no line is
+stored any more, and finalize puts each line never stored into the errors file.
 """
 
 from __future__ import annotations
@@ -53,20 +59,23 @@ def mark_finalizing(session: Session, job_ids: list[str]) -> list[str]:
 
 
 def cancel(db: Database, job_id: str) -> JobStatus:
-    """Ask for a job to stop: its waiting requests are dropped, the running ones aborted by the workers."""
-    with db.session() as s, s.begin():
-        status = s.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
-        if status is None:
-            raise JobNotFound(job_id)
-        if status not in LIVE:
+    """Ask for a job to stop: its waiting requests are dropped, the running ones aborted by the workers,
+    and the ingest of a validating job stops before its next chunk."""
+    with db.session() as s, s.begin():  # conditional on the state it leaves: an ingest may be closing it
+        moved = s.execute(update(Job).where(Job.id == job_id, Job.status.in_(LIVE))
+                          .values(status=JobStatus.CANCELLING, cancelling_at=now())).rowcount
+        if not moved:
+            status = s.scalar(select(Job.status).where(Job.id == job_id))
+            if status is None:
+                raise JobNotFound(job_id)
             raise JobStateError(f"job {job_id} is {status.value}: only a validating or in-progress job can be "
                                 "cancelled")
-        s.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.CANCELLING, cancelling_at=now()))
     return JobStatus.CANCELLING
 
 
 def expire_due(db: Database) -> list[str]:
-    """Live jobs past their completion window move to finalizing, marked expired."""
+    """Live jobs past their completion window (validating ones too: an ingest that never finishes
+    must not hold a job open) move to finalizing, marked expired."""
     t = now()
     with db.session() as s, s.begin():
         return list(s.scalars(

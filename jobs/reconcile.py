@@ -1,21 +1,34 @@
 """Putting back what a crash can leave behind, from the database (the source of truth). Run
-periodically by Celery beat.
+periodically: by Celery beat with a broker, by the engine workers' housekeeping on the embedded
+queue (``jobs.housekeeping``).
 
 - A request committed but never confirmed by the broker (``published_at`` empty: the submitter
   died between commit and publish, or the broker refused it) is published.
-- On the embedded queue only: a request delivered long ago without an outcome is published again,
-  since that transport keeps a dead worker's delivery hidden forever (RabbitMQ requeues it itself).
-  If its worker is in fact still running it, that worker acks the copy and carries on.
+- On the embedded queue only, since that transport keeps a dead worker's delivery hidden forever
+  (RabbitMQ requeues it itself): a request without an outcome whose ``holder`` is a process of this
+  host that no longer exists is published again at once, once per delivery (only while it was
+  delivered after it was last published; publishing sets ``published_at``). Any other request
+  delivered long ago without an outcome is published again too: its holder may be on another host,
+  or gone without a trace. If its worker is in fact still running it, that worker acks the copy and
+  carries on.
 - A job left in ``finalizing`` or ``cancelling`` (its finalize task lost) is finalized.
+- A job still ``validating`` whose ingest shows no sign of life for ``INGEST_SILENCE_SECONDS``
+  (``ingest_seen_at``, or its creation when the ingest never started: the submitter died before
+  dispatching it, the task was lost, or an error stopped it) is ingested again; the ingest resumes
+  after its last stored line. The reconciler stamps ``ingest_seen_at`` as it hands a job out, so
+  reconcilers running side by side (every embedded worker runs one) hand it out once.
 
-Everything here is safe to repeat: a request published twice still gets one result.
+Everything here is safe to repeat: a request published twice still gets one result, and two ingests
+of one job store each line once.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, or_, select, update
 
 from jobs.db import Database
 from jobs.ingest import publish
@@ -26,32 +39,64 @@ from jobs.queue import Publisher, is_embedded
 from worker.config import Settings
 
 STALE_DELIVERY_SECONDS = 1800.0
+INGEST_SILENCE_SECONDS = 120.0  # an ingest writes ingest_seen_at with every chunk of 2,000 lines
 
 
 @dataclass(frozen=True)
 class Reconciled:
     republished: int
     finalize: list[str]  # jobs whose finalize task must run (again)
+    ingest: list[str]  # jobs whose ingest task must run (again)
 
 
-def reconcile(db: Database, settings: Settings, older_than: float = 60.0) -> Reconciled:
+def reconcile(db: Database, settings: Settings, older_than: float = 60.0,
+              ingest_silence: float = INGEST_SILENCE_SECONDS) -> Reconciled:
     t = now()
     lost = and_(RequestRow.published_at.is_(None), RequestRow.created_at < t - older_than)
-    if is_embedded(settings):
-        stale = t - STALE_DELIVERY_SECONDS
-        lost = or_(lost, and_(RequestRow.delivered_at < stale, RequestRow.published_at < stale))
+    open_requests = and_(Job.status.in_(LIVE), Result.id.is_(None))
     with db.session() as s:
+        if is_embedded(settings):
+            stale = t - STALE_DELIVERY_SECONDS
+            lost = or_(lost, and_(RequestRow.delivered_at < stale, RequestRow.published_at < stale))
+            held = s.execute(select(RequestRow.id, RequestRow.holder)
+                             .join(Job, Job.id == RequestRow.job_id)
+                             .outerjoin(Result, Result.request_id == RequestRow.id)
+                             .where(open_requests, RequestRow.holder.is_not(None),
+                                    RequestRow.delivered_at > RequestRow.published_at)).all()
+            orphans = [i for i, holder in held if holder_is_dead(holder)]
+            if orphans:
+                lost = or_(lost, RequestRow.id.in_(orphans))
         rows = s.execute(
             select(RequestRow, Job.model, Job.priority, Tenant.name)
             .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
             .outerjoin(Result, Result.request_id == RequestRow.id)
-            .where(Job.status.in_(LIVE), Result.id.is_(None), lost)).all()
+            .where(open_requests, lost)).all()
         stuck = list(s.scalars(select(Job.id).where(or_(
             and_(Job.status == JobStatus.FINALIZING, Job.finalizing_at < t - older_than),
             and_(Job.status == JobStatus.CANCELLING, Job.cancelling_at < t - older_than)))))
+    with db.session() as s, s.begin():  # claimed: another reconciler sees a sign of life
+        silent = list(s.scalars(
+            update(Job).where(Job.status == JobStatus.VALIDATING,
+                              func.coalesce(Job.ingest_seen_at, Job.created_at) < t - ingest_silence)
+            .values(ingest_seen_at=t).returning(Job.id)))
     republished = 0
     if rows:
         with Publisher(settings) as publisher:
             republished = publish(db, publisher, [RequestMessage.from_row(r, model, priority, tenant)
                                                   for r, model, priority, tenant in rows])
-    return Reconciled(republished, stuck)
+    return Reconciled(republished, stuck, sorted(silent))
+
+
+def holder_is_dead(holder: str) -> bool:
+    """Whether ``holder`` ("host:pid") names a process of this host that no longer exists. A holder
+    elsewhere, or one that cannot be read, is not known to be dead."""
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) <= 0:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # it exists under another user; not a pid at all
+        return False
+    return False

@@ -6,11 +6,16 @@ With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by 
 
     celery -A jobs.tasks worker --beat --loglevel=INFO
 
-On the embedded default (no broker) they run in the calling process (``task_always_eager``).
-Tasks are acked late and idempotent: one lost with its worker is simply run again.
+On the embedded default (no broker) they run in the calling process (``task_always_eager``), and
+the periodic ones on each engine worker's housekeeping thread (``jobs.housekeeping``).
+Tasks are acked late and idempotent: one lost with its worker is simply run again. An ingest that
+stops on an error is logged, not raised (``berth submit`` has created the job by then): the
+reconciler runs it again once it has been silent for ``INGEST_SILENCE_SECONDS``.
 """
 
 from __future__ import annotations
+
+import logging
 
 from celery import Celery
 
@@ -21,12 +26,14 @@ from jobs.finalize import finalize
 from jobs.ingest import ingest
 from jobs.lifecycle import expire_due
 from jobs.queue import Topology, is_embedded
-from jobs.reconcile import reconcile
+from jobs.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
 from storage import open_store
 from worker.config import Settings
 
 INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
 CHECKPOINT_GC = "berth.checkpoint_gc"
+log = logging.getLogger("berth.tasks")
+
 PERIOD_SECONDS = 60.0
 CHECKPOINT_GC_PERIOD_SECONDS = 600.0
 
@@ -50,7 +57,13 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=INGEST, shared=False)
     def ingest_job(job_id: str) -> None:
-        finalize_later(app, ingest(db(), JobFiles(settings.storage_url), settings, job_id))
+        try:
+            ready = ingest(db(), JobFiles(settings.storage_url), settings, job_id)
+        except Exception:  # noqa: BLE001 (a database or broker error: the reconciler resumes it)
+            log.exception("the ingest of job %s stopped; it resumes after its last stored line once it has "
+                          "been silent for %.0f s (the reconciler)", job_id, INGEST_SILENCE_SECONDS)
+            return
+        finalize_later(app, ready)
 
     @app.task(name=FINALIZE, shared=False)
     def finalize_job(job_id: str) -> None:
@@ -58,7 +71,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=RECONCILE, shared=False)
     def reconcile_jobs() -> None:
-        finalize_later(app, reconcile(db(), settings).finalize)
+        dispatch(app, reconcile(db(), settings))
 
     @app.task(name=EXPIRE, shared=False)
     def expire_jobs() -> None:
@@ -75,6 +88,18 @@ def finalize_later(app: Celery, job_ids: list[str]) -> None:
     """Dispatch the finalize task of each job (run now, when the app is eager)."""
     for job_id in job_ids:
         app.tasks[FINALIZE].delay(job_id)
+
+
+def ingest_later(app: Celery, job_ids: list[str]) -> None:
+    """Dispatch the ingest task of each job (run now, when the app is eager)."""
+    for job_id in job_ids:
+        app.tasks[INGEST].delay(job_id)
+
+
+def dispatch(app: Celery, reconciled: Reconciled) -> None:
+    """Run what the reconciler found: the finalize of jobs left closing, the ingest of silent ones."""
+    finalize_later(app, reconciled.finalize)
+    ingest_later(app, reconciled.ingest)
 
 
 app = make_app(Settings())  # what `celery -A jobs.tasks` runs: configured from the environment

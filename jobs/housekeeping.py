@@ -1,0 +1,102 @@
+"""The periodic chores of the embedded defaults, run by every engine worker on a thread of its own.
+
+With a broker, Celery beat runs reconcile, expire and checkpoint collection (``jobs.tasks``). The
+embedded default has no Celery worker and no beat: without these chores nothing would republish
+a dead worker's requests, resume a stopped ingest, expire a job or collect checkpoints. So each
+engine worker on the embedded queue runs ``chores(settings)``: each one a (period in seconds,
+function) pair, the functions the same tasks as beat's, run in-process (``make_app(eager=True)``),
+so a reconcile dispatches its finalizes and ingests here too. Several workers on one machine all
+run them; each chore is safe to run side by side (see ``jobs.reconcile``).
+
+The periods suit a laptop: a dead worker's requests come back within seconds. Each function catches
+and logs its own exceptions (a database outage is logged once, then once more when it ends), so the
+thread that calls them never dies.
+
+One chore is the embedded queue's own: kombu's SQLAlchemy transport marks a message invisible when
+it hands it out and never deletes the row, even once acked; nothing delivers such a row again, so
+the rows handed out more than ``HANDED_OUT_KEEP_SECONDS`` ago are deleted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Callable
+
+from jobs.queue import broker_url, is_embedded
+from jobs.tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, RECONCILE, make_app
+from worker.config import Settings
+
+log = logging.getLogger("berth.housekeeping")
+
+RECONCILE_SECONDS = 5.0
+EXPIRE_SECONDS = 5.0
+QUEUE_GC_SECONDS = 600.0
+HANDED_OUT_KEEP_SECONDS = 3600.0
+DELETE_BATCH = 10_000  # rows per delete: the queue's one write lock is never held long
+
+Chore = Callable[[], None]
+
+
+def chores(settings: Settings) -> list[tuple[float, Chore]]:
+    """(period in seconds, function) for each chore; none with a broker, where Celery beat runs them."""
+    if not is_embedded(settings):
+        return []
+    tasks = make_app(settings, eager=True).tasks
+    return [(RECONCILE_SECONDS, _logged("reconcile", tasks[RECONCILE])),
+            (EXPIRE_SECONDS, _logged("expire", tasks[EXPIRE])),
+            (CHECKPOINT_GC_PERIOD_SECONDS, _logged("checkpoint_gc", tasks[CHECKPOINT_GC])),
+            (QUEUE_GC_SECONDS, _logged("queue_gc", lambda: delete_handed_out(settings)))]
+
+
+def _logged(name: str, work: Callable[[], object]) -> Chore:
+    failing = False
+
+    def chore() -> None:
+        nonlocal failing
+        try:
+            work()
+        except Exception:  # noqa: BLE001 (the next period tries again)
+            if not failing:
+                log.exception("housekeeping: %s failed; trying again every period, logged once until it works", name)
+            failing = True
+            return
+        if failing:
+            log.info("housekeeping: %s works again", name)
+        failing = False
+
+    chore.__name__ = chore.__qualname__ = name
+    return chore
+
+
+def delete_handed_out(settings: Settings, keep_seconds: float = HANDED_OUT_KEEP_SECONDS) -> int:
+    """Delete the embedded queue's message rows handed out over ``keep_seconds`` ago; how many.
+
+    kombu stamps a row's ``timestamp`` (local time) when it hands it out, the one update it makes;
+    a row is written without one."""
+    path = Path(broker_url(settings).removeprefix("sqla+sqlite:///"))
+    if not path.exists():
+        return 0
+    cutoff = (datetime.datetime.now() - datetime.timedelta(seconds=keep_seconds)).strftime("%Y-%m-%d %H:%M:%S.%f")
+    deleted = 0
+    conn = sqlite3.connect(path, timeout=60)
+    try:
+        while True:
+            try:
+                with conn:
+                    n = conn.execute("DELETE FROM kombu_message WHERE id IN (SELECT id FROM kombu_message "
+                                     "WHERE visible = 0 AND timestamp < ? LIMIT ?)", (cutoff, DELETE_BATCH)).rowcount
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):  # nothing was ever published
+                    return deleted
+                raise
+            deleted += n
+            if n < DELETE_BATCH:
+                break
+    finally:
+        conn.close()
+    if deleted:
+        log.info("housekeeping: deleted %d queue rows handed out over %.0f s ago", deleted, keep_seconds)
+    return deleted
