@@ -143,10 +143,10 @@ def run_whole_path(loaded: LoadedModel, settings: Settings, request_file: Path, 
     from jobs import api
     from jobs.db import open_database
     from jobs.models import JobStatus
-    from worker.consumer import EngineWorker
+    from jobs.engine_worker import engine_worker
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
-    worker = EngineWorker(settings, warmed_engine(loaded, settings), eager_tasks=True)
+    worker = engine_worker(settings, warmed_engine(loaded, settings), eager_tasks=True)
     with StatusProbe(settings, status_interval) as probe:
         t0 = time.time()
         job = api.submit(request_file, settings, eager=True)
@@ -303,7 +303,7 @@ def delete_queues(amqp_url: str, prefix: str, model: str) -> None:
     """Delete the queues and exchanges berth declared under ``prefix``."""
     from kombu import Connection
 
-    from jobs.queue import Topology
+    from worker.queues import Topology
 
     topology = Topology(prefix)
     try:

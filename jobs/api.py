@@ -91,10 +91,10 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
         ) -> tuple[JobView, ResultFiles]:
     """Submit, work and fetch the results in this process: ingest and finalize run in-process, an
     engine worker consumes the queue until the job ends. Zero servers on the default settings."""
-    from worker.consumer import EngineWorker
+    from jobs.engine_worker import engine_worker
 
     settings = settings or Settings()
-    worker = EngineWorker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
+    worker = engine_worker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
     job = submit(path, settings, spec=spec, eager=True)
     if not job.status.is_final:
 

@@ -253,12 +253,12 @@ def tenant(name, weight, **flags):
 @engine_options
 def worker(**flags):
     """Run the engine on the request queue until SIGTERM."""
-    from worker.consumer import EngineWorker
+    from jobs.engine_worker import engine_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from(flags)
     with user_errors():
-        EngineWorker(settings).run()
+        engine_worker(settings).run()
 
 
 @main.command()

@@ -25,7 +25,7 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from jobs.queue import broker_url, is_embedded
+from worker.queues import broker_url, is_embedded
 from jobs.tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, RECONCILE, make_app
 from worker.config import Settings
 

@@ -35,7 +35,8 @@ from jobs.ingest import publish
 from jobs.lifecycle import LIVE
 from jobs.messages import RequestMessage
 from jobs.models import Job, JobStatus, RequestRow, Result, Tenant, now
-from jobs.queue import Publisher, is_embedded
+from jobs.queue import Publisher
+from worker.queues import is_embedded
 from worker.config import Settings
 
 STALE_DELIVERY_SECONDS = 1800.0

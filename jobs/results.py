@@ -1,4 +1,4 @@
-"""What engine workers write: the attempts of each delivery, and each request's one outcome.
+"""Each request's one outcome, as the jobs database keeps it (``jobs.ledger`` writes it for the workers).
 
 An outcome is a result row and the job's counters, in one transaction. ``results.request_id`` is
 unique and the insert skips a conflict, so a second outcome for a request (a redelivered message,
@@ -10,28 +10,17 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from jobs.db import Database
 from jobs.lifecycle import mark_finalizing
-from jobs.models import Job, JobStatus, RequestRow, Result, ResultStatus, now
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What the database knows of a request just delivered to a worker."""
-
-    request_id: int
-    job_status: JobStatus
-    attempts: int  # this delivery included
-    has_result: bool
-    last_error: str | None
+from jobs.models import Job, Result, ResultStatus, now
 
 
 @dataclass
-class Outcome:
+class ResultRecord:
     request_id: int
     job_id: str
     status: ResultStatus
@@ -41,7 +30,7 @@ class Outcome:
     completion_tokens: int = 0
 
     @classmethod
-    def failure(cls, request_id: int, job_id: str, code: str, message: str) -> Outcome:
+    def failure(cls, request_id: int, job_id: str, code: str, message: str) -> ResultRecord:
         return cls(request_id, job_id, ResultStatus.FAILED, error={"code": code, "message": message})
 
 
@@ -51,34 +40,7 @@ class Recorded:
     finalize: list[str]  # jobs that this call finished
 
 
-def record_deliveries(db: Database, request_ids: list[int]) -> dict[int, Delivery]:
-    """Count one more attempt for each request; what the database knows of them."""
-    if not request_ids:
-        return {}
-    with db.session() as s, s.begin():
-        s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids))
-                  .values(attempts=RequestRow.attempts + 1, delivered_at=now()))
-        rows = s.execute(
-            select(RequestRow.id, Job.status, RequestRow.attempts, Result.id, RequestRow.last_error)
-            .join(Job, Job.id == RequestRow.job_id).outerjoin(Result, Result.request_id == RequestRow.id)
-            .where(RequestRow.id.in_(request_ids)))
-        return {r[0]: Delivery(r[0], r[1], r[2], r[3] is not None, r[4]) for r in rows}
-
-
-def release(db: Database, request_ids: list[int]) -> None:
-    """Handed back unfinished by a worker told to stop: that delivery was no failed attempt."""
-    if request_ids:
-        with db.session() as s, s.begin():
-            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids), RequestRow.attempts > 0)
-                      .values(attempts=RequestRow.attempts - 1))
-
-
-def note_error(db: Database, request_id: int, error: str) -> None:
-    with db.session() as s, s.begin():
-        s.execute(update(RequestRow).where(RequestRow.id == request_id).values(last_error=error[:4000]))
-
-
-def record_outcomes(db: Database, outcomes: list[Outcome], worker: str | None = None) -> Recorded:
+def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | None = None) -> Recorded:
     """Write each outcome that is the first for its request, and the counters of their jobs."""
     if not outcomes:
         return Recorded(set(), [])

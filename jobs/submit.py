@@ -12,7 +12,7 @@ from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
 from jobs.models import Job, JobStatus, now
-from jobs.queue import MAX_PRIORITY
+from worker.queues import MAX_PRIORITY
 from jobs.tenants import tenant_id
 
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")

@@ -25,7 +25,7 @@ from jobs.files import JobFiles
 from jobs.finalize import finalize
 from jobs.ingest import ingest
 from jobs.lifecycle import expire_due
-from jobs.queue import Topology, is_embedded
+from worker.queues import Topology, is_embedded
 from jobs.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
 from storage import open_store
 from worker.config import Settings

@@ -55,7 +55,7 @@ def queue_prefix():
     yield prefix
     from kombu import Connection
 
-    from jobs.queue import Topology
+    from worker.queues import Topology
 
     topology = Topology(prefix)
     with Connection(AMQP_URL) as conn:
@@ -121,7 +121,7 @@ def work_until_over(settings, engine, job_id: str, timeout: float = 60.0):
     import time
 
     from jobs import api
-    from worker.consumer import EngineWorker
+    from jobs.engine_worker import engine_worker
 
     deadline = time.monotonic() + timeout
 
@@ -129,5 +129,5 @@ def work_until_over(settings, engine, job_id: str, timeout: float = 60.0):
         assert time.monotonic() < deadline, f"job {job_id} did not end in {timeout}s"
         return api.status(job_id, settings).status.is_final
 
-    EngineWorker(settings, engine, eager_tasks=True).run(until=over)
+    engine_worker(settings, engine, eager_tasks=True).run(until=over)
     return api.status(job_id, settings)

@@ -198,7 +198,7 @@ def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_ll
     from jobs import api
     from jobs.db import open_database
     from jobs.models import RequestRow
-    from jobs.results import Outcome, record_outcomes
+    from jobs.results import ResultRecord, record_outcomes
     from tests.jobs_support import tiny_settings, write_requests
 
     settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
@@ -218,7 +218,7 @@ def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_ll
     named = {k: {block_key(s.fingerprint, h) for h in s.block_hashes()} for k, s in state_of.items()}
     only_first = named[state_key(ids[0])] - named[state_key(ids[1])]
     assert only_first
-    record_outcomes(db, [Outcome.failure(int(ids[0]), job.id, "test", "done")])  # request 0 has its outcome
+    record_outcomes(db, [ResultRecord.failure(int(ids[0]), job.id, "test", "done")])  # request 0 has its outcome
     old = time.time() - 7200
     for key in _blocks(store):
         os.utime(store.inner.path(key), (old, old))

@@ -12,7 +12,7 @@ from jobs.models import JobStatus
 from storage import open_store
 from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_settings
 from worker.checkpoint_format import STATE_PREFIX, RequestCheckpoint
-from worker.consumer import EngineWorker
+from jobs.engine_worker import engine_worker
 from worker.engine import Engine
 
 
@@ -27,13 +27,13 @@ def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_
     job = api.submit(path, settings, eager=True)  # the job file goes to S3 too
     engine = Engine(settings)
 
-    first = EngineWorker(settings, engine, eager_tasks=True)
+    first = engine_worker(settings, engine, eager_tasks=True)
     first.run(until=lambda: engine.stats.output_tokens >= 4 * 40)  # a graceful stop, as on SIGTERM
     store = open_store(settings.storage_url)
     states = [RequestCheckpoint.from_json(store.get(o.key)) for o in store.list(STATE_PREFIX)]
     assert len(states) == 4 and all(40 <= s.output_tokens < 400 for s in states)
 
-    second = EngineWorker(settings, Engine(settings), eager_tasks=True)
+    second = engine_worker(settings, Engine(settings), eager_tasks=True)
     second.run(until=lambda: api.status(job.id, settings).status.is_final)
     metrics = second.metrics.registry
     assert metrics.get_sample_value("berth_checkpoint_restores_total", {"kv": "loaded"}) == 4

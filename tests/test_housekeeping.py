@@ -18,7 +18,7 @@ from jobs import api
 from jobs.db import open_database
 from jobs.housekeeping import chores
 from jobs.models import Job, JobStatus, RequestRow, now
-from jobs.queue import Topology, broker_url, connect
+from worker.queues import Topology, broker_url, connect
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, write_requests
 
 

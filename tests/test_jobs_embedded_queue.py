@@ -8,12 +8,13 @@ import pytest
 from kombu.exceptions import EncodeError
 
 from jobs.messages import RequestMessage
-from jobs.queue import Publisher, Topology, connect
+from jobs.queue import Publisher
+from worker.queues import Topology, connect
 from worker.config import Settings
 
 
-def _message(i: int, params: dict | None = None) -> RequestMessage:
-    return RequestMessage(i, "batch_test", i, f"req-{i}", "/v1/completions", "m", [1, 2, 3], params or {})
+def _message(i: int, job_id: object = "batch_test") -> RequestMessage:
+    return RequestMessage(i, job_id, "m")
 
 
 def _drain(settings: Settings) -> list[dict]:
@@ -42,7 +43,7 @@ def test_a_batch_that_fails_midway_stores_nothing(tmp_path):
     settings = Settings(database_url=f"sqlite:///{tmp_path}/berth.db")
     with Publisher(settings) as publisher:
         publisher.publish([_message(0)])
-        unserializable = _message(2, {"seed": object()})
+        unserializable = _message(2, object())
         with pytest.raises(EncodeError):
             publisher.publish([_message(1), unserializable, _message(3)])
         publisher.publish([_message(4)])

@@ -20,7 +20,7 @@ from jobs import api
 from jobs.db import open_database
 from jobs.generate import generate_file
 from jobs.models import JobStatus, Result
-from jobs.queue import Topology
+from worker.queues import Topology
 from tests.jobs_support import (AMQP_URL, TINY_NAME, choices_by_custom_id, read_jsonl, tiny_env, tiny_settings,
                                 write_requests)
 

@@ -16,7 +16,7 @@ from jobs.db import open_database
 from jobs.models import JobStatus, Result
 from jobs.submit import JobSpec
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings
-from worker.consumer import EngineWorker
+from jobs.engine_worker import engine_worker
 from worker.engine import Engine
 
 MAX_TOKENS = 32
@@ -62,7 +62,7 @@ def test_priority_orders_a_tenants_jobs_and_tenants_share_the_engine_equally(tmp
     engine = Engine(settings)
     steps = _record_steps(engine)
     jobs = (low.id, high.id, bob.id)
-    EngineWorker(settings, engine, eager_tasks=True).run(
+    engine_worker(settings, engine, eager_tasks=True).run(
         until=lambda: all(api.status(j, settings).status.is_final for j in jobs))
 
     views = [api.status(j, settings) for j in jobs]
@@ -89,7 +89,7 @@ def test_a_tenants_weight_reaches_the_engine(tmp_path, settings):
     _submit(tmp_path, settings, "bob-job", 1, "bob", priority=0)
     api.set_tenant_weight("bob", 3.0, settings)
     engine = Engine(settings)
-    worker = EngineWorker(settings, engine, eager_tasks=True)
+    worker = engine_worker(settings, engine, eager_tasks=True)
     worker.run(until=lambda: True)  # connects, follows the live tenants once, stops
     assert engine.scheduler.waiting.shares == {"alice": 1.0, "bob": 3.0}
-    assert set(worker.queues) == {"alice", "bob"}
+    assert set(worker.broker.queues) == {"alice", "bob"}

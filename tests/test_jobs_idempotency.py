@@ -9,7 +9,6 @@ import json
 import time
 
 import pytest
-from kombu import Connection
 from sqlalchemy import func, select
 
 import jobs.ingest
@@ -18,7 +17,8 @@ from jobs.db import open_database
 from jobs.ingest import job_target, publish
 from jobs.lifecycle import JobStateError, expire_due
 from jobs.models import JobStatus, RequestRow, Result, ResultStatus
-from jobs.queue import Publisher, Topology, connect, queue_depth
+from jobs.queue import Publisher
+from worker.queues import Topology, connect, queue_depth
 from jobs.reconcile import reconcile
 from jobs.submit import JobSpec
 from jobs.tasks import finalize_later, make_app
@@ -75,15 +75,15 @@ def test_a_message_delivered_twice_yields_one_result(tmp_path, settings, tiny_en
         assert queue_depth(conn, [Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")]) == 0
 
 
-def test_a_poison_request_is_dead_lettered_and_the_queue_keeps_flowing(tmp_path, settings, tiny_engine,
-                                                                         monkeypatch):
+def test_a_request_the_engine_cannot_admit_fails_alone_and_the_queue_keeps_flowing(tmp_path, settings,
+                                                                                   tiny_engine, monkeypatch):
     job = api.submit(write_requests(tmp_path / "requests.jsonl", 6), settings, eager=True)
     with open_database(settings.database_url).session() as s:
-        poison = s.scalar(select(RequestRow.id).where(RequestRow.job_id == job.id, RequestRow.custom_id == "req-2"))
+        bad = s.scalar(select(RequestRow.id).where(RequestRow.job_id == job.id, RequestRow.custom_id == "req-2"))
     admit = tiny_engine.add_request
 
     def crashing_admit(request):
-        if request.request_id == str(poison):
+        if request.request_id == str(bad):
             raise RuntimeError("simulated crash while admitting")
         return admit(request)
 
@@ -92,17 +92,15 @@ def test_a_poison_request_is_dead_lettered_and_the_queue_keeps_flowing(tmp_path,
 
     assert (job.status, job.total, job.completed, job.failed) == (JobStatus.COMPLETED, 6, 5, 1)
     [failed] = [r for r in _results(settings, job.id) if r.status is ResultStatus.FAILED]
-    assert failed.request_id == poison and failed.error["code"] == "delivery_limit"
-    assert "delivered 3 times" in failed.error["message"]
+    assert failed.request_id == bad and failed.error["code"] == "engine_error"
     assert "RuntimeError: simulated crash while admitting" in failed.error["message"]
-    with open_database(settings.database_url).session() as s:
-        assert s.scalar(select(RequestRow.attempts).where(RequestRow.id == poison)) == 4
+    with open_database(settings.database_url).session() as s:  # failed on its first delivery, the reason kept
+        row = s.get(RequestRow, bad)
+        assert row.attempts == 1 and "simulated crash" in row.last_error
     files = api.results(job.id, tmp_path / "out.jsonl", settings=settings)
     assert [line["custom_id"] for line in read_jsonl(files.errors)] == ["req-2"]
-    with Connection(AMQP_URL) as conn:
-        dead = Topology(settings.queue_prefix).dead_queue.bind(conn.default_channel).get(no_ack=True)
-        assert dead is not None and dead.decode()["request_id"] == poison
-        assert "delivered 3 times" in dead.headers["x-berth-reason"]
+    with connect(settings) as conn:  # every message acked
+        assert queue_depth(conn, [Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")]) == 0
 
 
 def test_the_reconciler_publishes_what_was_committed_but_never_published(tmp_path, settings, tiny_engine,
@@ -141,7 +139,7 @@ def test_cancel_and_expiry_close_jobs_with_every_request_accounted_for(tmp_path,
 
 
 def test_cancelling_a_running_job_aborts_its_requests_in_the_engine(tmp_path, settings, tiny_engine):
-    from worker.consumer import EngineWorker
+    from jobs.engine_worker import engine_worker
 
     long = [{"custom_id": f"long-{i}", "url": "/v1/completions",
              "body": {"model": TINY_NAME, "prompt": f"story {i}", "max_tokens": 1500, "ignore_eos": True}}
@@ -149,7 +147,7 @@ def test_cancelling_a_running_job_aborts_its_requests_in_the_engine(tmp_path, se
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in long))
     job = api.submit(path, settings, eager=True)
-    worker = EngineWorker(settings, tiny_engine, eager_tasks=True)
+    worker = engine_worker(settings, tiny_engine, eager_tasks=True)
     deadline = time.monotonic() + 60
 
     def cancel_once_running() -> bool:
@@ -157,7 +155,7 @@ def test_cancelling_a_running_job_aborts_its_requests_in_the_engine(tmp_path, se
         view = api.status(job.id, settings)
         if view.status is JobStatus.IN_PROGRESS and worker.inflight:
             api.cancel(job.id, settings)
-            finalize_later(worker.tasks, [job.id])
+            finalize_later(worker.ledger.tasks, [job.id])
         return view.status.is_final and not worker.inflight  # emptied by the worker, not at its exit
 
     worker.run(until=cancel_once_running)

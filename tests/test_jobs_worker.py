@@ -14,9 +14,9 @@ from sqlalchemy import select
 from jobs import api
 from jobs.db import open_database
 from jobs.models import JobStatus, RequestRow, Result
-from jobs.queue import Topology, connect, queue_depth
+from worker.queues import Topology, connect, queue_depth
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
-from worker.consumer import EngineWorker
+from jobs.engine_worker import engine_worker
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def _rows(settings, job_id):
 
 def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tmp_path, settings, tiny_engine):
     job = _long_job(tmp_path, settings, max_tokens=600)
-    worker = EngineWorker(settings, tiny_engine, eager_tasks=True)
+    worker = engine_worker(settings, tiny_engine, eager_tasks=True)
 
     def stop_once_running() -> bool:
         if worker.inflight and not worker.stop_requested:
@@ -60,12 +60,12 @@ def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tm
 
 def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(tmp_path, settings, tiny_engine):
     job = _long_job(tmp_path, settings)
-    worker = EngineWorker(settings, tiny_engine, eager_tasks=True)
+    worker = engine_worker(settings, tiny_engine, eager_tasks=True)
     cut = []
 
     def cut_once_running() -> bool:
         if worker.inflight and not cut:
-            worker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
+            worker.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
             cut.append(set(worker.inflight))
         return api.status(job.id, settings).status.is_final
 

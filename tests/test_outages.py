@@ -125,28 +125,27 @@ def _check_job(settings, job_id: str, requests: Path, lengths: list[int], genera
 
 # ---- the database failing, simulated: runs anywhere (the real restart below needs root)
 def test_outcomes_wait_while_the_database_fails(tmp_path, tiny_llama_dir, monkeypatch):
-    from sqlalchemy.exc import OperationalError
-
-    import worker.consumer as consumer
+    from jobs.engine_worker import engine_worker
     from worker.engine import Engine
+    from worker.ledger import LedgerDown
 
     settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
                              storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=SEATS)
     lengths = [100 + 20 * i for i in range(8)]
     job = api.submit(_job(tmp_path, lengths), settings)  # the embedded queue: ingested here
     engine = Engine(settings)
-    worker = consumer.EngineWorker(settings, engine, eager_tasks=True)
+    worker = engine_worker(settings, engine, eager_tasks=True)
     down, seen = [False], {}
 
     def failing(call):
         def maybe(*args, **kwargs):
             if down[0]:
-                raise OperationalError("(the worker's call)", {}, ConnectionRefusedError("the database is down"))
+                raise LedgerDown("the database is down")
             return call(*args, **kwargs)
         return maybe
 
-    for name in ("record_deliveries", "record_outcomes", "live_tenants"):
-        monkeypatch.setattr(consumer, name, failing(getattr(consumer, name)))
+    for name in ("claim", "record", "live_tenants"):
+        monkeypatch.setattr(worker.ledger, name, failing(getattr(worker.ledger, name)))
 
     metric = worker.metrics.registry.get_sample_value
 

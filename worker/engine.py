@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -115,6 +116,9 @@ class Engine:
         self.stats = EngineStats()
         self._swapped_kv: dict[int, torch.Tensor] = {}
         self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
+        # Told the ids of requests about to run for the first time, before the step that runs them: a
+        # worker that dies in that step has said which requests it was running (poison counts them).
+        self.on_start: Callable[[list[str]], None] | None = None
 
     # ---- requests in and out
     def add_request(self, request: Request) -> None:
@@ -263,6 +267,12 @@ class Engine:
             self.runner.write_blocks(blocks, self._swapped_kv.pop(seq.seq_id))
         if not plan.scheduled:
             return []
+        fresh = [seq.request for seq, _ in plan.scheduled if not seq.request.started]
+        if fresh:
+            for request in fresh:
+                request.started = True
+            if self.on_start is not None:
+                self.on_start(list(dict.fromkeys(r.request_id for r in fresh)))
         scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
         try:
             step_input, samplers = self.runner.prepare(scheduled)

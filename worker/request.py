@@ -113,6 +113,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids, set once by the engine (not per row per step)
     stop_set: frozenset[int] = frozenset()
+    started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -1,0 +1,21 @@
+"""Building an engine worker: the engine, the jobs database as its ledger, and on the embedded
+defaults the chores Celery beat would otherwise run. What ``berth worker`` and ``berth run`` start."""
+
+from __future__ import annotations
+
+from jobs.ledger import JobsLedger
+from worker.config import Settings
+from worker.consumer import EngineWorker
+from worker.engine import Engine
+
+
+def engine_worker(settings: Settings, engine: Engine | None = None, eager_tasks: bool | None = None,
+                  chores: bool = True) -> EngineWorker:
+    """``eager_tasks``: run finalize tasks in this process (default: when the broker is embedded);
+    ``chores``: on the embedded defaults, reconcile, expire and collect garbage on a thread of its own."""
+    from jobs.housekeeping import chores as embedded_chores
+
+    engine = engine or Engine(settings)
+    ledger = JobsLedger(settings, engine.tokenizer, engine.model_name, eager_tasks)
+    worker = EngineWorker(settings, engine, ledger, chores=embedded_chores(settings) if chores else [])
+    return worker

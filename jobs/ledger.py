@@ -1,0 +1,150 @@
+"""The jobs database as an engine worker sees it: ``worker.ledger.Ledger`` on the jobs schema.
+
+A delivery is claimed in one transaction: its attempt counted, the row's account of the previous
+delivery read (did its worker die while running it?), and this worker written as the holder. The
+request's row is what the worker runs: prompt, parameters, job, tenant, priority. Outcomes become
+result rows (the OpenAI Batch response line built here, where the output format lives) and job
+counters in one transaction; the jobs that are then complete are handed to the finalize task.
+Every call that fails for want of the database raises ``LedgerDown``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import fields
+
+from sqlalchemy import exc as sql_errors
+from sqlalchemy import select, update
+
+from jobs.batch_format import BatchLine, response_line
+from jobs.db import open_database
+from jobs.lifecycle import LIVE
+from jobs.models import Job, RequestRow, Result, ResultStatus, Tenant, now
+from jobs.results import ResultRecord, record_outcomes
+from jobs.tasks import finalize_later, make_app
+from jobs.tenants import live_tenants
+from worker.config import Settings
+from worker.ledger import Claim, LedgerDown, Outcome
+from worker.request import SamplingParams
+
+log = logging.getLogger("berth.worker")
+
+_DOWN = (sql_errors.OperationalError, sql_errors.InterfaceError)  # not reachable (bugs are other errors)
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+MAX_ERROR = 4000  # characters of an error kept in requests.last_error
+
+
+def params_from_dict(data: dict) -> SamplingParams:
+    values = {k: v for k, v in data.items() if k in _PARAM_FIELDS}
+    for name in ("stop", "stop_token_ids"):
+        values[name] = tuple(values.get(name, ()))
+    return SamplingParams(**values)
+
+
+def _translated(method):
+    """The database being unreachable becomes ``LedgerDown``, the one error the worker waits out."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except _DOWN as exc:
+            raise LedgerDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+    return call
+
+
+class JobsLedger:
+    def __init__(self, settings: Settings, tokenizer, model_name: str, eager_tasks: bool | None = None):
+        """``eager_tasks``: run the finalize tasks in this process (default: when the broker is embedded)."""
+        self.db = open_database(settings.database_url)
+        self.tasks = make_app(settings, eager_tasks)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    @_translated
+    def claim(self, request_ids: list[int], worker: str) -> dict[int, Claim]:
+        if not request_ids:
+            return {}
+        ids = RequestRow.id.in_(request_ids)
+        with self.db.session() as s, s.begin():
+            # the write first: it takes the rows' locks (SQLite: the database's) before they are read
+            s.execute(update(RequestRow).where(ids).values(attempts=RequestRow.attempts + 1, delivered_at=now()))
+            rows = s.execute(
+                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Result.id)
+                .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
+                .outerjoin(Result, Result.request_id == RequestRow.id).where(ids)).all()
+            claims = {row.id: _claim(row, status, model, priority, tenant, result_id is None and status in LIVE)
+                      for row, status, model, priority, tenant, result_id in rows}
+            s.execute(update(RequestRow).where(ids).values(holder=worker[:200], started=False))
+        return claims
+
+    @_translated
+    def started(self, request_ids: list[int]) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(started=True))
+
+    @_translated
+    def begin(self, baselines: dict[int, tuple[int, int]]) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow), [{"id": rid, "progress": tokens, "strikes": strikes}
+                                           for rid, (tokens, strikes) in baselines.items()])
+
+    @_translated
+    def release(self, request_ids: list[int]) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids), RequestRow.attempts > 0)
+                      .values(attempts=RequestRow.attempts - 1))
+            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(holder=None, started=False))
+
+    @_translated
+    def note_error(self, request_id: int, error: str) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow).where(RequestRow.id == request_id).values(last_error=error[:MAX_ERROR]))
+
+    @_translated
+    def record(self, outcomes: list[Outcome], worker: str) -> set[int]:
+        if not outcomes:
+            return set()
+        with self.db.session() as s:
+            urls = dict(s.execute(select(RequestRow.id, RequestRow.url)
+                                  .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all())
+        records = [self._record_of(o, urls.get(o.request_id)) for o in outcomes]
+        recorded = record_outcomes(self.db, records, worker)
+        errors = {o.request_id: o.error for o in outcomes if o.error is not None}
+        if errors:
+            with self.db.session() as s, s.begin():  # the reason, also on the request row
+                s.execute(update(RequestRow), [{"id": rid, "last_error": e[:MAX_ERROR]} for rid, e in errors.items()])
+        try:
+            finalize_later(self.tasks, recorded.finalize)
+        except Exception:  # noqa: BLE001 (the broker is down: the reconciler finalizes jobs left finalizing)
+            log.exception("could not dispatch the finalizing of jobs %s", recorded.finalize)
+        return recorded.new
+
+    def _record_of(self, outcome: Outcome, url: str | None) -> ResultRecord:
+        if outcome.output is None:
+            return ResultRecord.failure(outcome.request_id, outcome.job_id, outcome.error_code or "failed",
+                                        outcome.error or "")
+        output = outcome.output
+        line = response_line(BatchLine(0, "", url or "", {}), output, self.model_name, self.tokenizer)
+        return ResultRecord(outcome.request_id, outcome.job_id, ResultStatus.COMPLETED, response=line["response"],
+                            prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens)
+
+    @_translated
+    def closed_jobs(self, job_ids: set[str]) -> set[str]:
+        with self.db.session() as s:
+            return set(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.not_in(LIVE))))
+
+    @_translated
+    def live_tenants(self, model: str) -> dict[str, float]:
+        return live_tenants(self.db, model)
+
+
+def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool) -> Claim:
+    params, unreadable = None, None
+    try:
+        params = params_from_dict(dict(row.params))
+    except (TypeError, ValueError) as exc:
+        unreadable = f"{type(exc).__name__}: {exc}"
+    return Claim(row.id, row.job_id, model, tenant, priority, list(row.prompt_token_ids), params, is_open,
+                 row.attempts, crashed=row.holder is not None and row.started, progress=row.progress,
+                 strikes=row.strikes, last_error=row.last_error, unreadable=unreadable)
