@@ -94,3 +94,17 @@ def test_the_engine_refuses_what_it_cannot_run(engine):
         with pytest.raises(RequestRejected):
             engine.add_request(request)
     assert not engine.has_unfinished()
+
+
+def test_the_engine_names_the_requests_a_step_will_run_before_running_it(engine, text_ids):
+    events = []
+    engine.on_start = lambda ids: events.append(("start", sorted(ids)))
+    original = engine.runner.execute
+    engine.runner.execute = lambda step: (events.append(("execute",)), original(step))[1]
+    _run(engine, _requests(text_ids)[:3])
+    started = [e for e in events if e[0] == "start"]
+    assert sorted(i for e in started for i in e[1]) == ["r0", "r1", "r2"]  # each once
+    assert events[0][0] == "start"
+    for i, e in enumerate(events):  # every start is followed by the step that runs it
+        if e[0] == "start":
+            assert events[i + 1] == ("execute",)
