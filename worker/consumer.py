@@ -214,6 +214,8 @@ class EngineWorker:
             running = self.inflight.get(str(ref.request_id))
             if running is None:
                 fresh.append((ref, delivery))
+            elif (verdict := admission.judge(ref, running.claim, self.engine.model_name, delivery.tenant)).reason:
+                self.broker.dead_letter(delivery, verdict.reason)  # names a request this worker runs, wrongly
             elif not self.broker.is_current(running.delivery):
                 running.delivery = delivery  # the redelivery of what this worker runs: ack it when done
             else:
@@ -232,7 +234,7 @@ class EngineWorker:
         for ref, delivery in fresh:
             claim = claims.get(ref.request_id)
             verdict = admission.judge(ref, claim, self.engine.model_name, delivery.tenant)
-            if str(ref.request_id) in self.inflight:  # the same request twice in this batch
+            if verdict.action is Action.RUN and str(ref.request_id) in self.inflight:  # twice in this batch
                 verdict = admission.Verdict(Action.SKIP)
             if verdict.action is Action.REFUSE:
                 self.broker.dead_letter(delivery, verdict.reason)
