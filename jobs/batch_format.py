@@ -29,10 +29,10 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
 MAX_CUSTOM_ID = 512  # characters: the size of the custom_id columns
-MAX_STOP = 16  # stop strings, as OpenAI's 4 and vLLM's unbounded meet halfway
+MAX_STOP = 16  # stop strings a request may give
 MAX_STOP_CHARS = 256  # the engine decodes ~4 tokens a character of the longest stop string every token
 MAX_STOP_TOKEN_IDS = 256
-GREEDY_BELOW = 1e-5  # a temperature under this is greedy, as in vLLM (dividing by it overflows float32)
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy, as in vLLM (logits divided by ~1e-38 overflow float32)
 DEFAULT_CHAT_MAX_TOKENS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 
@@ -158,9 +158,12 @@ def prompt_token_ids(line: BatchLine, tokenizer, token_limit: int | None = None)
         ids = _chat_ids(line, tokenizer)
     else:
         ids = _completion_ids(line, tokenizer, limit)
+    param = "body.messages" if line.url == CHAT_URL else "body.prompt"
     if not ids:
-        raise LineError(line.line, "body.messages" if line.url == CHAT_URL else "body.prompt",
-                        "it has no tokens: give some text", line.custom_id)
+        raise LineError(line.line, param, "it has no tokens: give some text", line.custom_id)
+    if max(ids) >= limit:  # a tokenizer with more tokens than the model's embedding has rows
+        raise LineError(line.line, param, f"it tokenizes to id {max(ids)}, outside the model's vocabulary of "
+                        f"{limit} (the tokenizer knows tokens the model has not)", line.custom_id)
     return ids
 
 

@@ -353,6 +353,8 @@ def test_the_token_bound_is_the_smaller_of_the_model_and_the_tokenizer(tiny_engi
         with pytest.raises(LineError) as e:
             check(small, **body)
         assert e.value.param == param
+    with pytest.raises(LineError, match=r"tokenizes to id \d+, outside the model.s vocabulary of 1000"):
+        check(small, prompt="\U0001f600 zebra crossing")
     padded = ModelInfo(TINY_NAME, tokenizer, 2048, vocab_size=len(tokenizer) + 64)  # a padded embedding
     check(padded, top_k=len(tokenizer) + 64)
     with pytest.raises(LineError, match=r"\[0, 49152\)"):
