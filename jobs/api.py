@@ -41,7 +41,8 @@ def submit(path: str | Path, settings: Settings | None = None, *, spec: JobSpec 
     process on the embedded default (or with ``eager=True``), else on a Celery worker."""
     settings = settings or Settings()
     db = open_database(settings.database_url)
-    job_id = create_job(db, JobFiles(settings.storage_url), path, settings.served_model_name(), spec or JobSpec())
+    job_id = create_job(db, JobFiles(settings.storage_url), path, settings.served_model_name(), spec or JobSpec(),
+                        settings)
     make_app(settings, eager).tasks[INGEST].delay(job_id)
     return get_job(db, job_id)
 

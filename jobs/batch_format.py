@@ -3,12 +3,22 @@
 A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}``. Every check says which line, which field and what is wrong, so one bad line
 never stops the good ones.
+
+Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
+through the engine without raising, so every bound the engine needs is checked here (token ids
+inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
+of 64 bits, prompt and output inside the context). Each check is linear in the line's size, and
+values are shown in messages through a bounded ``reprlib`` view, never a full ``repr`` (a value
+nested a thousand deep or a megabyte long costs nothing to report).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import reprlib
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,17 +28,45 @@ from worker.request import Request, RequestOutput, SamplingParams
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
+MAX_CUSTOM_ID = 512  # characters: the size of the custom_id columns
+MAX_STOP = 16  # stop strings a request may give
+MAX_STOP_CHARS = 256  # the engine decodes ~4 tokens a character of the longest stop string every token
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy, as in vLLM (logits divided by ~1e-38 overflow float32)
 DEFAULT_CHAT_MAX_TOKENS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 
+# The line_errors columns (jobs.models.LineErrorRow); a LineError's fields always fit them.
+PARAM_CHARS, CODE_CHARS, MESSAGE_CHARS = 200, 64, 4000
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # NUL (PostgreSQL text refuses it) and unpaired surrogates
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlevel = 60, 60, 40, 2
+
+
+def shown(value: Any) -> str:
+    """A short ``repr`` of a value from a request line, whatever its size or depth."""
+    return _SHOW.repr(value)
+
+
+def _fit(text: str | None, size: int) -> str | None:
+    """``text`` as any column of ``size`` characters and any UTF-8 file can hold it."""
+    if text is None:
+        return None
+    text = str(text)[:size]
+    return _UNSTORABLE.sub("\ufffd", text) if "\x00" in text or not text.isascii() else text
+
 
 class LineError(ValueError):
-    """One request line is wrong: where, which field, why."""
+    """One request line is wrong: where, which field, why. Every field fits its ``line_errors``
+    column (a 600-character custom_id is kept as its first 512), so any caller can store one."""
 
     def __init__(self, line: int, param: str | None, message: str, custom_id: str | None = None,
                  code: str = "invalid_request"):
-        super().__init__(f"line {line}: {param + ': ' if param else ''}{message}")
-        self.line, self.param, self.message, self.custom_id, self.code = line, param, message, custom_id, code
+        self.line = line
+        self.param, self.code = _fit(param, PARAM_CHARS), _fit(code, CODE_CHARS)
+        self.message, self.custom_id = _fit(message, MESSAGE_CHARS), _fit(custom_id, MAX_CUSTOM_ID)
+        super().__init__(f"line {line}: {self.param + ': ' if self.param else ''}{self.message}")
 
     def to_error_line(self) -> dict:
         return {"id": f"batch_req_line{self.line}", "custom_id": self.custom_id, "response": None,
@@ -57,17 +95,28 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> 
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise LineError(line, None, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise LineError(line, None, "not valid JSON here: nested too deeply (arrays or objects "
+                        "hundreds of levels deep); flatten the request") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise LineError(line, None, f"not valid JSON here: a number has more than {sys.get_int_max_str_digits()} "
+                        "digits; send it as a string or shorten it") from None
     if not isinstance(obj, dict):
         raise LineError(line, None, f"a request line must be a JSON object, not {type(obj).__name__}")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError(line, "custom_id", "missing or not a non-empty string")
+    if len(custom_id) > MAX_CUSTOM_ID:
+        raise LineError(line, "custom_id", f"{len(custom_id)} characters, over the limit of {MAX_CUSTOM_ID}: "
+                        "use a shorter id", custom_id)
+    if why := _bad_text(custom_id):
+        raise LineError(line, "custom_id", why, custom_id)
     method = obj.get("method", "POST")
     if method != "POST":
-        raise LineError(line, "method", f"must be POST, not {method!r}", custom_id)
+        raise LineError(line, "method", f"must be POST, not {shown(method)}", custom_id)
     url = obj.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise LineError(line, "url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, not {url!r}", custom_id)
+    if not isinstance(url, str) or url not in (CHAT_URL, COMPLETIONS_URL):
+        raise LineError(line, "url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, not {shown(url)}", custom_id)
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError(line, "body", "missing or not a JSON object", custom_id)
@@ -81,72 +130,130 @@ def _get(line: BatchLine, name: str, types, default=None, check=None, why: str =
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise LineError(line.line, f"body.{name}", f"must be {why or types}, not a boolean", line.custom_id)
     if not isinstance(value, types) or (check is not None and not check(value)):
-        raise LineError(line.line, f"body.{name}", f"must be {why}, got {value!r}"[:300], line.custom_id)
+        raise LineError(line.line, f"body.{name}", f"must be {why}, got {shown(value)}", line.custom_id)
     return value
 
 
-def prompt_token_ids(line: BatchLine, tokenizer) -> list[int]:
+def _bad_text(text: str, nul: bool = True) -> str | None:
+    """Why ``text`` cannot be stored (a NUL, with ``nul``) or tokenized (an unpaired surrogate), or None."""
+    if text.isascii() and (not nul or "\x00" not in text):
+        return None
+    for m in _UNSTORABLE.finditer(text):
+        if m.group() != "\x00":
+            return f"holds an unpaired surrogate ({m.group()!r}) at character {m.start()}: send valid Unicode text"
+        if nul:
+            return f"holds a NUL character at character {m.start()}: remove it"
+    return None
+
+
+def _is_token_id(t: Any, limit: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit
+
+
+def prompt_token_ids(line: BatchLine, tokenizer, token_limit: int | None = None) -> list[int]:
+    """The prompt's token ids: the chat template applied to ``messages``, the tokenized ``prompt``,
+    or ``prompt`` given as token ids, each in ``[0, token_limit)`` (default: the tokenizer's size)."""
+    limit = len(tokenizer) if token_limit is None else token_limit
     if line.url == CHAT_URL:
-        messages = line.body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise LineError(line.line, "body.messages", "must be a non-empty list of messages", line.custom_id)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise LineError(line.line, f"body.messages[{i}]", "must be an object with a string role",
+        ids = _chat_ids(line, tokenizer)
+    else:
+        ids = _completion_ids(line, tokenizer, limit)
+    param = "body.messages" if line.url == CHAT_URL else "body.prompt"
+    if not ids:
+        raise LineError(line.line, param, "it has no tokens: give some text", line.custom_id)
+    if max(ids) >= limit:  # a tokenizer with more tokens than the model's embedding has rows
+        raise LineError(line.line, param, f"it tokenizes to id {max(ids)}, outside the model's vocabulary of "
+                        f"{limit} (the tokenizer knows tokens the model has not)", line.custom_id)
+    return ids
+
+
+def _chat_ids(line: BatchLine, tokenizer) -> list[int]:
+    messages = line.body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise LineError(line.line, "body.messages", "must be a non-empty list of messages", line.custom_id)
+    flat = []  # text parts joined; built once, so the check stays linear in the number of messages
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise LineError(line.line, f"body.messages[{i}]", "must be an object with a string role", line.custom_id)
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise LineError(line.line, f"body.messages[{i}].content", "only text parts are supported",
                                 line.custom_id)
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise LineError(line.line, f"body.messages[{i}].content", "only text parts are supported",
-                                    line.custom_id)
-                m = {**m, "content": "".join(p["text"] for p in content)}
-                messages = messages[:i] + [m] + messages[i + 1:]
-            elif not isinstance(content, str):
-                raise LineError(line.line, f"body.messages[{i}].content", "must be a string", line.custom_id)
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template itself refused these messages
-            raise LineError(line.line, "body.messages", f"the chat template refused them: {exc}",
-                            line.custom_id) from None
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        elif not isinstance(content, str):
+            raise LineError(line.line, f"body.messages[{i}].content", "must be a string", line.custom_id)
+        for field, text in (("role", m["role"]), ("content", m["content"])):
+            if why := _bad_text(text, nul=False):
+                raise LineError(line.line, f"body.messages[{i}].{field}", why, line.custom_id)
+        flat.append(m)
+    try:
+        ids = tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 (the template itself refused these messages)
+        raise LineError(line.line, "body.messages", f"the chat template refused them: {exc}"[:500],
+                        line.custom_id) from None
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def _completion_ids(line: BatchLine, tokenizer, limit: int) -> list[int]:
     prompt = line.body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return list(tokenizer(prompt)["input_ids"])
+        if why := _bad_text(prompt, nul=False):
+            raise LineError(line.line, "body.prompt", why, line.custom_id)
+        try:
+            return list(tokenizer(prompt)["input_ids"])
+        except Exception as exc:  # noqa: BLE001
+            raise LineError(line.line, "body.prompt", f"the tokenizer refused it: {exc}"[:500],
+                            line.custom_id) from None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if max(prompt) >= len(tokenizer) or min(prompt) < 0:
-            raise LineError(line.line, "body.prompt", f"token ids must be in [0, {len(tokenizer)})", line.custom_id)
+        if not all(0 <= t < limit for t in prompt):
+            raise LineError(line.line, "body.prompt", f"token ids must be in [0, {limit}) (the model's vocabulary)",
+                            line.custom_id)
         return list(prompt)
     raise LineError(line.line, "body.prompt", "must be a non-empty string or a list of token ids", line.custom_id)
 
 
-def sampling_params(line: BatchLine, request_id: str) -> SamplingParams:
+def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = None,
+                    token_limit: int | None = None) -> SamplingParams:
+    """The body's sampling fields, each checked against the engine's bounds: ``top_k`` at most
+    ``vocab_size`` (the logits' width) and stop token ids in ``[0, token_limit)``."""
     chat = line.url == CHAT_URL
+    vocab = vocab_size if vocab_size is not None else 1 << 62
+    limit = token_limit if token_limit is not None else vocab
     g = lambda name, types, default=None, check=None, why="": _get(line, name, types, default, check, why)  # noqa
     if g("stream", bool, False, why="false"):
         raise LineError(line.line, "body.stream", "streaming is not available in a batch", line.custom_id)
     max_tokens = g("max_tokens", int, None, lambda v: v >= 1, "an integer >= 1")
     if chat:
         max_tokens = g("max_completion_tokens", int, max_tokens, lambda v: v >= 1, "an integer >= 1")
-    stop = g("stop", (str, list), [], lambda v: isinstance(v, str) or (
-        len(v) <= 16 and all(isinstance(s, str) and s for s in v)), "a string or a list of up to 16 strings")
+    stop = g("stop", (str, list), [], lambda v: (
+        (1 if isinstance(v, str) else len(v)) <= MAX_STOP
+        and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in ([v] if isinstance(v, str) else v))),
+        f"a string or a list of up to {MAX_STOP} strings, each of 1 to {MAX_STOP_CHARS} characters")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in stop:
+        if why := _bad_text(s, nul=False):
+            raise LineError(line.line, "body.stop", why, line.custom_id)
+    stop_token_ids = g("stop_token_ids", list, [], lambda v: len(v) <= MAX_STOP_TOKEN_IDS and all(
+        _is_token_id(t, limit) for t in v), f"a list of up to {MAX_STOP_TOKEN_IDS} token ids, each in [0, {limit})")
     if chat:
         want = g("logprobs", bool, False, why="true or false")
         logprobs = g("top_logprobs", int, 0, lambda v: 0 <= v <= 20, "an integer in [0, 20]") if want else None
     else:
         logprobs = g("logprobs", int, None, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
-    seed = g("seed", int, None, why="an integer")
+    seed = g("seed", int, None, lambda v: -(1 << 63) <= v < 1 << 64, "an integer of at most 64 bits")
     if seed is None:  # a stable seed, so that a resumed or repeated request draws the same numbers
         seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
-    top_k = g("top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0 turn it off)")
+    top_k = g("top_k", int, 0, lambda v: -1 <= v <= vocab,
+              "an integer from -1 to the vocabulary's size" + (f" {vocab_size}" if vocab_size is not None else "")
+              + " (-1 or 0 turn it off)")
+    temperature = float(g("temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]"))
     fields = dict(
         max_tokens=max_tokens or (DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS),
-        temperature=float(g("temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
+        temperature=temperature if temperature >= GREEDY_BELOW else 0.0,
         top_p=float(g("top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-        top_k=max(top_k, 0), seed=seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        stop_token_ids=tuple(g("stop_token_ids", list, [], lambda v: all(
-            isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of token ids")),
+        top_k=max(top_k, 0), seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids),
         n=g("n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
         logprobs=logprobs,
         min_tokens=g("min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
@@ -158,20 +265,30 @@ def sampling_params(line: BatchLine, request_id: str) -> SamplingParams:
 
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
-               priority: int = 0, tenant: str = "default") -> Request:
-    """Check the body against the model and turn it into an engine request."""
+               priority: int = 0, tenant: str = "default", vocab_size: int | None = None) -> Request:
+    """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
+    model's (its logits' width; default the tokenizer's size): token ids must be below it and the
+    tokenizer's size both."""
     model = line.body.get("model")
     if model is not None and model != model_name:
-        raise LineError(line.line, "body.model", f"unknown model {model!r}: this service runs {model_name!r}",
+        raise LineError(line.line, "body.model", f"unknown model {shown(model)}: this service runs {model_name!r}",
                         line.custom_id, code="model_not_found")
-    params = sampling_params(line, request_id)
-    ids = prompt_token_ids(line, tokenizer)
-    explicit = line.body.get("max_tokens") or line.body.get("max_completion_tokens")
+    token_limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
+    params = sampling_params(line, request_id, vocab_size if vocab_size is not None else token_limit, token_limit)
+    ids = prompt_token_ids(line, tokenizer, token_limit)
+    prompt_param = "body.messages" if line.url == CHAT_URL else "body.prompt"
+    explicit = line.body.get("max_tokens") is not None or (
+        line.url == CHAT_URL and line.body.get("max_completion_tokens") is not None)
     if not explicit:  # the default shrinks to fit the context; an explicit value must fit as given
-        params = replace(params, max_tokens=max(1, min(params.max_tokens, max_model_len - len(ids))))
+        fit = max(1, min(params.max_tokens, max_model_len - len(ids)))
+        if fit < params.min_tokens:
+            raise LineError(line.line, prompt_param, f"the prompt is {len(ids)} tokens: the model's context of "
+                            f"{max_model_len} leaves {fit} for the output, under min_tokens {params.min_tokens}",
+                            line.custom_id, code="context_length_exceeded")
+        params = replace(params, max_tokens=fit)
     if len(ids) + params.max_tokens > max_model_len:
-        raise LineError(line.line, "body.messages" if line.url == CHAT_URL else "body.prompt",
-                        f"the prompt is {len(ids)} tokens; with max_tokens {params.max_tokens} it exceeds the "
+        raise LineError(line.line, prompt_param,
+                        f"the prompt is {len(ids)} tokens; with max_tokens {shown(params.max_tokens)} it exceeds the "
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
     return Request(request_id, ids, params, priority=priority, tenant=tenant)
 

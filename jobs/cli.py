@@ -61,13 +61,14 @@ def main():
 def generate(input_file, output, errors, quiet, **flags):
     """Run an OpenAI Batch request file through the engine in this process."""
     from jobs.generate import generate_file
+    from jobs.validate import InputError
     from worker.engine import RequestRejected
     from worker.model_loader import ModelLoadError
 
     settings = settings_from(flags)
     try:
         summary = generate_file(input_file, output, settings, errors_path=errors, progress=not quiet)
-    except (ConfigError, ModelLoadError, RequestRejected) as exc:
+    except (ConfigError, ModelLoadError, RequestRejected, InputError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{summary.completed} completed, {summary.failed} failed of {summary.total} requests; "
                f"{summary.output_tokens} output tokens in {summary.seconds:.1f}s "

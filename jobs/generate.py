@@ -5,7 +5,10 @@
 
 Good lines run through the engine with continuous batching; bad lines go to the errors file with
 their line number, field and reason. Output lines come in input order, written as soon as every
-line before them is done.
+line before them is done. Lines are read and checked by the jobs' own front door
+(``jobs.validate``: ``read_lines`` and ``LineValidator``), so ``berth generate`` and ``berth run``
+accept the same lines and report the same errors; the validator takes the model's facts from the
+engine, which loaded its tokenizer already.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.batch_format import BatchLine, LineError, parse_line, response_line, to_request
+from jobs.batch_format import BatchLine, LineError, response_line
+from jobs.validate import LineValidator, ModelInfo, check_file_size, read_lines
 from worker.config import Settings
-from worker.engine import Engine
+from worker.engine import Engine, RequestRejected
 
 
 @dataclass
@@ -46,43 +50,49 @@ def generate_file(input_path: str | Path, output_path: str | Path, settings: Set
     """
     input_path, output_path = Path(input_path), Path(output_path)
     errors_path = Path(errors_path) if errors_path else output_path.with_suffix(".errors.jsonl")
+    limits = settings or (engine.settings if engine is not None else Settings())
+    check_file_size(input_path, limits.max_file_bytes)  # before the model loads
     engine = engine or Engine(settings)
-    raw_lines = input_path.read_bytes().splitlines()
+    validator = LineValidator(ModelInfo.of_engine(engine, limits.max_file_lines))
     errors: list[dict] = []
     pending: list[tuple[BatchLine, object]] = []
-    seen: set[str] = set()
-    for number, raw in enumerate(raw_lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            line = parse_line(raw, number)
-            if line.custom_id in seen:
-                raise LineError(number, "custom_id", f"duplicate custom_id {line.custom_id!r}", line.custom_id)
-            seen.add(line.custom_id)
-            pending.append((line, to_request(line, engine.tokenizer, engine.model_name, engine.max_model_len,
-                                             request_id=str(number))))
-        except LineError as exc:
-            errors.append(exc.to_error_line())
+    with open(input_path, "rb") as f:
+        for raw in read_lines(f):
+            try:
+                custom_id, url, request = validator.check(raw)
+            except LineError as exc:
+                errors.append(exc.to_error_line())
+                continue
+            pending.append((BatchLine(raw.number, custom_id, url, {}), request))
+    total = len(pending) + len(errors)
     start = time.perf_counter()
     stats0 = (engine.stats.output_tokens, engine.stats.prompt_tokens_computed)
     lines_by_id = {req.request_id: line for line, req in pending}
     order = [req.request_id for _, req in pending]
-    done: dict[str, dict] = {}
-    written = 0
+    done: dict[str, dict | None] = {}  # None: the engine refused it
+    written = completed = 0
     bar = _progress_bar(len(pending)) if progress else None
     feed = iter(req for _, req in pending)
     window = 4 * engine.settings.max_num_seqs  # enough waiting work to fill every step, no more
     with open(output_path, "w") as out:
         while written < len(order):
             while engine.num_unfinished < window and (req := next(feed, None)) is not None:
-                engine.add_request(req)
+                try:
+                    engine.add_request(req)
+                except RequestRejected as exc:  # too big for this engine's KV cache: the worker's outcome too
+                    line = lines_by_id[req.request_id]
+                    errors.append(LineError(line.line, None, str(exc), line.custom_id, "request_rejected")
+                                  .to_error_line())
+                    done[req.request_id] = None
             for result in engine.step():
                 done[result.request_id] = response_line(lines_by_id[result.request_id], result,
                                                         engine.model_name, engine.tokenizer)
                 if bar is not None:
                     bar.update(1)
             while written < len(order) and order[written] in done:
-                out.write(json.dumps(done.pop(order[written]), ensure_ascii=False) + "\n")
+                if (answer := done.pop(order[written])) is not None:
+                    out.write(json.dumps(answer, ensure_ascii=False) + "\n")
+                    completed += 1
                 written += 1
             if bar is not None:
                 _show_rates(bar, engine, stats0, start)
@@ -90,9 +100,9 @@ def generate_file(input_path: str | Path, output_path: str | Path, settings: Set
         bar.close()
     if errors:
         with open(errors_path, "w") as f:
-            for e in errors:
+            for e in sorted(errors, key=lambda e: e["error"]["line"]):
                 f.write(json.dumps(e, ensure_ascii=False) + "\n")
-    return GenerateSummary(total=len(pending) + len(errors), completed=len(order), failed=len(errors),
+    return GenerateSummary(total=total, completed=completed, failed=len(errors),
                            output_tokens=engine.stats.output_tokens - stats0[0],
                            prompt_tokens_computed=engine.stats.prompt_tokens_computed - stats0[1],
                            seconds=time.perf_counter() - start, output_path=str(output_path),

@@ -1,5 +1,10 @@
 """Accepting a job: its input file copied into the job store and a ``validating`` job row, in
-well under a second whatever the file's size; the lines are checked and queued by the ingest task."""
+well under a second whatever the file's size; the lines are checked and queued by the ingest task.
+
+A submit is refused at once, with the limit and the setting that raises it, when the file is over
+``Settings.max_file_bytes`` or holds a request past line ``max_file_lines`` (``InputError``), or
+when the tenant already has ``max_jobs_in_flight`` jobs validating or in progress (``JobRefused``).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,20 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
 from jobs import files as keys
 from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
-from jobs.models import Job, JobStatus, now
-from worker.queues import MAX_PRIORITY
+from jobs.models import Job, JobStatus, Tenant, now
 from jobs.tenants import tenant_id
+from jobs.validate import check_file_size, copy_checked
+from worker.config import Settings
+from worker.queues import MAX_PRIORITY
+
+IN_FLIGHT = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS)
 
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")
 
@@ -42,17 +54,34 @@ def new_job_id() -> str:
     return f"batch_{uuid.uuid4().hex[:24]}"
 
 
-def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec: JobSpec) -> str:
-    """Store the input and create the job in ``validating``; returns its id."""
+class JobRefused(ValueError):
+    """The tenant may not start another job now; the message says why and what to do."""
+
+
+def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec: JobSpec,
+               settings: Settings | None = None) -> str:
+    """Store the input and create the job in ``validating``; returns its id. ``settings`` gives the
+    limits (default: from the environment)."""
     spec.check()
+    limits = settings or Settings()
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is not a file: give the path of a JSONL request file")
+    check_file_size(path, limits.max_file_bytes)
+    with db.session() as s:
+        _check_in_flight(s, spec.tenant, limits.max_jobs_in_flight)  # before the copy: refuse at once
     job_id = new_job_id()
-    files.put_file(keys.input_key(job_id), path)
+    with files.writer(keys.input_key(job_id)) as out, open(path, "rb") as src:
+        copy_checked(src, out, limits.max_file_bytes, limits.max_file_lines)
     created = now()
     with db.session() as s, s.begin():
         tenant = tenant_id(s, spec.tenant)
+        s.execute(select(Tenant.id).where(Tenant.id == tenant).with_for_update())  # one submit of a tenant at a time
+        try:
+            _check_in_flight(s, spec.tenant, limits.max_jobs_in_flight)  # again: others may have won the race
+        except JobRefused:
+            files.store.delete(keys.input_key(job_id))
+            raise
         s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
                   completion_window=spec.completion_window, metadata_=dict(spec.metadata), input_name=path.name[:500],
                   input_key=keys.input_key(job_id), total=0, completed=0, failed=0, prompt_tokens=0,
@@ -60,3 +89,10 @@ def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec
                   expires_at=created + window_seconds(spec.completion_window)))
     return job_id
 
+
+def _check_in_flight(s: Session, tenant: str, limit: int) -> None:
+    count = s.scalar(select(func.count()).select_from(Job).join(Tenant)
+                     .where(Tenant.name == tenant, Job.status.in_(IN_FLIGHT)))
+    if count >= limit:
+        raise JobRefused(f"tenant {tenant!r} has {count} jobs validating or in progress, the limit: wait for some "
+                         "to finish (`berth list --tenant`), cancel some, or raise BERTH_MAX_JOBS_IN_FLIGHT")

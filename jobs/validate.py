@@ -3,45 +3,111 @@
 ``read_lines`` streams a file and never holds more than the size limit of a line: an oversized
 line is measured and skipped. ``LineValidator`` turns each line into an engine ``Request`` or a
 ``LineError`` (line number, field, reason) with ``jobs.batch_format``, and catches duplicate
-``custom_id``s across the file.
+``custom_id``s across the file. It is the one front door for request files: the ingest of a job
+and ``berth generate`` both read with it, so they accept the same lines and give the same errors.
+
+Whole-file limits (``Settings.max_file_bytes``, ``max_file_lines``) refuse a file with an
+``InputError``. ``berth submit`` checks both before it stores the file (``copy_checked``); the
+ingest checks the line limit again, because settings can change between submit and ingest and a
+file can reach the store another way. There a request on a line past the limit fails the whole
+file rather than becoming one more line error: the limit exists to bound what a file costs, and a
+line error per extra line would store rows without bound. Lines the ingest queued before it met
+that line belong to a failed job, which engine workers skip.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from jobs.batch_format import MAX_LINE_BYTES, LineError, parse_line, to_request
+from jobs.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
 from worker.config import Settings
 from worker.model_loader import load_config, load_tokenizer
 from worker.request import Request
 
-MAX_CUSTOM_ID = 512  # characters; the database column's size
+__all__ = ["MAX_CUSTOM_ID", "InputError", "LineValidator", "ModelInfo", "RawLine", "copy_checked",
+           "check_file_size", "model_info", "read_lines"]
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_LINES = Settings.model_fields["max_file_lines"].default
 _BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
 
 
 class InputError(ValueError):
-    """The whole file is unusable (empty, or not UTF-8 at all); the message says what to do."""
+    """The whole file is unusable (empty, not UTF-8 at all, over a limit); the message says what to do."""
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What validation needs from the model: its served name, tokenizer and context length."""
+    """What a line is checked against: the model's served name, tokenizer, context length and
+    vocabulary size (its logits' width), and the file's line limit (``Settings.max_file_lines``),
+    which rides here so that every door building a validator from its settings gets it."""
 
     name: str
     tokenizer: object
     max_model_len: int
+    vocab_size: int
+    max_lines: int = DEFAULT_MAX_LINES
+
+    @classmethod
+    def of_engine(cls, engine, max_lines: int | None = None) -> ModelInfo:
+        """The facts of an engine already loaded (``berth generate``): no second tokenizer."""
+        return cls(engine.model_name, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
+                   max_lines or engine.settings.max_file_lines)
 
 
 @functools.lru_cache(maxsize=4)
 def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
-    context = load_config(path).max_position_embeddings
-    return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context))
+    config = load_config(path)
+    context = config.max_position_embeddings
+    return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context), config.vocab_size)
 
 
 def model_info(settings: Settings) -> ModelInfo:
-    return _model_info(settings.model_path(), settings.served_model_name(), settings.max_model_len)
+    info = _model_info(settings.model_path(), settings.served_model_name(), settings.max_model_len)
+    return replace(info, max_lines=settings.max_file_lines)
+
+
+def _too_big(size: str, limit: int) -> InputError:
+    return InputError(f"the file is {size} bytes, over the limit of {limit:,} bytes: split it into smaller "
+                      "files, or raise the limit with BERTH_MAX_FILE_BYTES")
+
+
+def _too_many_lines(line: int | None, limit: int) -> InputError:
+    where = f"has a request on line {line:,}" if line else "has requests"
+    return InputError(f"the file {where} beyond the limit of {limit:,} lines: split it into files of at most "
+                      f"{limit:,} lines, or raise the limit with BERTH_MAX_FILE_LINES")
+
+
+def check_file_size(path: str | Path, max_bytes: int) -> None:
+    """Refuse a file over ``max_bytes`` before reading any of it."""
+    size = os.stat(path).st_size
+    if size > max_bytes:
+        raise _too_big(f"{size:,}", max_bytes)
+
+
+def copy_checked(src: BinaryIO, out: BinaryIO, max_bytes: int, max_lines: int) -> None:
+    """Copy a request file, refusing it (``InputError``) once it passes ``max_bytes`` or holds a
+    request (any line not blank) past line ``max_lines``: the rule the ingest applies, checked at
+    C speed (newlines counted per megabyte) so that a submit stays quick whatever the file."""
+    size = newlines = 0
+    while chunk := src.read(1 << 20):
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_big(f"more than {max_bytes:,}", max_bytes)
+        if newlines >= max_lines:
+            beyond = chunk
+        else:
+            count = chunk.count(b"\n")
+            beyond = chunk.split(b"\n", max_lines - newlines)[-1] if newlines + count >= max_lines else b""
+            newlines += count
+        if beyond.strip():
+            raise _too_many_lines(None, max_lines)
+        out.write(chunk)
 
 
 @dataclass
@@ -75,24 +141,38 @@ def read_lines(f: BinaryIO, max_bytes: int = MAX_LINE_BYTES) -> Iterator[RawLine
 
 
 class LineValidator:
-    def __init__(self, model: ModelInfo, max_line_bytes: int = MAX_LINE_BYTES, seen: set[str] | None = None):
+    def __init__(self, model: ModelInfo, max_line_bytes: int = MAX_LINE_BYTES, seen: set[str] | None = None,
+                 max_lines: int | None = None):
         self.model = model
         self.max_line_bytes = max_line_bytes
+        self.max_lines = max_lines or model.max_lines
         self.seen = seen if seen is not None else set()  # custom_ids of the lines accepted so far
 
     def check(self, raw: RawLine) -> tuple[str, str, Request]:
-        """(custom_id, url, request) for a good line; raises ``LineError`` for a bad one. The request's
-        id is its line number, as in ``berth generate``, so the seeds drawn are the same."""
+        """(custom_id, url, request) for a good line; raises ``LineError`` for a bad one, whatever
+        went wrong checking it, and ``InputError`` for a request past the file's line limit. The
+        request's id is its line number, as in ``berth generate``, so the seeds drawn are the same."""
+        if raw.number > self.max_lines:
+            raise _too_many_lines(raw.number, self.max_lines)
         if raw.data is None:
             raise LineError(raw.number, None, f"line is {raw.size} bytes, over the limit of {self.max_line_bytes}: "
                             "shorten the prompt or split the request", code="line_too_long")
+        try:
+            return self._check(raw)
+        except LineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a check that broke fails its line, never the file)
+            log.warning("line %d: checking it raised", raw.number, exc_info=True)
+            raise LineError(raw.number, None, f"could not be checked ({type(exc).__name__}: {exc}); "
+                            "fix the line or report it as a bug") from None
+
+    def _check(self, raw: RawLine) -> tuple[str, str, Request]:
         line = parse_line(raw.data, raw.number, self.max_line_bytes)
-        if len(line.custom_id) > MAX_CUSTOM_ID:
-            raise LineError(raw.number, "custom_id", f"longer than {MAX_CUSTOM_ID} characters", line.custom_id[:64])
         if line.custom_id in self.seen:
-            raise LineError(raw.number, "custom_id", f"duplicate custom_id {line.custom_id!r}: each line needs its own",
-                            line.custom_id)
-        request = to_request(line, self.model.tokenizer, self.model.name, self.model.max_model_len,
-                             request_id=str(raw.number))
+            raise LineError(raw.number, "custom_id", f"duplicate custom_id {line.custom_id[:100]!r}: each line needs "
+                            "its own", line.custom_id)
+        m = self.model
+        request = to_request(line, m.tokenizer, m.name, m.max_model_len, request_id=str(raw.number),
+                             vocab_size=m.vocab_size)
         self.seen.add(line.custom_id)
         return line.custom_id, line.url, request

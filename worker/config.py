@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     broker_url: str = ""
     storage_url: str = "file://./berth-store"  # job files and checkpoints: file://FOLDER or s3://BUCKET/PREFIX
 
+    # --- jobs: what one file and one tenant may submit (OpenAI's limits by default)
+    max_file_lines: int = 50_000  # a request on a later line refuses the file (blank lines count, trailing ones don't)
+    max_file_bytes: int = 200 << 20  # 200MB; BERTH_MAX_FILE_BYTES takes a size (1GiB) or bytes
+    max_jobs_in_flight: int = 100  # a tenant's jobs validating or in progress at once; the next submit is refused
+
     # --- checkpoints (engine worker)
     checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints
     checkpoint_seconds: float = 30.0  # ... or after this many seconds with progress, whichever comes first
@@ -117,7 +122,7 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1 (checkpoint_interval 0 turns checkpoints off)")
         return v
 
-    @field_validator("checkpoint_queue_bytes", mode="before")
+    @field_validator("checkpoint_queue_bytes", "max_file_bytes", mode="before")
     @classmethod
     def _bytes(cls, v):
         return int(parse_memory(v))
@@ -136,7 +141,8 @@ class Settings(BaseSettings):
             raise ValueError("block_size must be a power of two (16 or 32 are good choices)")
         return v
 
-    @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts")
+    @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
+                     "max_file_lines", "max_file_bytes", "max_jobs_in_flight")
     @classmethod
     def _positive(cls, v):
         if v < 1:
