@@ -10,12 +10,22 @@ import threading
 import time
 
 import pytest
+import torch
 
 from jobs.checkpoint_gc import collect_checkpoints
 from storage import ObjectNotFound, open_store
 from tests.checkpoint_support import ControlledStore, checkpointer, prompts, run_steps, tiny_engine
 from worker import checkpoint_writer
-from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key
+from worker.checkpoint_format import (
+    KV_PREFIX,
+    STATE_PREFIX,
+    RequestCheckpoint,
+    SampleCheckpoint,
+    block_key,
+    state_key,
+)
+from worker.checkpoint_writer import CheckpointWriter, Snapshot
+from worker.metrics import WorkerMetrics
 from worker.request import Request, SamplingParams
 
 
@@ -54,6 +64,42 @@ def test_a_prefix_shared_by_many_requests_is_stored_once(tiny_loaded, store):
     prefixes = {tuple(s.samples[0].block_hashes[:4]) for s in states.values()}
     assert len(prefixes) == 1, "the shared prompt's blocks should be the same four in every state"
     cp.close()
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_state_written_before_its_blocks_is_written_again_once_they_are(store):
+    """A state never names a block not yet on the store, so one written while its blocks wait is
+    short of them; once they are through it goes again, so that after ``flush`` it names them all
+    (an older state waiting so never overwrites a newer one)."""
+    writer = CheckpointWriter(store, "fp", WorkerMetrics(), max_pending_bytes=1 << 20)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    key = state_key("1")
+
+    def snapshot(tokens: int, blocks: dict) -> Snapshot:
+        state = RequestCheckpoint("1", "fp", "digest", 4, [SampleCheckpoint(0, [5] * tokens, hashes)], 0.0)
+        return Snapshot(state, blocks)
+
+    def stored() -> RequestCheckpoint | None:
+        return _states(store).get(key)
+
+    store.kv_gate.clear()  # the blocks wait
+    writer.submit(snapshot(10, {h: torch.zeros(4) for h in hashes}))
+    _until(lambda: stored() is not None)
+    assert stored().output_tokens == 10 and not stored().block_hashes()
+    writer.submit(snapshot(20, {}))  # newer progress while the blocks still wait
+    _until(lambda: stored().output_tokens == 20)
+    assert not stored().block_hashes()
+    store.kv_gate.set()
+    assert writer.flush(30)
+    assert stored().output_tokens == 20 and stored().block_hashes() == hashes
+    assert store.puts[key] == 3, "the older state was written again, or the newer one not"
+    writer.close()
 
 
 def test_a_stalled_store_makes_checkpoints_lag_and_never_stops_the_engine(tiny_loaded, store):
