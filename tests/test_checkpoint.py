@@ -271,10 +271,16 @@ def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_ll
     store.inner.put(block_key(engine.fingerprint, b"\x01" * 16), b"young and unnamed")
     store.inner.put(state_key("garbage"), b"{not json")
     os.utime(store.inner.path(state_key("garbage")), (old, old))
+    killed = store.inner.path(block_key(engine.fingerprint, b"\x02" * 16)).with_name(".02.kv.x1.berth-tmp")
+    killed.write_bytes(b"a writer killed half-way")
+    os.utime(killed, (old, old))
+    writing = killed.with_name(".03.kv.x2.berth-tmp")
+    writing.write_bytes(b"a writer at work")
 
     collected = collect_checkpoints(store.inner, db, min_age=3600)
     left = set(_blocks(store))
     assert collected.states_deleted == 2  # request 0's (it has its outcome) and the unreadable one
+    assert collected.temporaries_deleted == 1 and not killed.exists() and writing.exists()
     assert not store.inner.exists(state_key(ids[0])) and store.inner.exists(state_key(ids[1]))
     assert named[state_key(ids[1])] <= left, "a block a live state names was collected"
     assert not (only_first & left), "blocks only a finished request named were kept"
