@@ -287,3 +287,23 @@ def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_ll
     assert block_key(engine.fingerprint, b"\x01" * 16) in left, "a block younger than min_age was collected"
     with pytest.raises(ObjectNotFound):
         store.inner.get(state_key("garbage"))
+
+
+def test_bookkeeping_is_kept_only_for_requests_in_the_engine(tiny_loaded, store):
+    """A long-lived worker forgets every request that left it, also those ``finished`` and
+    ``released`` never told it of: one handed back after its state was written, one resumed and
+    never added (dropped while its checkpoint was read)."""
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store, checkpoint_interval=4)
+    requests = [Request(str(i), p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([20, 30, 25]))]
+    run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 30)
+    assert cp.writer.flush(30) and set(cp.writer.durable_tokens) == {"0", "1", "2"}
+    engine.abort("0")
+    cp.released("0")  # handed back: its state stays on the store
+    engine.abort("1")  # aborted with nobody telling the checkpointer
+    cp.resumed(RequestCheckpoint("9", "fp", "d", 1, [], 0.0))  # never added
+    run_steps(engine, cp, until=lambda: engine.stats.output_tokens >= 40)
+    assert set(cp._progress) == set(cp.writer.durable_tokens) == {"2"}
+    assert set(_states(store)) == {state_key(r) for r in "012"}, "a request's state was lost"
+    cp.close()
