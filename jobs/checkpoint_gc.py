@@ -7,7 +7,9 @@ and the delete, or cut off from the store, leaves it behind. So:
    (one unreadable and older than ``min_age`` too); every other state marks the blocks it names;
 2. sweep: delete each KV block no state marked, unless it is younger than ``min_age``: a worker
    writes a request's blocks before the state naming them, so a block just written may not be named
-   yet.
+   yet;
+3. on a store that keeps temporary files (the local folder: ``sweep_temporaries``), delete those
+   older than ``min_age``, left by writers killed half-way (of checkpoints and job files alike).
 
 A block written long ago, forgotten by every state and named again by a new one while the sweep
 runs can be deleted under it; the request then recomputes from that block on when it resumes.
@@ -37,6 +39,7 @@ class Collected:
     states_deleted: int
     blocks_deleted: int
     blocks_kept: int
+    temporaries_deleted: int = 0
 
 
 def collect_checkpoints(store: ObjectStore, db: Database, min_age: float) -> Collected:
@@ -64,7 +67,9 @@ def collect_checkpoints(store: ObjectStore, db: Database, min_age: float) -> Col
         else:
             store.delete(info.key)
             deleted += 1
-    collected = Collected(len(dead_states), deleted, kept)
+    sweep = getattr(store, "sweep_temporaries", None)  # the local store's; S3 lists no half-written objects
+    temporaries = sweep(min_age) if sweep is not None else 0
+    collected = Collected(len(dead_states), deleted, kept, temporaries)
     log.info("checkpoint collection: %s", collected)
     return collected
 

@@ -247,6 +247,7 @@ def tenant(name, weight, **flags):
 
 @main.command()
 @click.option("--metrics-port", type=int, help="serve Prometheus metrics on this port [0: off]")
+@click.option("--metrics-host", help="address to serve them on [127.0.0.1: this machine only]")
 @click.option("--prefetch", type=int, help="deliveries held at once [0: sized from the engine]")
 @click.option("--max-delivery-attempts", type=int, help="deliveries before a request is dead-lettered [3]")
 @click.option("--drain-timeout", type=float, help="seconds to finish running requests on SIGTERM [60]")

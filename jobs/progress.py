@@ -43,13 +43,39 @@ def describe(view: JobView) -> str:
     return "\n".join(lines)
 
 
-def job_table(views: list[JobView]) -> None:
-    table = Table("id", "status", "tenant", "pri", "done/total", "failed", "tok/s", "created")
-    for v in views:
-        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.created_at))
-        table.add_row(v.id, v.status.value, v.tenant, str(v.priority), f"{v.done}/{v.total}", str(v.failed),
-                      f"{v.output_tokens_per_second:.1f}", created)
-    Console().print(table)
+COLUMNS = ("id", "status", "tenant", "pri", "done/total", "failed", "tok/s", "created")
+GIVE_WAY = ("created", "pri", "tok/s", "failed", "tenant")  # left out in this order where the terminal is narrow
+
+
+def job_table(views: list[JobView], console: Console | None = None) -> None:
+    """The jobs as a table. Ids are never cut short or wrapped (they are copied into other commands):
+    in a narrow terminal the columns of ``GIVE_WAY`` are left out, as many as it takes, before the
+    others shrink."""
+    console = console or Console()
+    rows = [dict(zip(COLUMNS, (v.id, v.status.value, v.tenant, str(v.priority), f"{v.done}/{v.total}", str(v.failed),
+                               f"{v.output_tokens_per_second:.1f}",
+                               time.strftime("%Y-%m-%d %H:%M", time.localtime(v.created_at))))) for v in views]
+    shown = list(COLUMNS)
+    table = _table(rows, shown)
+    unbounded = console.options.update(max_width=1 << 16)  # the table's natural width, not the terminal's
+    for column in GIVE_WAY:
+        if console.measure(table, options=unbounded).maximum <= console.width:
+            break
+        shown.remove(column)
+        table = _table(rows, shown)
+    console.print(table)
+
+
+def _table(rows: list[dict[str, str]], columns: list[str]) -> Table:
+    table = Table()
+    for name in columns:
+        if name == "id":
+            table.add_column(name, no_wrap=True, min_width=max((len(r["id"]) for r in rows), default=2))
+        else:
+            table.add_column(name)
+    for row in rows:
+        table.add_row(*(row[name] for name in columns))
+    return table
 
 
 class JobProgress:

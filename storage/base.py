@@ -1,9 +1,10 @@
 """The object-store interface every berth store implements, and its errors.
 
 Keys are ``/``-separated names made by berth from ids and hashes (``check_key`` enforces the
-alphabet), never from user text. ``put`` is atomic: a reader sees the old object or the new one,
-never a mix. ``open`` and ``writer`` stream large objects (job files) without holding them in
-memory; what ``writer`` writes appears, atomically too, when its block ends without an error.
+alphabet, and no part starts with a dot: stores keep those names for their own files), never from
+user text. ``put`` is atomic: a reader sees the old object or the new one, never a mix. ``open`` and
+``writer`` stream large objects (job files) without holding them in memory; what ``writer`` writes
+appears, atomically too, when its block ends without an error.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ class ObjectInfo:
 
 def check_key(key: str) -> str:
     """``key`` if it is a safe object name: letters, digits, ``_.=-`` in ``/``-separated parts."""
-    if len(key) > 512 or not _KEY.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
-        raise ValueError(f"{key[:100]!r} is not an object key berth makes (letters, digits, '_.=-', '/')")
+    if len(key) > 512 or not _KEY.fullmatch(key) or any(part.startswith(".") for part in key.split("/")):
+        raise ValueError(f"{key[:100]!r} is not an object key berth makes (letters, digits, '_.=-', '/'; "
+                         "no part starting with '.')")
     return key
 
 

@@ -1,21 +1,30 @@
 """A folder as an object store (``file://PATH``, the embedded default ``file://./berth-store``).
 
-A key is a path under the folder. Writes go to a hidden temporary file beside the target, are
-flushed to disk, and renamed into place with ``os.replace``: readers see the old file or the new
-one, and a writer killed half-way leaves only a temporary file that ``list`` never shows.
+A key is a path under the folder. Writes go to a hidden temporary file beside the target
+(``.<name>.<random>.berth-tmp``: no key names one, since ``check_key`` refuses parts that start with
+a dot), are flushed to disk, and renamed into place with ``os.replace``: readers see the old file
+or the new one, and a writer killed half-way leaves only a temporary file that ``list`` never
+shows and ``sweep_temporaries`` deletes once it is old (the checkpoint collection calls it).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from storage.base import ObjectInfo, ObjectNotFound, ObjectStore, StorageError, check_key
 
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = ".berth-tmp"
+_OLD_TMP_SUFFIX = ".tmp"  # what berth named them before
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of the store's temporary files (a file's name, not a key)."""
+    return name.startswith(".") and name.endswith((TMP_SUFFIX, _OLD_TMP_SUFFIX))
 
 
 class LocalStore(ObjectStore):
@@ -60,6 +69,27 @@ class LocalStore(ObjectStore):
     def delete(self, key: str) -> None:
         with self._errors(key):
             self.path(key).unlink(missing_ok=True)
+
+    def sweep_temporaries(self, older_than: float) -> int:
+        """Delete the temporary files of writers killed half-way: those not written to for
+        ``older_than`` seconds (a live writer's file is younger; one stalled longer than that
+        fails on its rename with a ``StorageError``, it never stores a partial object). Returns
+        how many were deleted."""
+        cutoff = time.time() - older_than
+        deleted = 0
+        with self._errors(""):
+            for dirpath, _, filenames in os.walk(self.root):
+                for name in filenames:
+                    if not is_temporary(name):
+                        continue
+                    path = Path(dirpath, name)
+                    try:
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink()
+                            deleted += 1
+                    except FileNotFoundError:  # renamed into place or deleted meanwhile
+                        continue
+        return deleted
 
     @contextmanager
     def writer(self, key: str) -> Iterator[BinaryIO]:

@@ -10,12 +10,22 @@ import threading
 import time
 
 import pytest
+import torch
 
 from jobs.checkpoint_gc import collect_checkpoints
 from storage import ObjectNotFound, open_store
 from tests.checkpoint_support import ControlledStore, checkpointer, prompts, run_steps, tiny_engine
 from worker import checkpoint_writer
-from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key
+from worker.checkpoint_format import (
+    KV_PREFIX,
+    STATE_PREFIX,
+    RequestCheckpoint,
+    SampleCheckpoint,
+    block_key,
+    state_key,
+)
+from worker.checkpoint_writer import CheckpointWriter, Snapshot
+from worker.metrics import WorkerMetrics
 from worker.request import Request, SamplingParams
 
 
@@ -54,6 +64,42 @@ def test_a_prefix_shared_by_many_requests_is_stored_once(tiny_loaded, store):
     prefixes = {tuple(s.samples[0].block_hashes[:4]) for s in states.values()}
     assert len(prefixes) == 1, "the shared prompt's blocks should be the same four in every state"
     cp.close()
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_state_written_before_its_blocks_is_written_again_once_they_are(store):
+    """A state never names a block not yet on the store, so one written while its blocks wait is
+    short of them; once they are through it goes again, so that after ``flush`` it names them all
+    (an older state waiting so never overwrites a newer one)."""
+    writer = CheckpointWriter(store, "fp", WorkerMetrics(), max_pending_bytes=1 << 20)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    key = state_key("1")
+
+    def snapshot(tokens: int, blocks: dict) -> Snapshot:
+        state = RequestCheckpoint("1", "fp", "digest", 4, [SampleCheckpoint(0, [5] * tokens, hashes)], 0.0)
+        return Snapshot(state, blocks)
+
+    def stored() -> RequestCheckpoint | None:
+        return _states(store).get(key)
+
+    store.kv_gate.clear()  # the blocks wait
+    writer.submit(snapshot(10, {h: torch.zeros(4) for h in hashes}))
+    _until(lambda: stored() is not None)
+    assert stored().output_tokens == 10 and not stored().block_hashes()
+    writer.submit(snapshot(20, {}))  # newer progress while the blocks still wait
+    _until(lambda: stored().output_tokens == 20)
+    assert not stored().block_hashes()
+    store.kv_gate.set()
+    assert writer.flush(30)
+    assert stored().output_tokens == 20 and stored().block_hashes() == hashes
+    assert store.puts[key] == 3, "the older state was written again, or the newer one not"
+    writer.close()
 
 
 def test_a_stalled_store_makes_checkpoints_lag_and_never_stops_the_engine(tiny_loaded, store):
@@ -225,13 +271,39 @@ def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_ll
     store.inner.put(block_key(engine.fingerprint, b"\x01" * 16), b"young and unnamed")
     store.inner.put(state_key("garbage"), b"{not json")
     os.utime(store.inner.path(state_key("garbage")), (old, old))
+    killed = store.inner.path(block_key(engine.fingerprint, b"\x02" * 16)).with_name(".02.kv.x1.berth-tmp")
+    killed.write_bytes(b"a writer killed half-way")
+    os.utime(killed, (old, old))
+    writing = killed.with_name(".03.kv.x2.berth-tmp")
+    writing.write_bytes(b"a writer at work")
 
     collected = collect_checkpoints(store.inner, db, min_age=3600)
     left = set(_blocks(store))
     assert collected.states_deleted == 2  # request 0's (it has its outcome) and the unreadable one
+    assert collected.temporaries_deleted == 1 and not killed.exists() and writing.exists()
     assert not store.inner.exists(state_key(ids[0])) and store.inner.exists(state_key(ids[1]))
     assert named[state_key(ids[1])] <= left, "a block a live state names was collected"
     assert not (only_first & left), "blocks only a finished request named were kept"
     assert block_key(engine.fingerprint, b"\x01" * 16) in left, "a block younger than min_age was collected"
     with pytest.raises(ObjectNotFound):
         store.inner.get(state_key("garbage"))
+
+
+def test_bookkeeping_is_kept_only_for_requests_in_the_engine(tiny_loaded, store):
+    """A long-lived worker forgets every request that left it, also those ``finished`` and
+    ``released`` never told it of: one handed back after its state was written, one resumed and
+    never added (dropped while its checkpoint was read)."""
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store, checkpoint_interval=4)
+    requests = [Request(str(i), p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([20, 30, 25]))]
+    run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 30)
+    assert cp.writer.flush(30) and set(cp.writer.durable_tokens) == {"0", "1", "2"}
+    engine.abort("0")
+    cp.released("0")  # handed back: its state stays on the store
+    engine.abort("1")  # aborted with nobody telling the checkpointer
+    cp.resumed(RequestCheckpoint("9", "fp", "d", 1, [], 0.0))  # never added
+    run_steps(engine, cp, until=lambda: engine.stats.output_tokens >= 40)
+    assert set(cp._progress) == set(cp.writer.durable_tokens) == {"2"}
+    assert set(_states(store)) == {state_key(r) for r in "012"}, "a request's state was lost"
+    cp.close()

@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import pytest
 
 from storage import open_store
 from tests.checkpoint_support import checkpointer, prompts, run_steps, tiny_engine, tokens
-from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, state_key
+from worker.block_manager import chain_hash
+from worker.checkpoint_format import (
+    KV_PREFIX,
+    STATE_PREFIX,
+    CorruptCheckpoint,
+    EngineLimits,
+    RequestCheckpoint,
+    SampleCheckpoint,
+    request_digest,
+    state_key,
+)
 from worker.engine import EngineStats
 from worker.request import Request, SamplingParams
 from worker.resume import Restorer, TransferRates
@@ -133,6 +144,84 @@ def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, kill
         outputs, _, _ = _resume(tiny_loaded, store, READ)
     assert outputs == undisturbed
     assert f"KV block {victim.hex()} cannot be read back (not a berth KV block: checksum mismatch)" in caplog.text
+
+
+def _forge(store, state: RequestCheckpoint, **changes) -> None:
+    """Write ``state`` with every sample changed by ``changes`` (values: functions of the sample)."""
+    samples = [replace(s, **{k: f(s) for k, f in changes.items()}) for s in state.samples]
+    store.put(state_key(state.request_id), replace(state, samples=samples).to_json())
+
+
+def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, store, killed_half_way, undisturbed,
+                                                                  caplog):
+    """Anyone with the store can write a checkpoint: one the engine could never have written is
+    ignored, never run (too many tokens ran past max_tokens; an id past the vocabulary crashed the step)."""
+    states = [killed_half_way[state_key(str(i))] for i in range(3)]
+    _forge(store, states[0], output_token_ids=lambda s: s.output_token_ids + [5] * 60)
+    _forge(store, states[1], output_token_ids=lambda s: s.output_token_ids[:-1] + [10 ** 7])
+    _forge(store, states[2], block_hashes=lambda s: [s.block_hashes[0], bytes(16)] + s.block_hashes[2:])
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        outputs, engine, metrics = _resume(tiny_loaded, store, READ)
+    assert outputs == undisturbed
+    assert _restores(metrics, "loaded") == 0 and _restores(metrics, "recomputed") == 0
+    assert engine.stats.output_tokens == sum(len(t) for samples in undisturbed.values() for t in samples)
+    text = caplog.text
+    assert "request 0 starts over: its checkpoint does not apply: sample 0: " in text and "max_tokens 48" in text
+    assert ("request 1 starts over: its checkpoint does not apply: sample 0: token id 10000000 is outside the "
+            "model's vocabulary") in text
+    assert "request 2 starts over: its checkpoint does not apply: sample 0: KV block 1 is named 0000" in text
+
+
+def test_a_checkpoint_holds_at_most_max_tokens_minus_one(tiny_loaded, store, killed_half_way, undisturbed, caplog):
+    """The engine ends a sample in the step that reaches max_tokens, so it never checkpoints one
+    that long: a state one token short resumes (and samples the last one), a state at max_tokens is forged."""
+    states = [killed_half_way[state_key(str(i))] for i in range(2)]
+    _forge(store, states[0], output_token_ids=lambda s: undisturbed["0"][0][:47], block_hashes=lambda s: [])
+    _forge(store, states[1], output_token_ids=lambda s: undisturbed["1"][0][:48], block_hashes=lambda s: [])
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        outputs, engine, metrics = _resume(tiny_loaded, store, RECOMPUTE)
+    assert outputs == undisturbed
+    assert [len(t) for t in outputs["0"]] == [48]
+    assert _restores(metrics, "recomputed") == 2  # requests 0 and 2
+    assert "request 0 starts over" not in caplog.text
+    assert "request 1 starts over: its checkpoint does not apply: sample 0: 48 generated tokens" in caplog.text
+
+
+def test_what_a_checkpoint_holds_is_checked_against_the_engine():
+    prompt = list(range(3, 3 + 40))
+    request = Request("7", prompt, SamplingParams(max_tokens=30, n=2, seed=1))
+    limits = EngineLimits(vocab_size=100, max_model_len=64, block_size=16)
+    out = [9] * 10
+    chain = [chain_hash(b"", prompt[:16])]
+    chain.append(chain_hash(chain[0], prompt[16:32]))
+
+    def checkpoint(samples, prompt_tokens=len(prompt)):
+        return RequestCheckpoint("7", "fp", request_digest(prompt, request.params), prompt_tokens, samples, 0.0)
+
+    good = [SampleCheckpoint(0, out, chain), SampleCheckpoint(1, out[:3], chain[:1])]
+    assert checkpoint(good).mismatch(request, "fp", limits) is None
+    forged = {
+        "its samples are numbered [0, 0]": [good[0], replace(good[1], index=0)],
+        "its samples are numbered [0]": good[:1],
+        "sample 1: 30 generated tokens, more than the 29": [good[0], replace(good[1], output_token_ids=[9] * 30)],
+        "sample 0: 40 prompt + 24 generated tokens reach the model's context of 64":
+            [replace(good[0], output_token_ids=[9] * 24), good[1]],
+        "sample 0: token id -1 is outside": [replace(good[0], output_token_ids=[-1]), good[1]],
+        "sample 0: token id 100 is outside": [replace(good[0], output_token_ids=[100]), good[1]],
+        "sample 1: 3 KV blocks named, more than its 43 tokens fill":
+            [good[0], replace(good[1], block_hashes=chain + [bytes(16)])],
+        "sample 0: KV block 0 is named": [replace(good[0], block_hashes=chain[::-1]), good[1]],
+        "sample 0: KV block 1 is named": [replace(good[0], block_hashes=[chain[0], b"\x01"]), good[1]],
+    }
+    for reason, samples in forged.items():
+        assert reason in (checkpoint(samples).mismatch(request, "fp", limits) or ""), reason
+    assert "it counts 39 prompt tokens" in checkpoint(good, 39).mismatch(request, "fp", limits)
+    raw = checkpoint(good).to_json()
+    for bad in (raw.replace(b"[9,9,9]", b'[9,"9",9]'), raw.replace(b"[9,9,9]", b"[9,9.5,9]"),
+                raw.replace(b"[9,9,9]", b"[9,true,9]"), raw.replace(b'"index":1', b'"index":"1"')):
+        assert bad != raw
+        with pytest.raises(CorruptCheckpoint, match="is not an integer"):
+            RequestCheckpoint.from_json(bad)
 
 
 def test_the_estimate_follows_measured_rates():

@@ -3,6 +3,7 @@ list by prefix, delete, files in parts, and errors a user can act on; keys never
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -120,6 +121,29 @@ def test_a_local_writer_killed_half_way_leaves_nothing_visible(tmp_path):
     assert store.get("state/1.json") == b"whole"
 
 
+def test_killed_writers_temporaries_are_swept_once_old(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    killed = store.writer("state/1.json")  # a writer stopped half-way, its file left as by a kill
+    killed.__enter__().write(b"half")
+    old = time.time() - 7200
+    temporaries = [p for p in (tmp_path / "state").iterdir()]
+    assert len(temporaries) == 1 and temporaries[0].name.endswith(".berth-tmp")
+    legacy = tmp_path / "state" / ".2.json.abc.tmp"  # as berth named them before
+    legacy.write_bytes(b"par")
+    young = tmp_path / "kv" / ".3.kv.xyz.berth-tmp"
+    young.parent.mkdir()
+    young.write_bytes(b"par")
+    store.put("state/4.json", b"whole")
+    for path in (temporaries[0], legacy, store.path("state/4.json")):
+        os.utime(path, (old, old))
+    assert [o.key for o in store.list("")] == ["state/4.json"]
+    assert store.sweep_temporaries(older_than=3600) == 2
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [".3.kv.xyz.berth-tmp", "4.json"]
+    with pytest.raises(StorageError, match="cannot write 'state/1.json'"):  # stalled past the sweep: no object
+        killed.__exit__(None, None, None)
+    assert not store.exists("state/1.json")
+
+
 def test_unwritable_local_folder_is_a_storage_error(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(StorageError, match="cannot write|Not a directory"):
@@ -129,7 +153,7 @@ def test_unwritable_local_folder_is_a_storage_error(tmp_path):
 def test_urls_and_keys():
     with pytest.raises(ValueError, match="file:///path/to/folder or s3://bucket/prefix"):
         open_store("ftp://host/x")
-    for bad in ("../x", "/abs", "a//b", "a/./b", "a b", "é", "a/..", ""):
+    for bad in ("../x", "/abs", "a//b", "a/./b", "a b", "é", "a/..", "", ".hidden", "a/.1.json.x.berth-tmp"):
         with pytest.raises(ValueError, match="not an object key"):
             check_key(bad)
     assert check_key("checkpoints/v1/kv/abc/0f.kv") == "checkpoints/v1/kv/abc/0f.kv"

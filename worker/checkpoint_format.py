@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from worker.block_manager import chain_hash
 from worker.request import Request, SamplingParams
 
 VERSION = 1
@@ -50,6 +51,15 @@ def request_digest(prompt_token_ids: list[int], params: SamplingParams) -> str:
     """Names what a request asks for, so a checkpoint is applied only to the same request."""
     what = json.dumps([list(prompt_token_ids), asdict(params)], sort_keys=True)
     return hashlib.sha256(what.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine restoring a checkpoint can run: a checkpoint must stay inside it to apply."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_model_len: int  # prompt and generated tokens together
+    block_size: int  # tokens per KV block, for the block hashes
 
 
 @dataclass(frozen=True)
@@ -88,16 +98,25 @@ class RequestCheckpoint:
             samples.append(SampleCheckpoint(s.index, s.output_token_ids, s.block_hashes[:n]))
         return replace(self, samples=samples)
 
-    def mismatch(self, request: Request, fingerprint: str) -> str | None:
-        """Why this checkpoint cannot continue ``request`` on an engine with ``fingerprint``; None if it can."""
+    def mismatch(self, request: Request, fingerprint: str, limits: EngineLimits) -> str | None:
+        """Why this checkpoint cannot continue ``request`` on an engine with ``fingerprint`` and
+        ``limits``; None if it can. Anyone with access to the store can write a checkpoint, so its
+        contents are held to what the engine itself would have written, not only its identity."""
         if self.request_id != request.request_id:
             return f"it belongs to request {self.request_id!r}"
         if self.request_digest != request_digest(request.prompt_token_ids, request.params):
             return "the request's prompt or sampling parameters differ"
         if self.fingerprint != fingerprint:
             return f"it was made by another model, dtype or block size (fingerprint {self.fingerprint})"
+        if self.prompt_tokens != len(request.prompt_token_ids):
+            return f"it counts {self.prompt_tokens} prompt tokens, the request has {len(request.prompt_token_ids)}"
         if sorted(s.index for s in self.samples) != list(range(request.params.n)):
-            return f"it has {len(self.samples)} samples, the request asks for {request.params.n}"
+            return (f"its samples are numbered {sorted(s.index for s in self.samples)}, "
+                    f"the request asks for {request.params.n} numbered from 0")
+        for s in self.samples:
+            reason = _sample_mismatch(s, request, limits)
+            if reason:
+                return f"sample {s.index}: {reason}"
         return None
 
     def to_json(self) -> bytes:
@@ -112,7 +131,7 @@ class RequestCheckpoint:
             data = json.loads(raw)
             if data.get("version") != VERSION:
                 raise CorruptCheckpoint(f"checkpoint version {data.get('version')!r}, this berth reads {VERSION}")
-            samples = [SampleCheckpoint(int(s["index"]), [int(t) for t in s["output_token_ids"]],
+            samples = [SampleCheckpoint(_int(s["index"]), [_int(t) for t in s["output_token_ids"]],
                                         [bytes.fromhex(h) for h in s["block_hashes"]]) for s in data.pop("samples")]
             checkpoint = cls(samples=samples, **data)
             if not (isinstance(checkpoint.request_id, str) and isinstance(checkpoint.fingerprint, str)):
@@ -122,6 +141,44 @@ class RequestCheckpoint:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise CorruptCheckpoint(f"not a berth checkpoint state: {exc}") from None
+
+
+def _int(value) -> int:
+    """A JSON integer as it is: no strings, floats or booleans read as one."""
+    if type(value) is not int:
+        raise TypeError(f"{value!r:.40} is not an integer")
+    return value
+
+
+def _sample_mismatch(sample: SampleCheckpoint, request: Request, limits: EngineLimits) -> str | None:
+    """Why one sample's tokens and blocks are not what an engine could have checkpointed.
+
+    The engine ends a sample in the step that brings it to ``max_tokens`` or to the model's context,
+    and the checkpointer never snapshots a request with a finished sample: so a sample holds at most
+    ``max_tokens - 1`` generated tokens and fewer than ``max_model_len`` tokens in all. Its blocks are
+    the hash chain of its first tokens, one per full block of computed tokens, and the engine never
+    computes a sequence's last token before sampling the next: at most ``(tokens - 1) // block_size``.
+    """
+    out, prompt = sample.output_token_ids, request.prompt_token_ids
+    most = request.params.max_tokens - 1
+    if len(out) > most:
+        return (f"{len(out)} generated tokens, more than the {most} a request of max_tokens {most + 1} "
+                f"is checkpointed with")
+    if len(prompt) + len(out) >= limits.max_model_len:
+        return (f"{len(prompt)} prompt + {len(out)} generated tokens reach the model's context of "
+                f"{limits.max_model_len}")
+    bad = next((t for t in out if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        return f"token id {bad} is outside the model's vocabulary of {limits.vocab_size}"
+    tokens = list(prompt) + list(out)
+    if len(sample.block_hashes) > (len(tokens) - 1) // limits.block_size:
+        return f"{len(sample.block_hashes)} KV blocks named, more than its {len(tokens)} tokens fill"
+    parent = b""
+    for i, h in enumerate(sample.block_hashes):
+        parent = chain_hash(parent, tokens[i * limits.block_size:(i + 1) * limits.block_size])
+        if h != parent:
+            return f"KV block {i} is named {h.hex()[:64]}, not the hash of its tokens"
+    return None
 
 
 def encode_block(data: torch.Tensor) -> bytes:

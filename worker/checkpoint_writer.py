@@ -7,7 +7,10 @@ separately, so that a request's small state never waits behind anyone's KV data:
   replaces the one not yet written, keeping its place in line and the time of its oldest
   progress); a thread takes the oldest state of a request no other thread is writing, so a
   request's states are written in order. A state is trimmed to the blocks known written when it
-  goes: it never names a block that is not on the store (later states name the rest).
+  goes: it never names a block that is not on the store. One trimmed for blocks still queued or
+  uploading is written again once they are through (unless a newer state of its request came
+  meanwhile): when ``flush`` returns, every state names each of its blocks that got written, and a
+  worker that saves its requests before stopping leaves the next nothing stored to recompute.
 - KV blocks, on ``block_threads`` threads at the lowest CPU priority (on Linux), oldest first, each
   block once, at most ``max_pending_bytes`` of block data held (the engine side takes no new
   blocks past that). On a CPU worker they use the cycles the engine leaves idle: a block costs a
@@ -118,6 +121,9 @@ class CheckpointWriter:
         self._writing: dict[str, Snapshot | _Delete] = {}  # by request: one state write of a request at a time
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # queued, oldest first
         self._uploading: dict[bytes, _Block] = {}
+        # request id -> a state written short of some of its blocks: it, where its samples were cut
+        # short, and the blocks it left out that are still queued or uploading
+        self._awaiting: dict[str, tuple[Snapshot, set[bytes], set[bytes]]] = {}
         self._pending_bytes = 0  # block data queued or uploading
         self._cond = threading.Condition()
         self._closing = threading.Event()
@@ -137,6 +143,7 @@ class CheckpointWriter:
                     block = self._blocks[h] = _Block(data, h in snapshot.shared, snapshot.request_id)
                     self._pending_bytes += block.nbytes
             snapshot.blocks, snapshot.shared = {}, set()  # the block queue holds them now
+            self._awaiting.pop(snapshot.request_id, None)  # the newer state goes instead
             old = self._states.get(snapshot.request_id)
             if isinstance(old, Snapshot):  # not written yet: the newer state takes its place and time
                 snapshot.taken = old.taken
@@ -151,8 +158,11 @@ class CheckpointWriter:
         with self._cond:
             self._states.pop(request_id, None)
             self._states[request_id] = _Delete(request_id)
-            for h in [h for h, b in self._blocks.items() if b.request_id == request_id]:
+            self._awaiting.pop(request_id, None)
+            dropped = [h for h, b in self._blocks.items() if b.request_id == request_id]
+            for h in dropped:
                 self._pending_bytes -= self._blocks.pop(h).nbytes
+            self._settled(dropped)
             self._cond.notify_all()
 
     def knows(self, block_hash: bytes) -> bool:
@@ -249,6 +259,42 @@ class CheckpointWriter:
         self.durable_tokens[item.request_id] = checkpoint.output_tokens
         self.metrics.checkpoint_bytes.inc(len(raw))
         self.metrics.checkpoint_states.inc()
+        with self._cond:
+            self._await_blocks(item, checkpoint)
+
+    def _await_blocks(self, item: Snapshot, written: RequestCheckpoint) -> None:
+        """``written``, ``item``'s state trimmed, is stored: if it left blocks out, ``item`` goes again
+        once those of them still queued or uploading are through (under the lock)."""
+        if item.request_id in self._states:  # a newer state (or the delete) came during the write: it goes instead
+            return
+        stops, missing = set(), set()
+        for full, kept in zip(item.checkpoint.samples, written.samples):
+            cut = len(kept.block_hashes)
+            if cut < len(full.block_hashes):
+                stops.add(full.block_hashes[cut])
+                missing.update(full.block_hashes[cut:])
+        pending = {h for h in missing if h in self._blocks or h in self._uploading}
+        if pending:
+            self._awaiting[item.request_id] = (item, stops, pending)
+        else:
+            self._write_again(item, stops)
+
+    def _settled(self, hashes: list[bytes]) -> None:
+        """Blocks written, failed or dropped: the states that waited on them go again (under the lock)."""
+        if not self._awaiting:
+            return
+        for request_id, (item, stops, pending) in list(self._awaiting.items()):
+            pending.difference_update(hashes)
+            if not pending:
+                del self._awaiting[request_id]
+                self._write_again(item, stops)
+
+    def _write_again(self, item: Snapshot, stops: set[bytes]) -> None:
+        """Queue ``item`` again if a block where it was cut short is written now, so that each write
+        names more blocks than the last (a newer state of its request, if queued, goes instead)."""
+        if item.request_id not in self._states and any(h in self._written for h in stops):
+            item.taken = time.monotonic()  # its tokens are stored: only blocks are behind
+            self._states[item.request_id] = item
 
     def _state_done(self, item: Snapshot | _Delete) -> None:
         del self._writing[item.request_id]
@@ -274,6 +320,7 @@ class CheckpointWriter:
 
     def _block_done(self, h: bytes) -> None:
         self._pending_bytes -= self._uploading.pop(h).nbytes
+        self._settled([h])
 
     def _went_down(self, exc: StorageError) -> None:
         self.metrics.checkpoint_failures.inc()

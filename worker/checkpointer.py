@@ -12,6 +12,12 @@ Not checkpointed (they start over after a crash), because the engine cannot resu
 yet: requests asking for logprobs (the engine does not take back the logprobs of restored tokens)
 and requests with a finished sample among several (it would not know that sample had finished).
 Their last checkpoint from before stays valid.
+
+What is kept per request (its last snapshot's progress here, its tokens on the store in the
+writer) is kept only for requests in the engine: ``finished`` and ``released`` drop it, and each
+step drops what they missed (a request resumed but never added because it was dropped while its
+checkpoint was read, a released request whose state was written after, a delete the store refused),
+so a long-lived worker's bookkeeping is bounded by what it runs.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Checkpointer:
     def after_step(self) -> None:
         """Snapshot the requests that are due (call between engine steps)."""
         now = time.monotonic()
+        self._forget_ended()
         due = self._due(now, lambda tokens, last: tokens - last.tokens >= self.interval
                         or now - last.at >= self.seconds)
         self.metrics.checkpoint_lag_seconds.set(self.writer.lag_seconds())
@@ -89,6 +96,14 @@ class Checkpointer:
 
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
+
+    def _forget_ended(self) -> None:
+        """Drop the bookkeeping of requests no longer in the engine (the writer's threads add to
+        ``durable_tokens`` too: only single-key operations on it here)."""
+        live = self.engine.requests
+        for book in (self._progress, self.writer.durable_tokens):
+            for request_id in [r for r in list(book) if r not in live]:
+                book.pop(request_id, None)
 
     # ---- snapshots
     def _due(self, now: float, due) -> list[str]:

@@ -109,6 +109,7 @@ class Settings(BaseSettings):
     max_delivery_attempts: int = 3  # a request delivered this many times without finishing is dead-lettered
     drain_timeout: float = 60.0  # seconds a worker told to stop keeps finishing its running requests
     metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
+    metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
 
     @field_validator("kv_memory", mode="before")
     @classmethod

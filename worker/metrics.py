@@ -1,4 +1,5 @@
-"""The engine worker's Prometheus metrics, served on ``Settings.metrics_port`` (0 = off).
+"""The engine worker's Prometheus metrics, served on ``Settings.metrics_port`` (0 = off) of
+``Settings.metrics_host`` (127.0.0.1 unless told otherwise: the page is unauthenticated).
 
 Counters for totals (use ``rate()`` on them), and gauges of the effective rates over the last
 ``RATE_WINDOW`` seconds for a glance without a query language.
@@ -68,8 +69,9 @@ class WorkerMetrics:
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Serve ``/metrics`` on ``host:port``; only this machine reaches the default host."""
+        start_http_server(port, addr=host, registry=self.registry)
 
     def observe_step(self, engine, seconds: float) -> None:
         """After each engine step: token counters and rates, occupancy, KV blocks."""

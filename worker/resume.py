@@ -1,10 +1,12 @@
 """Resuming a request from its checkpoint, on whichever worker it is delivered to next.
 
 ``submit`` reads the request's state from the store on a background thread. A state made by
-another model, dtype or block size, for another prompt or sampling parameters, or unreadable, is
-ignored with a warning: the request starts over. Otherwise the request gets its generated tokens
-back (``Request.resume_output_ids``) and its KV blocks are either read back from the store or
-left for the engine to recompute by prefill, whichever ``TransferRates`` estimates is faster.
+another model, dtype or block size, for another prompt or sampling parameters, unreadable, or
+holding what this engine would never have written (too many tokens, ids outside the vocabulary,
+blocks that are not its tokens' hash chain: ``RequestCheckpoint.mismatch``), is ignored with a
+warning: the request starts over. Otherwise the request gets its generated tokens back
+(``Request.resume_output_ids``) and its KV blocks are either read back from the store or left for
+the engine to recompute by prefill, whichever ``TransferRates`` estimates is faster.
 ``ready`` (engine thread) puts fetched blocks into the engine's prefix cache and hands back the
 requests to add: the engine takes the cached blocks instead of computing them, and samples the
 rest exactly as it would have (randomness depends only on seed, sample and position).
@@ -20,7 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from storage import ObjectNotFound, ObjectStore, StorageError
-from worker.checkpoint_format import CorruptCheckpoint, RequestCheckpoint, block_key, decode_block, state_key
+from worker.checkpoint_format import (
+    CorruptCheckpoint,
+    EngineLimits,
+    RequestCheckpoint,
+    block_key,
+    decode_block,
+    state_key,
+)
 from worker.checkpointer import Checkpointer
 from worker.engine import Engine, EngineStats
 from worker.metrics import WorkerMetrics
@@ -86,6 +95,7 @@ class Restorer:
         self.block_bytes = checkpointer.block_bytes
         self.block_size = checkpointer.block_size
         self.block_shape = tuple(engine.read_kv_blocks([0])[:, :, 0].shape)
+        self.limits = EngineLimits(engine.model_config.vocab_size, engine.max_model_len, self.block_size)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="berth-restore")
         self._fetching: list[tuple[Request, Future]] = []
 
@@ -149,7 +159,7 @@ class Restorer:
         except (StorageError, CorruptCheckpoint) as exc:
             log.warning("request %s starts over: its checkpoint cannot be read: %s", rid, exc)
             return _Fetched(request)
-        reason = checkpoint.mismatch(request, self.fingerprint)
+        reason = checkpoint.mismatch(request, self.fingerprint, self.limits)
         if reason:
             log.warning("request %s starts over: its checkpoint does not apply: %s", rid, reason)
             return _Fetched(request)

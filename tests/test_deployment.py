@@ -1,0 +1,115 @@
+"""What a deployment exposes: compose.yaml publishes only what a user needs, on 127.0.0.1 alone,
+with passwords from .env that compose refuses to run without; the worker's metrics page listens
+on 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from worker.config import Settings
+from worker.metrics import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+_VARIABLE = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::\?([^}]*))?\}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _compose() -> dict:
+    return yaml.safe_load(ROOT.joinpath("compose.yaml").read_text())
+
+
+def _env_example() -> dict[str, str]:
+    lines = ROOT.joinpath(".env.example").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """compose's ``${VAR:?message}``: the value, or an error with the message when unset or empty."""
+    def value(m: re.Match) -> str:
+        if not env.get(m.group(1)):
+            raise LookupError(m.group(2) or f"{m.group(1)} is not set")
+        return env[m.group(1)]
+
+    return _VARIABLE.sub(value, text)
+
+
+def test_compose_publishes_only_on_loopback_and_not_the_database_or_broker():
+    services = _compose()["services"]
+    published = {name: service.get("ports", []) for name, service in services.items()}
+    for name, ports in published.items():
+        for port in ports:
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond this machine"
+    assert not published["postgres"] and not published["migrate"], "the database needs no published port"
+    assert all(not str(p).endswith(":5672") for p in published["rabbitmq"]), "AMQP needs no published port"
+    assert published["engine-worker"] == ["127.0.0.1:9100:9100"]
+    command = services["engine-worker"]["command"]
+    assert command[command.index("--metrics-host") + 1] == "0.0.0.0", \
+        "inside its container the worker must listen where the published port reaches it"
+
+
+def test_compose_takes_every_password_from_env_and_refuses_to_start_without_one():
+    text = ROOT.joinpath("compose.yaml").read_text()
+    assert not re.search(r"(PASS(WORD)?|SECRET[A-Z_]*): *[\"']?[A-Za-z0-9-]+[\"']?$", text, re.M), \
+        "a fixed password is left in compose.yaml"
+    variables = {m.group(1): m.group(2) for m in _VARIABLE.finditer(text)}
+    assert set(variables) == set(_env_example()) == {"POSTGRES_PASSWORD", "RABBITMQ_PASSWORD", "MINIO_ROOT_PASSWORD"}
+    assert all(f"set {name} in .env" in (message or "") for name, message in variables.items()), \
+        "each variable needs ${VAR:?message}"
+    assert all(not v.strip() for v in _env_example().values()), "the example must not hold usable passwords"
+    env = {name: f"pw-{name.lower()}" for name in variables}
+    resolved = yaml.safe_load(_interpolate(text, env))
+    assert resolved["x-berth-env"]["BERTH_DATABASE_URL"] == \
+        "postgresql+psycopg://berth:pw-postgres_password@postgres:5432/berth"
+    assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == "pw-postgres_password"
+    assert resolved["services"]["engine-worker"]["environment"]["BERTH_BROKER_URL"] == \
+        "amqp://berth:pw-rabbitmq_password@rabbitmq:5672//"
+    for name in variables:
+        with pytest.raises(LookupError, match=f"set {name} in .env"):
+            _interpolate(text, {**env, name: ""})
+    ignored = ROOT.joinpath(".gitignore").read_text().splitlines()
+    assert ".env" in ignored and ".env.example" not in ignored
+
+
+def test_metrics_listen_on_loopback_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("BERTH_METRICS_HOST", raising=False)
+    assert Settings().metrics_host == "127.0.0.1"
+    monkeypatch.setenv("BERTH_METRICS_HOST", "0.0.0.0")
+    assert Settings().metrics_host == "0.0.0.0"
+    metrics = WorkerMetrics()
+    port = _free_port()
+    metrics.serve(port)
+    assert b"berth_output_tokens_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    listening = [c for c in _listening_sockets() if c[1] == port]
+    assert listening and all(addr == "127.0.0.1" for addr, _ in listening), listening
+
+
+def _listening_sockets() -> list[tuple[str, int]]:
+    """(address, port) of this machine's listening TCP sockets, from /proc/net/tcp{,6}."""
+    found = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        path = Path("/proc/net", name)
+        if not path.exists():
+            pytest.skip("no /proc/net to read listening sockets from")
+        for line in path.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            addr, port = local.split(":")
+            raw = bytes.fromhex(addr)
+            if family == socket.AF_INET:
+                raw = raw[::-1]
+            else:  # four little-endian 32-bit words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+            found.append((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
