@@ -141,7 +141,7 @@ class EngineWorker:
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Work until stopped by a signal, or until ``until()`` is true (checked about every second)."""
         if self.settings.metrics_port:
-            self.metrics.serve(self.settings.metrics_port)
+            self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         previous_handlers = self._install_signal_handlers()
         self.broker.connect()
         self._follow_tenants()
