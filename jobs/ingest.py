@@ -158,6 +158,8 @@ def _check(validator: LineValidator, job_id: str, chunk: list[RawLine]) -> tuple
                              "attempts": 0, "created_at": created})
         except LineError as e:
             errors.append(_error_row(job_id, e.line, e.custom_id, e.message, e.code, e.param))
+        except InputError:  # the whole file is refused (a request past the line limit)
+            raise
         except Exception as exc:  # noqa: BLE001 (a validator bug or a line it cannot digest: this line only)
             log.warning("job %s line %d: checking it raised %s", job_id, raw.number, _describe(exc), exc_info=True)
             errors.append(_error_row(job_id, raw.number, line_custom_id(raw),

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from jobs import api
 from jobs.batch_format import CODE_CHARS, MAX_CUSTOM_ID, PARAM_CHARS, BatchLine, LineError, response_line
 from jobs.generate import generate_file
-from jobs.messages import params_from_dict, params_to_dict
+from jobs.ledger import params_from_dict
+from jobs.messages import params_to_dict
 from jobs.models import JobStatus, LineErrorRow, RequestRow
 from jobs.submit import JobRefused, JobSpec
 from jobs.validate import InputError, LineValidator, ModelInfo, read_lines
