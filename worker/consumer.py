@@ -71,10 +71,10 @@ from worker.admission import Action
 from worker.broker import BrokerLink, Delivery
 from worker.checkpointer import Checkpointer
 from worker.config import Settings
-from worker.database_health import DatabaseHealth
+from worker.database_health import DOWN, DatabaseHealth
 from worker.engine import Engine, RequestRejected
 from worker.housekeeper import Chore, Housekeeper
-from worker.ledger import Claim, Ledger, LedgerDown, Outcome
+from worker.ledger import Claim, Ledger, Outcome
 from worker.metrics import WorkerMetrics
 from worker.outcomes import OutcomeBook, Pending
 from worker.queues import BadMessage, RequestRef, parse_request_body
@@ -198,6 +198,10 @@ class EngineWorker:
             return {}
         return {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
 
+    def _ledger(self, call, *args):
+        """A ledger call, or ``DOWN`` while the database does not answer (the loop carries on)."""
+        return self.database.call(call, *args, running=len(self.inflight))
+
     # ---- admission
     def _admit(self) -> None:
         if not self.database.ready() or not self.incoming:
@@ -222,13 +226,10 @@ class EngineWorker:
                 self.broker.ack(delivery)  # a duplicate of what this worker runs
         if not fresh:
             return
-        try:
-            claims = self.ledger.claim(list(dict.fromkeys(r.request_id for r, _ in fresh)), self.name)
-        except LedgerDown as exc:
-            self.database.failed(exc, len(self.inflight))
+        claims = self._ledger(self.ledger.claim, list(dict.fromkeys(r.request_id for r, _ in fresh)), self.name)
+        if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
-        self.database.succeeded()
         failures: list[Pending] = []
         starting: list[Inflight] = []
         for ref, delivery in fresh:
@@ -285,11 +286,8 @@ class EngineWorker:
                 continue
             baselines[claim.request_id] = (tokens, strikes)
             runnable.append(item)
-        if baselines:
-            try:
-                self.ledger.begin(baselines)
-            except LedgerDown as exc:  # they run all the same; a crash now is judged by the older baseline
-                self.database.failed(exc, len(self.inflight))
+        if baselines:  # without the database they run all the same; a crash is judged by the older baseline
+            self._ledger(self.ledger.begin, baselines)
         for item in runnable:
             self._add(item, failures)
         self._record(failures)
@@ -315,12 +313,8 @@ class EngineWorker:
     def _on_start(self, request_ids: list[str]) -> None:
         """Before the engine's step that first runs these: say so, so that a crash in it counts."""
         ids = [int(r) for r in request_ids if r in self.inflight]
-        if not ids or not self.database.ready():
-            return
-        try:
-            self.ledger.started(ids)
-        except LedgerDown as exc:
-            self.database.failed(exc, len(self.inflight))
+        if ids and self.database.ready():
+            self._ledger(self.ledger.started, ids)
 
     # ---- results out
     def _step(self) -> None:
@@ -383,12 +377,9 @@ class EngineWorker:
         job_ids = {item.claim.job_id for item in self.inflight.values()}
         if not job_ids:
             return
-        try:
-            closed = self.ledger.closed_jobs(job_ids)
-        except LedgerDown as exc:
-            self.database.failed(exc, len(self.inflight))
+        closed = self._ledger(self.ledger.closed_jobs, job_ids)
+        if closed is DOWN:
             return
-        self.database.succeeded()
         for engine_id, item in list(self.inflight.items()):
             if item.claim.job_id in closed:
                 self.engine.abort(engine_id)
@@ -399,12 +390,9 @@ class EngineWorker:
 
     def _follow_tenants(self) -> None:
         """Consume the queue of every tenant with live jobs for this model; set their weights."""
-        try:
-            tenants = self.ledger.live_tenants(self.engine.model_name)
-        except LedgerDown as exc:  # the queues already followed stay; new tenants once it is back
-            self.database.failed(exc, len(self.inflight))
+        tenants = self._ledger(self.ledger.live_tenants, self.engine.model_name)
+        if tenants is DOWN:  # the queues already followed stay; new tenants once it is back
             return
-        self.database.succeeded()
         for tenant, weight in tenants.items():
             self.engine.set_tenant_share(tenant, weight)
         held = {item.claim.tenant for item in self.inflight.values()}

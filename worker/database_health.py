@@ -1,7 +1,7 @@
 """Whether the jobs database answers the engine worker, and when to try it again while it does not.
 
-Every call that needs the database asks ``ready()`` first; a call that failed for want of it
-(``LedgerDown``) reports ``failed``, which backs off (``RETRY``: first, most seconds between tries);
+Every call that needs the database asks ``ready()`` first and goes through ``call``: one that failed
+for want of it (``LedgerDown``) reports ``failed``, which backs off (``RETRY``: first, most seconds between tries);
 the next call that gets through reports ``succeeded``. The ``berth_database_up`` gauge and
 ``berth_database_errors`` counter show it, and the first failure and the recovery are logged once each.
 """
@@ -9,9 +9,14 @@ the next call that gets through reports ``succeeded``. The ``berth_database_up``
 from __future__ import annotations
 
 import logging
+from typing import Callable, TypeVar
 
 from worker.backoff import Backoff
+from worker.ledger import LedgerDown
 from worker.metrics import WorkerMetrics
+
+T = TypeVar("T")
+DOWN = object()  # what ``call`` returns when the database did not answer
 
 log = logging.getLogger("berth.worker")
 
@@ -43,3 +48,13 @@ class DatabaseHealth:
         if lasted is not None:
             log.warning("worker %s: database back after %.1fs", self.worker_name, lasted)
             self.metrics.database_up.set(1)
+
+    def call(self, fn: Callable[..., T], *args, running: int = 0) -> T | object:
+        """``fn(*args)``, or ``DOWN`` when the database did not answer (noted, and backed off)."""
+        try:
+            result = fn(*args)
+        except LedgerDown as exc:
+            self.failed(exc, running)
+            return DOWN
+        self.succeeded()
+        return result

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.broker import Delivery
-from worker.database_health import DatabaseHealth
-from worker.ledger import Ledger, LedgerDown, Outcome
+from worker.database_health import DOWN, DatabaseHealth
+from worker.ledger import Ledger, Outcome
 from worker.metrics import WorkerMetrics
 
 
@@ -44,13 +44,11 @@ class OutcomeBook:
         if not self.waiting or not self.database.ready():
             self.metrics.outcomes_waiting.set(len(self.waiting))
             return []
-        try:
-            new = self.ledger.record([p.outcome for p in self.waiting], self.worker_name)
-        except LedgerDown as exc:
-            self.database.failed(exc, running)
+        new = self.database.call(self.ledger.record, [p.outcome for p in self.waiting], self.worker_name,
+                                 running=running)
+        if new is DOWN:
             self.metrics.outcomes_waiting.set(len(self.waiting))
             return []
-        self.database.succeeded()
         done, self.waiting = self.waiting, []
         self.metrics.outcomes_waiting.set(0)
         for p in done:
