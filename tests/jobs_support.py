@@ -131,3 +131,17 @@ def work_until_over(settings, engine, job_id: str, timeout: float = 60.0):
 
     engine_worker(settings, engine, eager_tasks=True).run(until=over)
     return api.status(job_id, settings)
+
+
+def stop_gracefully(proc, timeout: float = 30.0) -> int:
+    """SIGTERM a worker process and wait for it to drain and exit; its exit code."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout)
+
+
+def kill_if_running(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -24,7 +24,7 @@ from jobs.files import JobFiles
 from jobs.finalize import finalize
 from jobs.generate import generate_file
 from jobs.models import JobStatus, Result
-from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
+from tests.jobs_support import kill_if_running, stop_gracefully, AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
 from tests.s3_support import S3_ENV
 from tests.test_jobs_end_to_end import _free_port
 
@@ -113,12 +113,9 @@ def test_a_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_dir, pg_ur
             time.sleep(0.5)
         generated = before_crashes + _metric(port, "berth_output_tokens_total")
         restored += _metric(port, "berth_checkpoint_restored_tokens_total")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert stop_gracefully(proc) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
 
     with db.session() as s:
         per_request = s.execute(select(Result.request_id, func.count()).group_by(Result.request_id)).all()

@@ -20,7 +20,7 @@ from jobs import api
 from jobs.db import open_database
 from jobs.generate import generate_file
 from jobs.models import JobStatus, Result
-from tests.jobs_support import TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
+from tests.jobs_support import kill_if_running, stop_gracefully, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
 from tests.test_checkpoint_crash import _results, _run_until, _start_worker, _wait_generating
 
 N, MAX_TOKENS, KILLS = 40, 200, 6
@@ -56,12 +56,9 @@ def test_an_embedded_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_
             assert proc.poll() is None, f"the last worker died: see {tmp_path / 'worker-last.log'}"
             assert time.monotonic() < deadline, f"only {_results(db)[0]} of {N} results"
             time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert stop_gracefully(proc) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
 
     view = api.status(job.id, settings)
     assert view.status is JobStatus.COMPLETED and (view.completed, view.failed) == (N, 0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import sys
 import time
 
@@ -17,7 +16,7 @@ from jobs import api
 from jobs.db import open_database
 from jobs.models import JobStatus, RequestRow, Result
 from jobs.tasks import finalize_later, make_app
-from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_env, tiny_settings, write_requests
+from tests.jobs_support import kill_if_running, stop_gracefully, AMQP_URL, TINY_NAME, tiny_env, tiny_settings, write_requests
 from tests.test_jobs_end_to_end import _spawn
 from worker.broker import REASON_HEADER
 from worker.queues import Topology
@@ -83,12 +82,9 @@ def test_bad_messages_are_dead_lettered_and_the_worker_keeps_consuming(tmp_path,
             expected = bad[(body, content_type)]  # the body and its content type, as published
             assert expected in reason, (body[:60], reason)
         assert proc.poll() is None, "the worker exited"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert stop_gracefully(proc) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
     with open_database(pg_url).session() as s:
         per_request = s.execute(select(Result.request_id, func.count()).group_by(Result.request_id)).all()
     assert len(per_request) == 8 and all(n == 1 for _, n in per_request)
