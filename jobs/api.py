@@ -110,6 +110,17 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
     return job, results(job.id, output, errors, settings)
 
 
+def retry(job_id: str, settings: Settings | None = None, eager: bool | None = None) -> JobView:
+    """A new job of the failed lines of a finished job (``jobs.retry``), ingested as ``submit`` does."""
+    from jobs.retry import retry_job
+
+    settings = settings or Settings()
+    db = open_database(settings.database_url)
+    new_id = retry_job(db, JobFiles(settings.storage_url), settings, get_job(db, job_id))
+    make_app(settings, eager).tasks[INGEST].delay(new_id)
+    return get_job(db, new_id)
+
+
 def set_tenant_weight(name: str, weight: float, settings: Settings | None = None) -> None:
     """A tenant's share of the engines (1 by default): with weights 2 and 1, twice the seats."""
     set_weight(open_database((settings or Settings()).database_url), name, weight)

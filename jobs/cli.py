@@ -287,6 +287,111 @@ def run(input_file, output, errors, quiet, **flags):
         click.echo(f"errors: {files.errors}", err=True)
 
 
+@main.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="print the new job as JSON")
+@service_options
+@engine_options
+def retry(job_id, as_json, **flags):
+    """A new job of the failed lines of a finished job (its failed requests and the lines a cancel or
+    expiry left unread); prints its id."""
+    from jobs import api
+
+    with user_errors():
+        view = api.retry(job_id, settings_from(flags))
+    if as_json:
+        _print_job(view, True)
+    else:
+        click.echo(view.id)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--open", "open_access", is_flag=True,
+              help="serve requests without a valid API key as tenant 'default' (only on 127.0.0.1)")
+@click.option("--max-file-bytes", help="the largest upload (200MB)")
+@service_options
+@engine_options
+def serve(host, port, open_access, **flags):
+    """OpenAI's Files and Batches API (base_url http://HOST:PORT/v1). On the embedded defaults (no
+    --broker-url) it runs an engine worker in this process too."""
+    from jobs.api_keys import any_keys
+    from jobs.db import open_database
+    from jobs.serve import Server
+    from worker.queues import is_embedded
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from(flags)
+    with user_errors():
+        server = Server(settings, host, port, open_access)
+        keys = any_keys(open_database(settings.database_url))
+    if open_access:
+        click.secho(f"WARNING: --open: anyone who can reach {server.url} is tenant 'default' without an API key "
+                    "(a valid key still names its own tenant). Use it on your own machine only.",
+                    fg="yellow", bold=True, err=True)
+    elif not keys:
+        click.secho("no API keys yet: every request gets 401 until you run `berth key create --tenant NAME` "
+                    "(or serve with --open on 127.0.0.1)", fg="yellow", err=True)
+    worker = "with an engine worker in this process" if is_embedded(settings) else \
+        "without an engine worker (run `berth worker` and the Celery worker beside it)"
+    click.echo(f"berth serving {settings.served_model_name()} on {server.url}/v1 {worker}", err=True)
+    with user_errors():
+        server.serve_forever()
+
+
+@main.group()
+def key():
+    """API keys of `berth serve`: each names a tenant."""
+
+
+@key.command(name="create")
+@click.option("--tenant", required=True, help="the tenant the key acts for")
+@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+def key_create(tenant, database_url):
+    """Make a key and print it: it is shown this once (the database keeps only its hash)."""
+    from jobs.api_keys import create_key
+    from jobs.db import open_database
+
+    with user_errors():
+        made = create_key(open_database(settings_from({"database_url": database_url}).database_url), tenant)
+    click.echo(made)
+    click.echo(f"the API key of tenant {tenant!r}, shown this once: keep it somewhere safe", err=True)
+
+
+@key.command(name="list")
+@click.option("--tenant", help="only this tenant's keys")
+@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+def key_list(tenant, database_url):
+    """The keys by their first characters, with their tenants."""
+    import datetime
+
+    from jobs.api_keys import list_keys
+    from jobs.db import open_database
+
+    with user_errors():
+        keys = list_keys(open_database(settings_from({"database_url": database_url}).database_url), tenant)
+    for k in keys:
+        made = datetime.datetime.fromtimestamp(k.created_at).strftime("%Y-%m-%d %H:%M")
+        state = "revoked" if k.revoked_at else "live"
+        click.echo(f"{k.prefix}...  {k.tenant}  {made}  {state}")
+
+
+@key.command(name="revoke")
+@click.argument("key_or_prefix")
+@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+def key_revoke(key_or_prefix, database_url):
+    """Revoke a key: give it whole, or its 12 first characters as `berth key list` shows them."""
+    from jobs.api_keys import revoke_key
+    from jobs.db import open_database
+
+    with user_errors():
+        n = revoke_key(open_database(settings_from({"database_url": database_url}).database_url), key_or_prefix)
+    if not n:
+        raise click.ClickException(f"no live key {key_or_prefix!r}: `berth key list` shows them")
+    click.echo(f"revoked {n} key{'s' if n > 1 else ''}")
+
+
 @main.group()
 def db():
     """The jobs database."""

@@ -148,3 +148,13 @@ def _line_errors(db: Database, job_id: str) -> Iterator[tuple[int, dict]]:
         for e in s.scalars(select(LineErrorRow).where(LineErrorRow.job_id == job_id)
                            .order_by(LineErrorRow.line).execution_options(yield_per=2000)):
             yield e.line, LineError(e.line, e.param, e.message, e.custom_id, e.code).to_error_line()
+
+
+def finished_lines(db: Database, job_id: str) -> Iterator[dict]:
+    """Every line with an outcome so far, in input order, as the output and errors files will hold
+    it: a completed request's output line, a failed request's or a bad line's error line."""
+    completed = ((line, {"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": response,
+                         "error": None})
+                 for line, request_id, custom_id, response, _ in _results(db, job_id, ResultStatus.COMPLETED))
+    merged = heapq.merge(completed, _failed_lines(db, job_id), _line_errors(db, job_id), key=lambda item: item[0])
+    return (line for _, line in merged)

@@ -100,6 +100,11 @@ class Job(Base):
     expired_at: Mapped[float | None] = mapped_column(Float)
     expires_at: Mapped[float] = mapped_column(Float)
     ingest_seen_at: Mapped[float | None] = mapped_column(Float)  # the ingest's last sign of life
+    # As the HTTP API shows the job (an OpenAI Batch): the endpoint it was created for and its files.
+    endpoint: Mapped[str | None] = mapped_column(String(64))  # None: submitted by the CLI, any url per line
+    input_file_id: Mapped[str | None] = mapped_column(String(40))
+    output_file_id: Mapped[str | None] = mapped_column(String(40))  # given once the job is over
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
 
 
 class RequestRow(Base):
@@ -161,3 +166,48 @@ class LineErrorRow(Base):
     param: Mapped[str | None] = mapped_column(String(200))
     code: Mapped[str] = mapped_column(String(64))
     message: Mapped[str] = mapped_column(Text)
+
+
+class ApiKey(Base):
+    """A bearer key of the HTTP API: only its SHA-256 is kept; the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # the key's first characters, to tell keys apart
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    revoked_at: Mapped[float | None] = mapped_column(Float)
+
+
+class FileRow(Base):
+    """A file of the HTTP API (OpenAI's File object): an upload, or a job's input, output or errors."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch (uploads, job inputs) or batch_output
+    filename: Mapped[str] = mapped_column(String(500))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[str] = mapped_column(Text)  # where the content is in the store
+    job_id: Mapped[str | None] = mapped_column(String(40))  # the job it belongs to, for a job's own files
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class IdempotencyKey(Base):
+    """A create retried with the same ``Idempotency-Key`` (same tenant and route) returns what the
+    first made. ``object_id`` is None while the first is still being made."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (Index("ix_idempotency_keys_scope", "tenant_id", "route", "key", unique=True),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    route: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(255))
+    fingerprint: Mapped[str] = mapped_column(String(64))  # SHA-256 of what was asked
+    object_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[float] = mapped_column(Float, default=now)

@@ -39,6 +39,11 @@ class JobView:
     output_key: str | None
     errors_key: str | None
     error: str | None
+    # what the HTTP API shows (None for a job submitted by the CLI, until the API first shows it)
+    endpoint: str | None = None
+    input_file_id: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -46,7 +51,7 @@ class JobView:
                    job.input_name, job.total, job.completed, job.failed, job.prompt_tokens, job.completion_tokens,
                    job.created_at, job.in_progress_at, job.finalizing_at, job.completed_at, job.failed_at,
                    job.cancelling_at, job.cancelled_at, job.expired_at, job.expires_at, job.output_key,
-                   job.errors_key, job.error)
+                   job.errors_key, job.error, job.endpoint, job.input_file_id, job.output_file_id, job.error_file_id)
 
     @property
     def done(self) -> int:

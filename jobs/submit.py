@@ -11,11 +11,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from jobs import files as keys
+from jobs.batch_format import CHAT_URL, COMPLETIONS_URL
 from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
@@ -38,16 +40,23 @@ class JobSpec:
     priority: int = 0  # 0-9, higher runs first
     completion_window: str = "24h"
     metadata: dict = field(default_factory=dict)
+    endpoint: str | None = None  # an OpenAI batch's endpoint, as shown; each line still runs at its own url
 
     def check(self) -> None:
-        if not self.tenant or len(self.tenant) > 64 or not set(self.tenant) <= _TENANT_CHARS:
-            raise ValueError(f"tenant {self.tenant!r}: use 1-64 letters, digits or _ . - @")
+        check_tenant_name(self.tenant)
+        if self.endpoint not in (None, CHAT_URL, COMPLETIONS_URL):
+            raise ValueError(f"endpoint {self.endpoint!r}: give {CHAT_URL} or {COMPLETIONS_URL}")
         if not 0 <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority {self.priority}: give an integer from 0 to {MAX_PRIORITY} (higher runs first)")
         window_seconds(self.completion_window)
         if not isinstance(self.metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                           for k, v in self.metadata.items()):
             raise ValueError("metadata must map strings to strings")
+
+
+def check_tenant_name(name: str) -> None:
+    if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= _TENANT_CHARS:
+        raise ValueError(f"tenant {name!r}: use 1-64 letters, digits or _ . - @")
 
 
 def new_job_id() -> str:
@@ -62,16 +71,24 @@ def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec
                settings: Settings | None = None) -> str:
     """Store the input and create the job in ``validating``; returns its id. ``settings`` gives the
     limits (default: from the environment)."""
-    spec.check()
     limits = settings or Settings()
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is not a file: give the path of a JSONL request file")
     check_file_size(path, limits.max_file_bytes)
+    with open(path, "rb") as src:
+        return create_job_from(db, files, src, path.name, model, spec, limits)
+
+
+def create_job_from(db: Database, files: JobFiles, src: BinaryIO, name: str, model: str, spec: JobSpec,
+                    settings: Settings | None = None, input_file_id: str | None = None) -> str:
+    """``create_job`` from an open file named ``name`` (an upload of the HTTP API, ``input_file_id``)."""
+    spec.check()
+    limits = settings or Settings()
     with db.session() as s:
         _check_in_flight(s, spec.tenant, limits.max_jobs_in_flight)  # before the copy: refuse at once
     job_id = new_job_id()
-    with files.writer(keys.input_key(job_id)) as out, open(path, "rb") as src:
+    with files.writer(keys.input_key(job_id)) as out:
         copy_checked(src, out, limits.max_file_bytes, limits.max_file_lines)
     created = now()
     with db.session() as s, s.begin():
@@ -83,10 +100,11 @@ def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec
             files.store.delete(keys.input_key(job_id))
             raise
         s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
-                  completion_window=spec.completion_window, metadata_=dict(spec.metadata), input_name=path.name[:500],
+                  completion_window=spec.completion_window, metadata_=dict(spec.metadata), input_name=name[:500],
                   input_key=keys.input_key(job_id), total=0, completed=0, failed=0, prompt_tokens=0,
                   completion_tokens=0, created_at=created,
-                  expires_at=created + window_seconds(spec.completion_window)))
+                  expires_at=created + window_seconds(spec.completion_window), endpoint=spec.endpoint,
+                  input_file_id=input_file_id))
     return job_id
 
 

@@ -1,0 +1,163 @@
+"""The objects of the HTTP API, field for field as OpenAI's (they make its OpenAPI document, and
+every answer is checked against them on the way out)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, Field, field_validator
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                      "cancelled"]
+
+
+def storable(text: str) -> bool:
+    """Text every database stores: no NUL, no lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"]
+    expires_at: Optional[int]
+    status_details: Optional[str]
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: Optional[str]
+    last_id: Optional[str]
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class BatchError(BaseModel):
+    code: Optional[str]
+    message: Optional[str]
+    param: Optional[str]
+    line: Optional[int]
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    model: Optional[str]
+    errors: Optional[BatchErrors]
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: Optional[str]
+    error_file_id: Optional[str]
+    created_at: int
+    in_progress_at: Optional[int]
+    expires_at: Optional[int]
+    finalizing_at: Optional[int]
+    completed_at: Optional[int]
+    failed_at: Optional[int]
+    expired_at: Optional[int]
+    cancelling_at: Optional[int]
+    cancelled_at: Optional[int]
+    request_counts: RequestCounts
+    metadata: Optional[dict[str, str]]
+    usage: BatchUsage
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[Batch]
+    first_id: Optional[str]
+    last_id: Optional[str]
+    has_more: bool
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class CreateBatch(BaseModel):
+    """``POST /v1/batches``. Fields OpenAI has and berth does not use (``output_expires_after``) are ignored."""
+
+    input_file_id: str = Field(max_length=64)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = Field(max_length=16, description='"24h" as OpenAI; berth also takes e.g. "90m", "7d"')
+    metadata: Optional[dict[str, str]] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs, not {len(v)}")
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"key {key[:20]!r}... is {len(key)} characters, over {MAX_METADATA_KEY}")
+            if len(value) > MAX_METADATA_VALUE:
+                raise ValueError(f"the value of {key[:20]!r} is {len(value)} characters, over {MAX_METADATA_VALUE}")
+            if not storable(key) or not storable(value):
+                raise ValueError("keys and values must be text without NUL characters or lone surrogates")
+        return v
+
