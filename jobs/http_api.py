@@ -194,13 +194,16 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
     @app.post("/v1/batches/{batch_id}/cancel", response_model=Batch)
     def cancel_batch(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)],
                      idempotency_key: IdempotencyKey = None) -> dict:
+        shown = {}
+
         def cancel() -> str:
             batches.cancel_batch(db, tenant, batch_id)
+            shown["batch"] = batch_of(tenant, batch_id)  # cancelling: the finalize may close it at once
             tasks.run(FINALIZE, batch_id)
             return batch_id
 
         idempotent(db, tenant, "batches.cancel", idempotency_key, fingerprint(batch_id), cancel)
-        return batch_of(tenant, batch_id)
+        return shown.get("batch") or batch_of(tenant, batch_id)
 
     @app.get("/v1/batches/{batch_id}/results", response_class=StreamingResponse,
              responses={200: {"content": {"application/jsonl": {}}}},
