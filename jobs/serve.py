@@ -12,6 +12,7 @@ workers and the Celery worker run elsewhere.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -46,7 +47,7 @@ class Server:
         self._engine = engine
         self._stop = threading.Event()
         self._worker_thread: threading.Thread | None = None
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level,
+        self._server = _Uvicorn(uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level,
                                                      lifespan="off"))
 
     @property
@@ -55,12 +56,20 @@ class Server:
         return f"http://{host}:{self.port}"
 
     def serve_forever(self) -> None:
-        """Serve until SIGINT or SIGTERM (uvicorn's handlers), then stop the worker."""
+        """Serve until SIGINT or SIGTERM, then stop the worker (a second signal: at once) and return."""
+        def stop(*_) -> None:
+            if self._server.should_exit:
+                self._server.force_exit = True
+            self._server.should_exit = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         self._start_worker()
         try:
             self._server.run()
         finally:
             self._stop_worker()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     @contextmanager
     def running(self) -> Iterator[Server]:
@@ -103,6 +112,16 @@ class Server:
         if self._worker_thread is not None:
             self._worker_thread.join(timeout=self.settings.drain_timeout + 30)
         self.tasks.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: it re-raises the signal once it has shut down, which
+    would end the process before the engine worker hands its requests back. ``serve_forever``
+    handles the signals instead."""
+
+    @contextmanager
+    def capture_signals(self):
+        yield
 
 
 def _free_port(host: str) -> int:
