@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from jobs.api_files import FileNotFound
-from jobs.idempotency import IdempotencyInProgress, IdempotencyMismatch
+from jobs.idempotency import IdempotencyInProgress, IdempotencyKeyInvalid, IdempotencyMismatch
 from jobs.lifecycle import JobNotFound, JobStateError
 from jobs.submit import JobRefused
 from jobs.validate import InputError
@@ -53,6 +53,8 @@ def _api_error(exc: Exception) -> ApiError:
         return ApiError(409, str(exc))
     if isinstance(exc, IdempotencyInProgress):
         return ApiError(409, str(exc), "Idempotency-Key", "idempotency_key_in_use")
+    if isinstance(exc, IdempotencyKeyInvalid):
+        return ApiError(400, str(exc), "Idempotency-Key", "invalid_idempotency_key")
     if isinstance(exc, IdempotencyMismatch):
         return ApiError(400, str(exc), "Idempotency-Key", "idempotency_key_reused")
     if isinstance(exc, JobRefused):
@@ -83,7 +85,7 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     for kind in (ApiError, FileNotFound, JobNotFound, JobStateError, IdempotencyInProgress, IdempotencyMismatch,
-                 JobRefused, InputError):
+                 IdempotencyKeyInvalid, JobRefused, InputError):
         @app.exception_handler(kind)
         async def known(_: Request, exc: Exception):
             e = _api_error(exc)

@@ -34,6 +34,10 @@ class IdempotencyMismatch(ValueError):
     pass
 
 
+class IdempotencyKeyInvalid(ValueError):
+    pass
+
+
 def fingerprint(*parts: bytes | str) -> str:
     h = hashlib.sha256()
     for part in parts:
@@ -44,7 +48,7 @@ def fingerprint(*parts: bytes | str) -> str:
 
 def check_key(key: str) -> str:
     if not _KEY.fullmatch(key):
-        raise ValueError("the Idempotency-Key header must be 1-255 printable ASCII characters without spaces "
+        raise IdempotencyKeyInvalid("the Idempotency-Key header must be 1-255 printable ASCII characters without spaces "
                          "(a UUID, say)")
     return key
 
