@@ -26,7 +26,7 @@ N = 200
 
 
 def _jsonl(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def test_a_200_line_batch_equals_berth_generate(tmp_path, tiny_llama_dir, tiny_engine):
@@ -151,3 +151,24 @@ def test_berth_serve_open_runs_a_worker_and_stops_on_sigterm(tmp_path, tiny_llam
         kill_if_running(proc)
     text = log.read_text()
     assert "WARNING: --open" in text and "tenant 'default'" in text and "with an engine worker" in text
+
+
+def test_the_readme_quick_start_talks_to_berth_serve(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    """The Quick start's Python, as written, against a server of the tiny model under the default name."""
+    from pathlib import Path
+
+    from worker.config import DEFAULT_MODEL_NAME, Settings
+
+    root = Path(__file__).resolve().parent.parent
+    section = root.joinpath("README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    snippet = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    settings = Settings(model=str(tiny_llama_dir), model_name=DEFAULT_MODEL_NAME, kv_memory="64MiB", threads=1,
+                        database_url=f"sqlite:///{tmp_path / 'berth.db'}", storage_url=f"file://{tmp_path / 's'}")
+    key = key_for(settings, "me")
+    monkeypatch.chdir(root)
+    with serving(settings) as server:
+        exec(snippet.replace("http://127.0.0.1:8000", server.url).replace("berth-...", key), {})
+    lines = _jsonl(capsys.readouterr().out)
+    expected = [json.loads(line)["custom_id"] for line in (root / "examples" / "requests.jsonl").read_text().splitlines()
+                if line.strip()]
+    assert [line["custom_id"] for line in lines] == expected
