@@ -16,7 +16,6 @@ import json
 import logging
 import re
 from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Iterator
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
@@ -47,9 +46,9 @@ from jobs.lifecycle import JobNotFound
 from jobs.models import now
 from jobs.pagination import list_object
 from jobs.retry import retry_job
-from jobs.tasks import FINALIZE, INGEST, make_app
+from jobs.http_tasks import Tasks
+from jobs.tasks import FINALIZE, INGEST
 from worker.config import Settings
-from worker.queues import is_embedded
 
 log = logging.getLogger("berth.http")
 
@@ -59,33 +58,6 @@ _UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-da
     "type": "object", "required": ["file", "purpose"],
     "properties": {"file": {"type": "string", "format": "binary"},
                    "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
-
-
-class Tasks:
-    """The ingest and finalize of the batches this server makes: Celery tasks with a broker; on the
-    embedded queue, on a thread of this process, so a request never waits for an ingest."""
-
-    def __init__(self, settings: Settings):
-        self.app = make_app(settings)
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="berth-task") if is_embedded(settings) else None
-
-    def run(self, name: str, job_id: str) -> None:
-        task = self.app.tasks[name]
-        if self.pool is None:
-            task.delay(job_id)
-        else:
-            self.pool.submit(self._logged, task, job_id)
-
-    @staticmethod
-    def _logged(task, job_id: str) -> None:
-        try:
-            task.delay(job_id)
-        except Exception:  # noqa: BLE001 (the reconciler runs it again)
-            log.exception("%s of %s failed; the reconciler runs it again", task.name, job_id)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
 
 
 def create_app(settings: Settings | None = None, open_access: bool = False, tasks: Tasks | None = None) -> FastAPI:

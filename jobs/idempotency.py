@@ -48,8 +48,8 @@ def fingerprint(*parts: bytes | str) -> str:
 
 def check_key(key: str) -> str:
     if not _KEY.fullmatch(key):
-        raise IdempotencyKeyInvalid("the Idempotency-Key header must be 1-255 printable ASCII characters without spaces "
-                         "(a UUID, say)")
+        raise IdempotencyKeyInvalid("the Idempotency-Key header must be 1-255 printable ASCII characters without "
+                                    "spaces (a UUID, say)")
     return key
 
 

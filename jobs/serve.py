@@ -21,7 +21,8 @@ from typing import Iterator
 
 import uvicorn
 
-from jobs.http_api import Tasks, create_app
+from jobs.http_api import create_app
+from jobs.http_tasks import Tasks
 from worker.config import Settings
 from worker.queues import is_embedded
 

@@ -12,7 +12,9 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from jobs.api_keys import revoke_key
 from jobs.cli import main
+from jobs.db import open_database
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import write_requests
 
@@ -68,6 +70,11 @@ def test_a_request_without_a_valid_key_is_401_in_openais_body(served):
         client(server, "berth-not-a-key").batches.list()
     status, _ = _raw(server, "GET", "/v1/files", {"Authorization": "Basic YWxpY2U6c2VjcmV0"})
     assert status == 401
+    revoked = key_for(server.settings, "zed")
+    assert client(server, revoked).batches.list().data == []
+    revoke_key(open_database(server.settings.database_url), revoked)
+    with pytest.raises(openai.AuthenticationError):
+        client(server, revoked).batches.list()
 
 
 def test_a_tenant_sees_only_its_own_files_and_batches(served, alice, bob):

@@ -169,6 +169,6 @@ def test_the_readme_quick_start_talks_to_berth_serve(tmp_path, tiny_llama_dir, c
     with serving(settings) as server:
         exec(snippet.replace("http://127.0.0.1:8000", server.url).replace("berth-...", key), {})
     lines = _jsonl(capsys.readouterr().out)
-    expected = [json.loads(line)["custom_id"] for line in (root / "examples" / "requests.jsonl").read_text().splitlines()
-                if line.strip()]
+    example = (root / "examples" / "requests.jsonl").read_text()
+    expected = [json.loads(line)["custom_id"] for line in example.splitlines() if line.strip()]
     assert [line["custom_id"] for line in lines] == expected
