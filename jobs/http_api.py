@@ -25,6 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from jobs import api_files, batches
 from jobs.api_keys import tenant_of_key
+from jobs.dashboard import dashboard_router
 from jobs.db import Database, open_database
 from jobs.files import JobFiles
 from jobs.finalize import finished_lines
@@ -82,6 +83,7 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
                        "--tenant NAME`", None, "invalid_api_key")
 
     TenantName = Annotated[str, Depends(tenant)]
+    app.include_router(dashboard_router(db, files, lambda key: tenant_of_key(db, key), open_access))
     IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
 
     def batch_of(tenant_name: str, batch_id: str) -> dict:

@@ -23,9 +23,10 @@ from jobs.lifecycle import LIVE
 from jobs.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.results import ResultRecord, record_outcomes
 from jobs.tasks import finalize_later, make_app
+from jobs import workers
 from jobs.tenants import live_tenants
 from worker.config import Settings
-from worker.ledger import Claim, LedgerDown, Outcome
+from worker.ledger import Claim, Heartbeat, LedgerDown, Outcome
 from worker.request import SamplingParams
 
 log = logging.getLogger("berth.worker")
@@ -137,6 +138,10 @@ class JobsLedger:
     @_translated
     def live_tenants(self, model: str) -> dict[str, float]:
         return live_tenants(self.db, model)
+
+    @_translated
+    def heartbeat(self, beat: Heartbeat) -> None:
+        workers.beat(self.db, beat)
 
 
 def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool) -> Claim:

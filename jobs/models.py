@@ -211,3 +211,36 @@ class IdempotencyKey(Base):
     fingerprint: Mapped[str] = mapped_column(String(64))  # SHA-256 of what was asked
     object_id: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class WorkerRow(Base):
+    """An engine worker's last heartbeat; one not seen for ``jobs.workers.GONE_AFTER`` seconds is gone."""
+
+    __tablename__ = "workers"
+    __table_args__ = (Index("ix_workers_seen_at", "seen_at"),)
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # "host:pid", as requests.holder
+    host: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    device: Mapped[str] = mapped_column(String(32))
+    running: Mapped[int] = mapped_column(Integer)
+    waiting: Mapped[int] = mapped_column(Integer)
+    kv_blocks_used: Mapped[int] = mapped_column(Integer)
+    kv_blocks_free: Mapped[int] = mapped_column(Integer)
+    output_tokens_per_second: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float] = mapped_column(Float)
+    seen_at: Mapped[float] = mapped_column(Float)
+
+
+class WorkerSample(Base):
+    """One heartbeat's figures, kept for an hour: the dashboard's charts."""
+
+    __tablename__ = "worker_samples"
+    __table_args__ = (Index("ix_worker_samples_worker_at", "worker_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    worker_id: Mapped[str] = mapped_column(String(200))
+    at: Mapped[float] = mapped_column(Float)
+    output_tokens_per_second: Mapped[float] = mapped_column(Float)
+    kv_blocks_used: Mapped[int] = mapped_column(Integer)
+    kv_blocks_free: Mapped[int] = mapped_column(Integer)

@@ -20,7 +20,7 @@ from jobs.status import JobView
 WATCH_INTERVAL = 1.0
 
 
-def _duration(seconds: float | None) -> str:
+def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     seconds = int(seconds)
@@ -34,7 +34,7 @@ def describe(view: JobView) -> str:
              f"requests  {view.done}/{view.total} done: {view.completed} completed, {view.failed} failed",
              f"tokens    {view.prompt_tokens} prompt, {view.completion_tokens} output; "
              f"{view.output_tokens_per_second:.1f} output tok/s, {view.requests_per_second:.2f} req/s",
-             f"time      running {_duration(view.seconds_running)}, ETA {_duration(view.eta_seconds)}, "
+             f"time      running {duration(view.seconds_running)}, ETA {duration(view.eta_seconds)}, "
              f"window {view.completion_window}"]
     if view.error:
         lines.append(f"error     {view.error}")
@@ -90,7 +90,7 @@ class JobProgress:
 
     def update(self, view: JobView) -> None:
         fields = {"description": view.status.value, "completed": view.done, "total": view.total or None,
-                  "rates": f"{view.output_tokens_per_second:.1f} tok/s", "eta": _duration(view.eta_seconds)}
+                  "rates": f"{view.output_tokens_per_second:.1f} tok/s", "eta": duration(view.eta_seconds)}
         if self.task is None:
             self.task = self.progress.add_task(**fields)
         else:

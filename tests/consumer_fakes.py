@@ -36,6 +36,7 @@ class FakeLedger:
         self.rows: dict[int, Row] = {}
         self.down = False
         self.events: list[tuple] = []  # ("record", ids) ... in call order, shared with the broker's acks
+        self.beats: list = []
 
     def _check(self):
         if self.down:
@@ -93,6 +94,10 @@ class FakeLedger:
     def live_tenants(self, model):
         self._check()
         return {r.tenant: 1.0 for r in self.rows.values() if r.job_live and r.model == model}
+
+    def heartbeat(self, beat):
+        self._check()
+        self.beats.append(beat)
 
     def crash(self, request_id: int, worker: str = "dead-host:1") -> None:
         """As a worker that died while an engine step ran the request leaves its row."""

@@ -232,3 +232,15 @@ def test_a_message_that_cannot_be_dead_lettered_stays_queued(ledger, broker):
     worker = make_worker(ledger, broker)
     run_until_done(worker, ledger, [1])
     assert b"garbage" not in broker.acked and ledger.rows[1].outcome.completed
+
+
+def test_a_worker_says_it_is_alive_and_what_it_runs(ledger, broker):
+    for i in (1, 2):
+        ledger.rows[i] = Row("batch_a", params=SamplingParams(max_tokens=40, temperature=0))
+        broker.publish_request(i, "batch_a")
+    worker = make_worker(ledger, broker)
+    run_until_done(worker, ledger, [1, 2])
+    assert ledger.beats, "no heartbeat"
+    beat = ledger.beats[0]
+    assert beat.worker == worker.name and beat.model == "m" and beat.device == "cpu"
+    assert beat.kv_blocks_free == 100 and beat.started_at <= beat.at

@@ -74,7 +74,7 @@ from worker.config import Settings
 from worker.database_health import DOWN, DatabaseHealth
 from worker.engine import Engine, RequestRejected
 from worker.housekeeper import Chore, Housekeeper
-from worker.ledger import Claim, Ledger, Outcome
+from worker.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.metrics import WorkerMetrics
 from worker.outcomes import OutcomeBook, Pending
 from worker.queues import BadMessage, RequestRef, parse_request_body
@@ -88,6 +88,7 @@ RESTORE_WAIT = 0.02  # ... when it has nothing to do but requests are being rest
 CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoints to be written
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
+HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
 
 
 def worker_name() -> str:
@@ -131,6 +132,8 @@ class EngineWorker:
         self.broker.window = settings.prefetch or admission.prefetch_window(
             self.engine.settings.max_num_seqs, self.kv_capacity, None)
         self.stop_requested = 0  # signals received
+        self.started_at = time.time()
+        self._next_beat = 0.0
         engine.on_start = self._on_start
 
     @property
@@ -367,10 +370,20 @@ class EngineWorker:
             self._follow_tenants()
         self._resize_window()
         self.metrics.observe_kv(self.engine)
+        if time.monotonic() >= self._next_beat and self.database.ready():
+            self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+            self._ledger(self.ledger.heartbeat, self._heartbeat())
         if measure_queue:
             depth = self.broker.depth()
             if depth is not None:
                 self.metrics.queue_depth.set(depth)
+
+    def _heartbeat(self) -> Heartbeat:
+        kv = self.engine.kv_usage()
+        return Heartbeat(self.name, socket.gethostname(), self.engine.model_name,
+                         self.engine.settings.resolved_device(), self.engine.num_running, self.engine.num_waiting,
+                         kv["blocks_used"], kv["blocks_free"], round(self.metrics.recent_output_rate(), 2),
+                         self.started_at, time.time())
 
     def _drop_closed_jobs(self) -> None:
         """Abort the requests of jobs cancelled, expired or otherwise closed; ack their messages."""

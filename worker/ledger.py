@@ -67,6 +67,23 @@ class Outcome:
         return self.output is not None
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a worker says of itself every few seconds (the dashboard's workers and charts)."""
+
+    worker: str  # "host:pid", as it holds requests
+    host: str
+    model: str
+    device: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    output_tokens_per_second: float
+    started_at: float  # unix time
+    at: float
+
+
 class Ledger(Protocol):
     def claim(self, request_ids: list[int], worker: str) -> dict[int, Claim]:
         """Count a delivery of each request, held by ``worker`` from now on; what each row says.
@@ -93,3 +110,6 @@ class Ledger(Protocol):
 
     def live_tenants(self, model: str) -> dict[str, float]:
         """Tenant -> weight, for the tenants with live jobs of ``model``."""
+
+    def heartbeat(self, beat: Heartbeat) -> None:
+        """The worker is alive and this is what it runs."""

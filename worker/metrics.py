@@ -97,6 +97,15 @@ class WorkerMetrics:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
 
+    def recent_output_rate(self) -> float:
+        """Output tokens/s over the last ``RATE_WINDOW`` seconds, as of now (0 when the engine is idle)."""
+        t = time.monotonic()
+        recent = [(at, out) for at, out, _ in self._window if t - at <= RATE_WINDOW]
+        if len(recent) < 2:
+            return 0.0
+        (t0, out0), (t1, out1) = recent[0], recent[-1]
+        return (out1 - out0) / max(t - t0, t1 - t0, 1e-9)
+
     def observe_kv(self, engine) -> None:
         """Every second or so: ``kv_usage`` walks the block tables, too slow for every step."""
         kv = engine.kv_usage()

@@ -1,0 +1,127 @@
+"""The dashboard at ``/``: jobs with live progress, each job's page with its errors, and the engine
+workers with an hour of output tokens/s and KV use as charts.
+
+Server-rendered HTML (``jobs/templates``) and a little JavaScript that polls ``/dashboard/data.json``
+every two seconds to move the bars and redraw the charts (inline SVG): no front-end build step.
+A tenant sees its own jobs: the browser signs in once with an API key (``/dashboard/login``, kept
+in an HTTP-only cookie); an open server (``berth serve --open``, this machine only) shows every
+tenant's.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+from pathlib import Path
+from typing import Annotated, Callable
+
+from fastapi import APIRouter, Form, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from jobs import workers
+from jobs.db import Database
+from jobs.files import JobFiles
+from jobs.lifecycle import JobNotFound
+from jobs.models import now
+from jobs.progress import duration
+from jobs.status import JobView, get_job, list_jobs
+
+COOKIE = "berth_key"
+JOBS_SHOWN = 50
+ERRORS_SHOWN = 200
+_templates = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"),
+                         autoescape=select_autoescape(["html"]))
+
+
+def job_summary(v: JobView) -> dict:
+    return {"id": v.id, "status": v.status.value, "tenant": v.tenant, "model": v.model, "total": v.total,
+            "done": v.done, "completed": v.completed, "failed": v.failed, "prompt_tokens": v.prompt_tokens,
+            "completion_tokens": v.completion_tokens, "tokens_per_second": round(v.output_tokens_per_second, 1),
+            "eta": duration(v.eta_seconds), "created_at": int(v.created_at), "error": v.error}
+
+
+def dashboard_data(db: Database, tenant: str | None) -> dict:
+    t = now()
+    return {"now": t, "jobs": [job_summary(v) for v in list_jobs(db, tenant, None, JOBS_SHOWN)],
+            "workers": [w.to_dict() for w in workers.list_workers(db)],
+            "series": {wid: [[round(at - t, 1), tps, round(kv, 4)] for at, tps, kv in points]
+                       for wid, points in workers.samples(db, t - workers.HISTORY).items()}}
+
+
+def job_errors(files: JobFiles, view: JobView, limit: int = ERRORS_SHOWN) -> list[dict]:
+    """The first error lines of a finished job (its errors file), for its page."""
+    if view.errors_key is None:
+        return []
+    with files.open(view.errors_key) as f:
+        return [json.loads(line) for line in islice(f, limit)]
+
+
+class SignIn(Exception):
+    """The dashboard needs a key: the browser is sent to the sign-in page."""
+
+
+def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str], str | None],
+                     open_access: bool) -> APIRouter:
+    """``tenant_of_key(key)``: the tenant of an API key (None: no such key)."""
+    router = APIRouter(include_in_schema=False)
+
+    def viewer(request: Request) -> str | None:
+        """Whose jobs this browser sees: its key's tenant, or everyone's on an open server."""
+        header = request.headers.get("authorization", "")
+        for key in (header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else "",
+                    request.cookies.get(COOKIE, "")):
+            if key and (tenant := tenant_of_key(key)) is not None:
+                return tenant
+        if open_access:
+            return None
+        raise SignIn()
+
+    def page(render: Callable[[str | None], str], request: Request) -> HTMLResponse | RedirectResponse:
+        try:
+            return HTMLResponse(render(viewer(request)))
+        except SignIn:
+            return RedirectResponse("/dashboard/login", status_code=303)
+
+    @router.get("/", response_class=HTMLResponse)
+    def index(request: Request):
+        def render(tenant):
+            data = dashboard_data(db, tenant)
+            return _templates.get_template("dashboard.html").render(data=data, initial=json.dumps(data))
+        return page(render, request)
+
+    @router.get("/dashboard/data.json")
+    def data(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(dashboard_data(db, viewer(request)))
+        except SignIn:
+            return JSONResponse({"error": {"message": "sign in with an API key at /dashboard/login",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "invalid_api_key"}}, status_code=401)
+
+    @router.get("/dashboard/jobs/{job_id}", response_class=HTMLResponse)
+    def job_page(job_id: str, request: Request):
+        def render(tenant):
+            try:
+                view = get_job(db, job_id)
+            except JobNotFound:
+                raise HTTPException(404, f"no job {job_id}") from None
+            if tenant is not None and view.tenant != tenant:
+                raise HTTPException(404, f"no job {job_id}")
+            return _templates.get_template("job.html").render(job=job_summary(view), view=view.to_dict(),
+                                                              errors=job_errors(files, view))
+        return page(render, request)
+
+    @router.get("/dashboard/login", response_class=HTMLResponse)
+    def login_form(error: str = "") -> HTMLResponse:
+        return HTMLResponse(_templates.get_template("login.html").render(error=error))
+
+    @router.post("/dashboard/login")
+    def login(key: Annotated[str, Form(max_length=200)]) -> RedirectResponse:
+        if tenant_of_key(key) is None:
+            return RedirectResponse("/dashboard/login?error=that+key+is+unknown+or+revoked", status_code=303)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(COOKIE, key, httponly=True, samesite="strict", max_age=30 * 86400)
+        return response
+
+    return router

@@ -1,0 +1,77 @@
+"""Engine workers as the jobs database knows them: each one's last heartbeat, and an hour of them.
+
+A worker writes a heartbeat every ``worker.consumer.HEARTBEAT_INTERVAL`` seconds (through its
+ledger); one not seen for ``GONE_AFTER`` seconds is shown as gone. Samples older than ``HISTORY``
+are deleted by the worker that wrote them, with its next heartbeat, so the table stays small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import delete, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from jobs.db import Database
+from jobs.models import WorkerRow, WorkerSample, now
+from worker.ledger import Heartbeat
+
+GONE_AFTER = 30.0  # seconds without a heartbeat
+HISTORY = 3600.0  # seconds of samples kept
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    id: str
+    host: str
+    model: str
+    device: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    output_tokens_per_second: float
+    started_at: float
+    seen_at: float
+    gone: bool
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "kv_share": self.kv_blocks_used / max(1, self.kv_blocks_used + self.kv_blocks_free)}
+
+
+def beat(db: Database, hb: Heartbeat) -> None:
+    values = {"id": hb.worker, "host": hb.host, "model": hb.model, "device": hb.device, "running": hb.running,
+              "waiting": hb.waiting, "kv_blocks_used": hb.kv_blocks_used, "kv_blocks_free": hb.kv_blocks_free,
+              "output_tokens_per_second": hb.output_tokens_per_second, "started_at": hb.started_at,
+              "seen_at": hb.at}
+    with db.session() as s, s.begin():
+        dialect = postgresql if s.get_bind().dialect.name == "postgresql" else sqlite
+        upsert = dialect.insert(WorkerRow).values(values)
+        s.execute(upsert.on_conflict_do_update(index_elements=["id"],
+                                               set_={k: v for k, v in values.items() if k != "id"}))
+        s.execute(insert(WorkerSample).values(worker_id=hb.worker, at=hb.at,
+                                              output_tokens_per_second=hb.output_tokens_per_second,
+                                              kv_blocks_used=hb.kv_blocks_used, kv_blocks_free=hb.kv_blocks_free))
+        s.execute(delete(WorkerSample).where(WorkerSample.worker_id == hb.worker, WorkerSample.at < hb.at - HISTORY))
+
+
+def list_workers(db: Database, include_gone_for: float = HISTORY) -> list[WorkerView]:
+    """Workers seen within ``include_gone_for`` seconds, the newest first."""
+    t = now()
+    with db.session() as s:
+        rows = s.scalars(select(WorkerRow).where(WorkerRow.seen_at >= t - include_gone_for)
+                         .order_by(WorkerRow.seen_at.desc())).all()
+    return [WorkerView(r.id, r.host, r.model, r.device, r.running, r.waiting, r.kv_blocks_used, r.kv_blocks_free,
+                       r.output_tokens_per_second, r.started_at, r.seen_at, t - r.seen_at > GONE_AFTER) for r in rows]
+
+
+def samples(db: Database, since: float) -> dict[str, list[tuple[float, float, float]]]:
+    """Worker id -> [(at, output tokens/s, KV share used)] since ``since``, oldest first."""
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    with db.session() as s:
+        for wid, at, tps, used, free in s.execute(
+                select(WorkerSample.worker_id, WorkerSample.at, WorkerSample.output_tokens_per_second,
+                       WorkerSample.kv_blocks_used, WorkerSample.kv_blocks_free)
+                .where(WorkerSample.at >= since).order_by(WorkerSample.at)):
+            out.setdefault(wid, []).append((at, tps, used / max(1, used + free)))
+    return out
