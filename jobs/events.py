@@ -92,7 +92,7 @@ def outgoing(topology: Topology, body: dict, tenant: str | None) -> Outgoing:
 def pending_events(session, limit: int, where) -> list[tuple[JobEvent, Job, Tenant]]:
     return list(session.execute(
         select(JobEvent, Job, Tenant).join(Job, Job.id == JobEvent.job_id).join(Tenant, Tenant.id == Job.tenant_id)
-        .where(where).order_by(JobEvent.id).limit(limit)).tuples())
+        .where(where).order_by(JobEvent.id).limit(limit)).all())
 
 
 @contextmanager
