@@ -18,9 +18,9 @@ def door_settings(tmp_path, model_dir, pg_url, prefix, **overrides):
     from tests.jobs_support import AMQP_URL
 
     (tmp_path / "inbox").mkdir(exist_ok=True)
+    overrides.setdefault("submit_input_stores", f"file://{tmp_path / 'inbox'}")
     return tiny_settings(model_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=prefix,
-                         storage_url=f"file://{tmp_path / 'store'}", submit_input_stores=f"file://{tmp_path / 'inbox'}",
-                         max_num_seqs=16, **overrides)
+                         storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=16, **overrides)
 
 
 def start_door(settings) -> QueueDoor:

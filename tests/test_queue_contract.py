@@ -149,3 +149,17 @@ def test_every_change_of_status_on_every_path_writes_one_event(tmp_path, tiny_ll
     assert (last.total, last.completed, last.failed, last.prompt_tokens, last.completion_tokens) == (2, 2, 0, 10, 8)
     assert (last.output_key, last.errors_key) == (job.output_key, None) and tenant == "alice"
     assert last.published_at is None and last.webhook_due_at is None  # no relay ran; no webhook asked for
+
+
+def test_events_are_deleted_once_older_than_the_keep_time(tmp_path, tiny_llama_dir):
+    from jobs.events import prune_events
+
+    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
+                             storage_url=f"file://{tmp_path / 'store'}")
+    db, files = open_database(settings.database_url), JobFiles(settings.storage_url)
+    old = create_job(db, files, write_requests(tmp_path / "a.jsonl", 1), TINY_NAME, JobSpec(), settings)
+    new = create_job(db, files, write_requests(tmp_path / "b.jsonl", 1), TINY_NAME, JobSpec(), settings)
+    with db.session() as s, s.begin():
+        s.execute(update(JobEvent).where(JobEvent.job_id == old).values(created_at=JobEvent.created_at - 3600))
+    assert prune_events(db, keep_seconds=600) == 1
+    assert _statuses(db, old) == [] and _statuses(db, new) == ["validating"]

@@ -214,3 +214,26 @@ def test_a_webhook_waits_for_its_receiver_without_holding_the_job_up(
         assert all(e.webhook_sent_at is not None and e.webhook_due_at is None
                    for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)))
     assert attempts[JobStatus.VALIDATING] > 1  # it was tried while the receiver was down
+
+
+def test_an_input_named_by_an_s3_url_is_read_only_from_an_allowed_prefix(
+        tmp_path, tiny_llama_dir, pg_url, queue_prefix, s3_url):
+    from storage import open_store
+
+    inbox = f"{s3_url}/inbox"
+    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix, submit_input_stores=inbox)
+    api.allow_broker_user("guest", "alice", settings)
+    lines = write_requests(tmp_path / "batch.jsonl", 5).read_bytes()
+    open_store(inbox).put("team-a/batch.jsonl", lines)
+    open_store(s3_url).put("elsewhere/batch.jsonl", lines)  # the same bucket, outside the allowed prefix
+    door = start_door(settings)
+    try:  # ingested by the consumer before it takes the next message: in progress once the second is handled
+        publish(queue_prefix, submit_body(input_url=f"{inbox}/team-a/batch.jsonl"), "m-s3")
+        publish(queue_prefix, submit_body(input_url=f"{s3_url}/elsewhere/batch.jsonl"), "m-s3-outside")
+        outside = _job_of(settings, "m-s3-outside")
+        job = api.status(_job_of(settings, "m-s3"), settings)
+    finally:
+        door.stop()
+    assert job.status is JobStatus.IN_PROGRESS and job.total == 5 and job.input_name == f"{inbox}/team-a/batch.jsonl"
+    refused = api.status(outside, settings)
+    assert refused.status is JobStatus.FAILED and "not in a store berth reads" in refused.error
