@@ -25,7 +25,10 @@ from jobs.status import JobView, get_job
 from jobs.status import list_jobs as query_jobs
 from jobs.submit import JobSpec, create_job
 from jobs.tasks import INGEST, finalize_later, make_app
+from jobs.tenants import allow_broker_user as allow_user
+from jobs.tenants import remove_broker_user as remove_user
 from jobs.tenants import set_weight
+from jobs.tenants import webhook_secret as tenant_secret
 from worker.config import Settings
 
 
@@ -124,6 +127,21 @@ def retry(job_id: str, settings: Settings | None = None, eager: bool | None = No
 def set_tenant_weight(name: str, weight: float, settings: Settings | None = None) -> None:
     """A tenant's share of the engines (1 by default): with weights 2 and 1, twice the seats."""
     set_weight(open_database((settings or Settings()).database_url), name, weight)
+
+
+def allow_broker_user(user: str, tenant: str, settings: Settings | None = None) -> None:
+    """Let broker (RabbitMQ) user ``user`` submit jobs through the queue; they are ``tenant``'s."""
+    allow_user(open_database((settings or Settings()).database_url), user, tenant)
+
+
+def remove_broker_user(user: str, settings: Settings | None = None) -> bool:
+    """The broker user may no longer submit jobs; whether it could."""
+    return remove_user(open_database((settings or Settings()).database_url), user)
+
+
+def webhook_secret(tenant: str, settings: Settings | None = None, rotate: bool = False) -> str:
+    """The secret that signs the tenant's webhooks (made on first use; ``rotate``: a new one)."""
+    return tenant_secret(open_database((settings or Settings()).database_url), tenant, rotate)
 
 
 def upgrade_database(settings: Settings | None = None) -> str:

@@ -263,6 +263,65 @@ def worker(**flags):
         engine_worker(settings).run()
 
 
+@main.command(name="broker-user")
+@click.argument("user")
+@click.option("--tenant", help="the tenant its jobs are for")
+@click.option("--remove", is_flag=True, help="it may no longer submit")
+@service_options
+def broker_user(user, tenant, remove, **flags):
+    """Let a RabbitMQ user submit jobs through the queue (<prefix>.jobs), for a tenant."""
+    from jobs import api
+
+    if remove == bool(tenant):
+        raise click.UsageError("give --tenant TENANT, or --remove")
+    with user_errors():
+        if remove:
+            known = api.remove_broker_user(user, settings_from(flags))
+            click.echo(f"broker user {user}: may not submit" + ("" if known else " (it could not before either)"))
+            return
+        api.allow_broker_user(user, tenant, settings_from(flags))
+    click.echo(f"broker user {user}: submits jobs for tenant {tenant}")
+
+
+@main.command(name="webhook-secret")
+@click.argument("tenant")
+@click.option("--rotate", is_flag=True, help="make a new secret (the old one stops signing at once)")
+@service_options
+def webhook_secret_command(tenant, rotate, **flags):
+    """Print the secret that signs a tenant's webhooks (X-Berth-Signature), made on first use."""
+    from jobs import api
+
+    with user_errors():
+        click.echo(api.webhook_secret(tenant, settings_from(flags), rotate))
+
+
+def _queue_door(flags: dict, submit: bool, events: bool, eager_ingest: bool = False) -> None:
+    from jobs.submit_consumer import QueueDoor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from(flags)
+    with user_errors():
+        QueueDoor(settings, submit=submit, events=events, eager_ingest=eager_ingest or None).serve()
+
+
+@main.command(name="submit-consumer")
+@click.option("--no-events", is_flag=True, help="do not publish job events or send webhooks (run `berth events`)")
+@click.option("--eager-ingest", is_flag=True,
+              help="ingest each job in this process before acking its message (default: on the Celery workers)")
+@service_options
+@engine_options
+def submit_consumer(no_events, eager_ingest, **flags):
+    """Make jobs of the job-submit messages on <prefix>.jobs; publish job events (docs/queue.md)."""
+    _queue_door(flags, submit=True, events=not no_events, eager_ingest=eager_ingest)
+
+
+@main.command()
+@service_options
+def events(**flags):
+    """Publish job events on <prefix>.events and send their webhooks, until SIGTERM."""
+    _queue_door(flags, submit=False, events=True)
+
+
 @main.command()
 @click.argument("input_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="output JSONL file")

@@ -130,8 +130,25 @@ def upgrade(target: str | Engine, revision: str = "head") -> str:
     from alembic import command
 
     engine = make_engine(target) if isinstance(target, str) else target
-    with engine.begin() as conn:
-        command.upgrade(alembic_config(conn), revision)
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            # A batch migration on SQLite recreates a table (copy, drop the old, rename): with foreign keys
+            # enforced, dropping the old table cascades to every row referencing it (0002 recreating
+            # ``requests`` deleted every result). Off for the migration (only possible outside a
+            # transaction), and every reference checked before it commits.
+            conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            conn.commit()
+        try:
+            with conn.begin():
+                command.upgrade(alembic_config(conn), revision)
+                if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all()):
+                    raise SchemaError(f"the migration to {revision} would leave rows referencing nothing "
+                                      f"({broken[:5]}); nothing was changed")
+        finally:
+            if sqlite:
+                conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                conn.commit()
     current = schema_revision(engine)
     if isinstance(target, str):
         engine.dispose()

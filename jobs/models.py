@@ -1,4 +1,5 @@
-"""The jobs database: tenants, jobs, their requests, results and the lines that failed validation.
+"""The jobs database: tenants, jobs, their requests, results and the lines that failed validation;
+the broker users allowed to submit through the queue, and the outbox of job events.
 
 Timestamps are Unix seconds (floats), as the OpenAI Batch object reports them. The schema is made
 only by the migrations in ``migrations/``; these classes are what the code reads and writes.
@@ -68,10 +69,13 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(64), unique=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share of the engines under fair share
     created_at: Mapped[float] = mapped_column(Float, default=now)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128))  # signs its webhooks; made on first use
 
 
 class Job(Base):
     __tablename__ = "jobs"
+    # a queue submit's AMQP message_id, unique per tenant: the same message twice makes one job
+    __table_args__ = (Index("ix_jobs_tenant_message_id", "tenant_id", "submit_message_id", unique=True),)
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
@@ -105,6 +109,8 @@ class Job(Base):
     input_file_id: Mapped[str | None] = mapped_column(String(40))
     output_file_id: Mapped[str | None] = mapped_column(String(40))  # given once the job is over
     error_file_id: Mapped[str | None] = mapped_column(String(40))
+    submit_message_id: Mapped[str | None] = mapped_column(String(255))  # set for jobs submitted through the queue
+    webhook_url: Mapped[str | None] = mapped_column(Text)  # where its events are POSTed, if anywhere
 
 
 class RequestRow(Base):
@@ -244,3 +250,44 @@ class WorkerSample(Base):
     output_tokens_per_second: Mapped[float] = mapped_column(Float)
     kv_blocks_used: Mapped[int] = mapped_column(Integer)
     kv_blocks_free: Mapped[int] = mapped_column(Integer)
+
+
+class BrokerUser(Base):
+    """A broker (RabbitMQ) user allowed to submit jobs through the queue, and the tenant its jobs are
+    for. The tenant of a submit message is its AMQP ``user_id``, which RabbitMQ checks against the
+    connection's user, mapped here; a user not here may not submit."""
+
+    __tablename__ = "broker_users"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class JobEvent(Base):
+    """The outbox: one row per change of a job's status, written by database triggers on ``jobs`` in
+    the transaction that changes it (see ``jobs.events``), with the job's counts and files as they
+    were then. The relay publishes it (``published_at``) and POSTs it to the job's webhook
+    (``webhook_due_at`` is when the next try is due, None when there is none to make)."""
+
+    __tablename__ = "job_events"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids never reused: they are the events' ids
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    status: Mapped[JobStatus] = mapped_column(_enum(JobStatus))
+    total: Mapped[int] = mapped_column(Integer)
+    completed: Mapped[int] = mapped_column(Integer)
+    failed: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_key: Mapped[str | None] = mapped_column(Text)
+    errors_key: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    published_at: Mapped[float | None] = mapped_column(Float, index=True)
+    webhook_due_at: Mapped[float | None] = mapped_column(Float, index=True)
+    webhook_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    webhook_sent_at: Mapped[float | None] = mapped_column(Float)
+    webhook_error: Mapped[str | None] = mapped_column(Text)

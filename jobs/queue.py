@@ -1,13 +1,15 @@
-"""Publishing request messages with confirms (the topology, the connection and the message
-contract are ``worker.queues``, shared with the engine workers that consume them)."""
+"""Publishing with confirms: request messages (the topology, the connection and the message
+contract are ``worker.queues``, shared with the engine workers that consume them), and any other
+persistent message berth publishes (job events, dead letters) as an ``Outgoing``."""
 
 from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Iterable
 
-from kombu import Producer, Queue
+from kombu import Exchange, Producer, Queue
 
 from jobs.messages import RequestMessage
 from worker.config import Settings
@@ -16,6 +18,18 @@ from worker.queues import MAX_PRIORITY, Topology, connect, is_embedded
 
 class PublishError(RuntimeError):
     """The broker refused (nacked) or never confirmed messages; they are still in the database."""
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One persistent message: where it goes, what to declare first (once per channel), its body
+    and the rest of ``kombu.Producer.publish``'s arguments (headers, message_id, serializer...)."""
+
+    exchange: Exchange
+    routing_key: str
+    body: object
+    declare: tuple[Exchange | Queue, ...] = ()
+    options: dict = field(default_factory=dict)
 
 
 class Publisher:
@@ -36,15 +50,18 @@ class Publisher:
         self._unconfirmed: set[int] = set()
         self._nacked = 0
         self._next_tag = 1
-        self._declared: set[str] = set()
+        self._declared: set[tuple[str, str]] = set()
 
     def publish(self, messages: Iterable[RequestMessage]) -> int:
-        batch = [(self.topology.request_queue(m.model, m.tenant),
-                  {"body": m.to_body(), "serializer": "json", "priority": min(max(m.priority, 0), MAX_PRIORITY)})
-                 for m in messages]
-        return self._publish(batch)
+        batch = []
+        for m in messages:
+            queue = self.topology.request_queue(m.model, m.tenant)
+            batch.append(Outgoing(queue.exchange, queue.routing_key, m.to_body(), (queue, self.topology.dead_queue),
+                                  {"serializer": "json", "priority": min(max(m.priority, 0), MAX_PRIORITY)}))
+        return self.send(batch)
 
-    def _publish(self, batch: list[tuple[Queue, dict]]) -> int:
+    def send(self, batch: list[Outgoing]) -> int:
+        """Publish ``batch``, persistent; returns once the broker confirmed every message."""
         for attempt in range(3):
             try:
                 self._send(batch)
@@ -55,7 +72,7 @@ class Publisher:
                 self._channel = None  # a new connection and channel; the whole batch again
                 self.connection.ensure_connection(max_retries=5)
 
-    def _send(self, batch: list[tuple[Queue, dict]]) -> None:
+    def _send(self, batch: list[Outgoing]) -> None:
         channel = self._confirm_channel()
         if self.confirms:
             self._send_on(channel, batch)
@@ -64,13 +81,13 @@ class Publisher:
             with channel.one_transaction():
                 self._send_on(channel, batch)
 
-    def _send_on(self, channel, batch: list[tuple[Queue, dict]]) -> None:
+    def _send_on(self, channel, batch: list[Outgoing]) -> None:
         producer = Producer(channel)
-        for queue, message in batch:
-            declare = [] if queue.name in self._declared else [queue, self.topology.dead_queue]
-            producer.publish(exchange=queue.exchange, routing_key=queue.routing_key, delivery_mode=2,
-                             declare=declare, **message)
-            self._declared.add(queue.name)
+        for item in batch:
+            declare = [d for d in item.declare if (type(d).__name__, d.name) not in self._declared]
+            producer.publish(item.body, exchange=item.exchange, routing_key=item.routing_key, delivery_mode=2,
+                             declare=declare, **item.options)
+            self._declared.update((type(d).__name__, d.name) for d in declare)
             if self.confirms:
                 self._unconfirmed.add(self._next_tag)
                 self._next_tag += 1

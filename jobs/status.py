@@ -44,6 +44,7 @@ class JobView:
     input_file_id: str | None = None
     output_file_id: str | None = None
     error_file_id: str | None = None
+    message_id: str | None = None  # the AMQP message_id of a job submitted through the queue
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -51,11 +52,17 @@ class JobView:
                    job.input_name, job.total, job.completed, job.failed, job.prompt_tokens, job.completion_tokens,
                    job.created_at, job.in_progress_at, job.finalizing_at, job.completed_at, job.failed_at,
                    job.cancelling_at, job.cancelled_at, job.expired_at, job.expires_at, job.output_key,
-                   job.errors_key, job.error, job.endpoint, job.input_file_id, job.output_file_id, job.error_file_id)
+                   job.errors_key, job.error, job.endpoint, job.input_file_id, job.output_file_id, job.error_file_id,
+                   job.submit_message_id)
 
     @property
     def done(self) -> int:
         return self.completed + self.failed
+
+    @property
+    def progress(self) -> float:
+        """The fraction of requests done (0 while there are none); the SQL view ``berth_jobs`` says the same."""
+        return self.done / self.total if self.total else 0.0
 
     @property
     def ended_at(self) -> float | None:
@@ -95,6 +102,7 @@ class JobView:
             "output_file": self.output_key, "error_file": self.errors_key,
             "errors": None if self.error is None else {"data": [{"code": "job_failed", "message": self.error}]},
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+            "progress": round(self.progress, 6), "message_id": self.message_id,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
             "output_tokens_per_second": round(self.output_tokens_per_second, 2),
             "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),

@@ -4,6 +4,8 @@ well under a second whatever the file's size; the lines are checked and queued b
 A submit is refused at once, with the limit and the setting that raises it, when the file is over
 ``Settings.max_file_bytes`` or holds a request past line ``max_file_lines`` (``InputError``), or
 when the tenant already has ``max_jobs_in_flight`` jobs validating or in progress (``JobRefused``).
+A job submitted through the queue (``jobs.submit_consumer``) is made the same way from its input
+stream, and carries its message's id (unique per tenant: a message that comes twice makes one job).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs import files as keys
@@ -80,31 +83,79 @@ def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec
         return create_job_from(db, files, src, path.name, model, spec, limits)
 
 
-def create_job_from(db: Database, files: JobFiles, src: BinaryIO, name: str, model: str, spec: JobSpec,
-                    settings: Settings | None = None, input_file_id: str | None = None) -> str:
-    """``create_job`` from an open file named ``name`` (an upload of the HTTP API, ``input_file_id``)."""
+class DuplicateSubmit(Exception):
+    """A job with this submit message id exists already (the message came twice): ``job_id``."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job {job_id} was made by this message already")
+        self.job_id = job_id
+
+
+def create_job_from(db: Database, files: JobFiles, source: BinaryIO, input_name: str, model: str, spec: JobSpec,
+                    settings: Settings | None = None, *, input_file_id: str | None = None,
+                    message_id: str | None = None, webhook_url: str | None = None) -> str:
+    """``create_job`` from an open file: a local file, an upload of the HTTP API (``input_file_id``),
+    or the input of a queue submit (``message_id`` unique per tenant: ``DuplicateSubmit`` when it made
+    a job already)."""
     spec.check()
-    limits = settings or Settings()
+    settings = settings or Settings()
     with db.session() as s:
-        _check_in_flight(s, spec.tenant, limits.max_jobs_in_flight)  # before the copy: refuse at once
+        _check_in_flight(s, spec.tenant, settings.max_jobs_in_flight)  # before the copy: refuse at once
     job_id = new_job_id()
     with files.writer(keys.input_key(job_id)) as out:
-        copy_checked(src, out, limits.max_file_bytes, limits.max_file_lines)
+        copy_checked(source, out, settings.max_file_bytes, settings.max_file_lines)
     created = now()
-    with db.session() as s, s.begin():
-        tenant = tenant_id(s, spec.tenant)
-        s.execute(select(Tenant.id).where(Tenant.id == tenant).with_for_update())  # one submit of a tenant at a time
+    try:
+        with db.session() as s, s.begin():
+            tenant = tenant_id(s, spec.tenant)
+            s.execute(select(Tenant.id).where(Tenant.id == tenant).with_for_update())  # one submit of a tenant at a time
+            _check_in_flight(s, spec.tenant, settings.max_jobs_in_flight)  # again: others may have won the race
+            s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
+                      completion_window=spec.completion_window, metadata_=dict(spec.metadata),
+                      input_name=input_name[:500], input_key=keys.input_key(job_id), total=0, completed=0, failed=0,
+                      prompt_tokens=0, completion_tokens=0, created_at=created,
+                      expires_at=created + window_seconds(spec.completion_window), endpoint=spec.endpoint,
+                      input_file_id=input_file_id, submit_message_id=message_id, webhook_url=webhook_url))
+    except BaseException as exc:
         try:
-            _check_in_flight(s, spec.tenant, limits.max_jobs_in_flight)  # again: others may have won the race
-        except JobRefused:
             files.store.delete(keys.input_key(job_id))
+        except Exception:  # noqa: BLE001 (an orphan input costs space, not correctness; the error to raise is exc)
+            pass
+        if isinstance(exc, IntegrityError) and message_id is not None:
+            existing = submitted_job(db, spec.tenant, message_id)
+            if existing is not None:  # the same message, handled at the same moment elsewhere
+                raise DuplicateSubmit(existing) from None
+        raise
+    return job_id
+
+
+def submitted_job(db: Database, tenant: str, message_id: str) -> str | None:
+    """The job a tenant's submit message made, if any."""
+    with db.session() as s:
+        return s.scalar(select(Job.id).join(Tenant).where(Tenant.name == tenant, Job.submit_message_id == message_id))
+
+
+def create_failed_job(db: Database, tenant: str, error: str, *, model: str = "", input_name: str = "",
+                      priority: int = 0, completion_window: str = "24h", metadata: dict | None = None,
+                      message_id: str | None = None, webhook_url: str | None = None) -> str:
+    """A job that failed before it had an input: a refused submit message, so that its producer
+    finds the reason where it finds its jobs (and in the job's ``job.failed`` event). The same
+    message twice makes one (``DuplicateSubmit``)."""
+    job_id = new_job_id()
+    created = now()
+    try:
+        with db.session() as s, s.begin():
+            s.add(Job(id=job_id, tenant_id=tenant_id(s, tenant), model=model[:200], status=JobStatus.FAILED,
+                      priority=priority, completion_window=completion_window, metadata_=dict(metadata or {}),
+                      input_name=input_name[:500], input_key="", total=0, completed=0, failed=0, prompt_tokens=0,
+                      completion_tokens=0, created_at=created, failed_at=created, error=error,
+                      expires_at=created + window_seconds(completion_window), submit_message_id=message_id,
+                      webhook_url=webhook_url))
+    except IntegrityError:
+        existing = submitted_job(db, tenant, message_id) if message_id is not None else None
+        if existing is None:
             raise
-        s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
-                  completion_window=spec.completion_window, metadata_=dict(spec.metadata), input_name=name[:500],
-                  input_key=keys.input_key(job_id), total=0, completed=0, failed=0, prompt_tokens=0,
-                  completion_tokens=0, created_at=created,
-                  expires_at=created + window_seconds(spec.completion_window), endpoint=spec.endpoint,
-                  input_file_id=input_file_id))
+        raise DuplicateSubmit(existing) from None
     return job_id
 
 

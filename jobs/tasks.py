@@ -1,5 +1,6 @@
-"""The work around the engine, as Celery tasks: ingesting a job, finalizing a job, reconciling,
-expiring jobs past their window, collecting checkpoints nothing needs.
+"""The work around the engine, as Celery tasks: ingesting a job, finalizing a job, reconciling
+(and deleting job events past ``event_keep_seconds``), expiring jobs past their window, collecting
+checkpoints nothing needs.
 
 With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by the same
 ``BERTH_*`` variables, with beat for the periodic ones:
@@ -21,6 +22,7 @@ from celery import Celery
 
 from jobs.checkpoint_gc import collect_checkpoints
 from jobs.db import open_database
+from jobs.events import prune_events
 from jobs.files import JobFiles
 from jobs.finalize import finalize
 from jobs.ingest import ingest
@@ -72,6 +74,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
     @app.task(name=RECONCILE, shared=False)
     def reconcile_jobs() -> None:
         dispatch(app, reconcile(db(), settings))
+        prune_events(db(), settings.event_keep_seconds)
 
     @app.task(name=EXPIRE, shared=False)
     def expire_jobs() -> None:

@@ -4,17 +4,24 @@ A tenant row is created by its first job. Its ``weight`` is its share under fair
 engine running work of tenants with weights 2 and 1 gives the first twice the seats while both
 have requests waiting. Engine workers read the weights of the tenants with live jobs about every
 second (``live_tenants``), so a change applies to queued and running jobs alike.
+
+A broker user mapped to a tenant (``allow_broker_user``) may submit jobs for it through the queue;
+the AMQP ``user_id`` of a message names the user, and RabbitMQ refuses a ``user_id`` that is not the
+connection's own, so the tenant is the broker's word, never the message's. Each tenant has a secret
+that signs its webhooks (``webhook_secret``), made when first asked for.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+import secrets
+
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs.db import Database
 from jobs.lifecycle import LIVE
-from jobs.models import Job, Tenant, now
+from jobs.models import BrokerUser, Job, Tenant, now
 
 
 class TenantNotFound(LookupError):
@@ -49,3 +56,48 @@ def live_tenants(db: Database, model: str) -> dict[str, float]:
         rows = s.execute(select(Tenant.name, Tenant.weight).join(Job, Job.tenant_id == Tenant.id)
                          .where(Job.model == model, Job.status.in_(LIVE)).distinct())
         return {name: weight for name, weight in rows}
+
+
+def check_tenant_name(name: str) -> str:
+    from jobs.submit import JobSpec  # jobs.submit imports this module
+
+    JobSpec(tenant=name).check()
+    return name
+
+
+def allow_broker_user(db: Database, user: str, tenant: str) -> None:
+    """Let broker user ``user`` submit jobs for ``tenant`` (created if new); replaces its mapping."""
+    if not user or len(user) > 255:
+        raise ValueError(f"broker user {user[:60]!r}: give the RabbitMQ user name (1-255 characters)")
+    check_tenant_name(tenant)
+    with db.session() as s, s.begin():
+        target = tenant_id(s, tenant)
+        if s.execute(update(BrokerUser).where(BrokerUser.name == user).values(tenant_id=target)).rowcount == 0:
+            s.add(BrokerUser(name=user, tenant_id=target, created_at=now()))
+
+
+def remove_broker_user(db: Database, user: str) -> bool:
+    """The user may no longer submit; whether it could."""
+    with db.session() as s, s.begin():
+        return s.execute(delete(BrokerUser).where(BrokerUser.name == user)).rowcount > 0
+
+
+def tenant_of_broker_user(db: Database, user: str) -> str | None:
+    """The tenant a broker user submits for; None: it may not submit."""
+    with db.session() as s:
+        return s.scalar(select(Tenant.name).join(BrokerUser, BrokerUser.tenant_id == Tenant.id)
+                        .where(BrokerUser.name == user))
+
+
+def webhook_secret(db: Database, tenant: str, rotate: bool = False) -> str:
+    """The secret that signs the tenant's webhooks, made on first use (or anew with ``rotate``)."""
+    with db.session() as s, s.begin():
+        row = s.execute(select(Tenant.id, Tenant.webhook_secret).where(Tenant.name == tenant)
+                        .with_for_update()).one_or_none()
+        if row is None:
+            raise TenantNotFound(tenant)
+        if row.webhook_secret and not rotate:
+            return row.webhook_secret
+        secret = "whsec_" + secrets.token_hex(32)
+        s.execute(update(Tenant).where(Tenant.id == row.id).values(webhook_secret=secret))
+        return secret

@@ -14,7 +14,7 @@ import pytest
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 TINY_NAME = "tiny-llama"
-TENANTS = ("default", "alice", "bob")  # the tenants the tests submit for: their queues are cleaned up
+TENANTS = ("default", "alice", "bob", "carol")  # the tenants the tests submit for: their queues are cleaned up
 
 
 def _reachable(port: int) -> bool:
@@ -61,9 +61,10 @@ def queue_prefix():
     with Connection(AMQP_URL) as conn:
         channel = conn.channel()
         queues = [topology.request_queue(TINY_NAME, t).name for t in TENANTS]
-        for queue in (*queues, topology.dead_queue.name, topology.celery_queue):
+        for queue in (*queues, topology.dead_queue.name, topology.celery_queue, topology.jobs_queue.name):
             channel.queue_delete(queue)
-        for exchange in (topology.exchange.name, topology.dead_exchange.name, topology.celery_queue):
+        for exchange in (topology.exchange.name, topology.dead_exchange.name, topology.celery_queue,
+                         topology.events_exchange.name):
             channel.exchange_delete(exchange)
 
 

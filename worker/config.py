@@ -111,6 +111,18 @@ class Settings(BaseSettings):
     metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
     metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
 
+    # --- jobs submitted through the queue (``<prefix>.jobs``), job events and webhooks (docs/queue.md)
+    # Stores (file://FOLDER or s3://BUCKET/PREFIX, comma-separated) whose objects a submit message may name
+    # as its input; empty: none, only inline requests. Any broker user that may submit can make berth read
+    # what these hold, so name folders or prefixes meant for it, never the job store or a whole bucket.
+    submit_input_stores: str = ""
+    max_submit_bytes: int = 8 << 20  # a submit message's body at most (its inline requests included)
+    webhook_timeout: float = 10.0  # seconds for one webhook POST
+    webhook_max_attempts: int = 12  # POSTs of one event before it is given up
+    webhook_backoff: float = 2.0  # seconds before the first retry; doubled each time ...
+    webhook_backoff_max: float = 600.0  # ... up to this
+    event_keep_seconds: float = 7 * 86400.0  # job events (the outbox) are deleted this long after they happened
+
     @field_validator("kv_memory", mode="before")
     @classmethod
     def _memory(cls, v):
@@ -123,7 +135,7 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1 (checkpoint_interval 0 turns checkpoints off)")
         return v
 
-    @field_validator("checkpoint_queue_bytes", "max_file_bytes", mode="before")
+    @field_validator("checkpoint_queue_bytes", "max_file_bytes", "max_submit_bytes", mode="before")
     @classmethod
     def _bytes(cls, v):
         return int(parse_memory(v))
@@ -143,7 +155,8 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
-                     "max_file_lines", "max_file_bytes", "max_jobs_in_flight")
+                     "max_file_lines", "max_file_bytes", "max_jobs_in_flight", "max_submit_bytes",
+                     "webhook_max_attempts")
     @classmethod
     def _positive(cls, v):
         if v < 1:
@@ -156,6 +169,17 @@ class Settings(BaseSettings):
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
             raise ValueError("queue_prefix must be 1-64 letters, digits, '_', '.' or '-'")
         return v
+
+    @field_validator("webhook_timeout", "webhook_backoff", "webhook_backoff_max", "event_keep_seconds")
+    @classmethod
+    def _positive_seconds(cls, v):
+        if not v > 0:
+            raise ValueError("must be a positive number of seconds")
+        return v
+
+    def input_stores(self) -> list[str]:
+        """``submit_input_stores`` as a list of store URLs."""
+        return [u.strip().rstrip("/") for u in self.submit_input_stores.split(",") if u.strip()]
 
     def model_path(self) -> str:
         return self.model or default_model_path()

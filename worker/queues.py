@@ -10,6 +10,8 @@ Topology (names start with ``Settings.queue_prefix``):
   its engine always sees every tenant's waiting work and shares its seats between them (a queue
   per model alone would be first-come first-served: a tenant's 100,000-line job would hold the
   head of the queue and every other tenant would wait behind it, whatever its share).
+- ``<prefix>.jobs`` and ``<prefix>.events`` — jobs submitted through the queue and job events, the
+  public contract of ``docs/queue.md`` (``jobs.submit_consumer``, ``jobs.events``).
 - ``<prefix>.dead`` — the dead-letter exchange and queue: a request that was delivered
   ``max_delivery_attempts`` times without finishing, or a message berth cannot read, is published
   there (with an ``x-berth-reason`` header) and its delivery acked.
@@ -157,6 +159,18 @@ class Topology:
     @property
     def celery_queue(self) -> str:
         return f"{self.prefix}.tasks"
+
+    @property
+    def jobs_queue(self) -> Queue:
+        """Where any producer submits jobs (docs/queue.md): a durable classic queue without arguments,
+        published to through the default exchange, so that a producer declaring it with plain
+        ``durable=True`` declares the same queue."""
+        return Queue(f"{self.prefix}.jobs", Exchange(""), routing_key=f"{self.prefix}.jobs", durable=True)
+
+    @property
+    def events_exchange(self) -> Exchange:
+        """Job events, routing key ``job.<status>`` (and ``submit.rejected``): a durable topic exchange."""
+        return Exchange(f"{self.prefix}.events", "topic", durable=True)
 
 
 def queue_depth(connection: Connection, queues: Iterable[Queue]) -> int:

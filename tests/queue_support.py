@@ -1,0 +1,116 @@
+"""A producer and an event consumer that are not berth's code: pika, publishing raw JSON bytes with
+AMQP properties, as any client of RabbitMQ would (docs/queue.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pika
+
+from jobs.submit_consumer import QueueDoor
+from tests.jobs_support import TINY_NAME, tiny_settings
+
+PIKA_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+def door_settings(tmp_path, model_dir, pg_url, prefix, **overrides):
+    from tests.jobs_support import AMQP_URL
+
+    (tmp_path / "inbox").mkdir(exist_ok=True)
+    overrides.setdefault("submit_input_stores", f"file://{tmp_path / 'inbox'}")
+    return tiny_settings(model_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=prefix,
+                         storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=16, **overrides)
+
+
+def start_door(settings) -> QueueDoor:
+    """The submit consumer (ingesting in its thread), relay and webhook sender; returns once the
+    jobs queue is there to publish to."""
+    door = QueueDoor(settings, eager_ingest=True).start()
+    deadline = time.monotonic() + 30
+    while jobs_queue_depth(settings.queue_prefix) is None:
+        assert time.monotonic() < deadline, "the submit consumer did not declare its queue"
+        time.sleep(0.2)
+    return door
+
+
+def jobs_queue_depth(prefix: str) -> int | None:
+    """Messages ready in ``<prefix>.jobs`` (None: no such queue)."""
+    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+    try:
+        return conn.channel().queue_declare(f"{prefix}.jobs", passive=True).method.message_count
+    except pika.exceptions.ChannelClosedByBroker:
+        return None
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+def publish(prefix: str, body: bytes, message_id: str | None, user_id: str | None = "guest",
+            content_type: str | None = "application/json") -> None:
+    """One persistent message to ``<prefix>.jobs`` through the default exchange, confirmed."""
+    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+    try:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        channel.basic_publish("", f"{prefix}.jobs", body, pika.BasicProperties(
+            message_id=message_id, user_id=user_id, content_type=content_type, delivery_mode=2), mandatory=True)
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+def submit_body(**fields) -> bytes:
+    return json.dumps({"version": 1, "model": TINY_NAME, **fields}).encode()
+
+
+class EventTap:
+    """A queue of its own bound to ``<prefix>.events`` (``#``): every event from now on."""
+
+    def __init__(self, prefix: str, binding: str = "#"):
+        self.conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+        self.channel = self.conn.channel()
+        self.channel.exchange_declare(f"{prefix}.events", "topic", durable=True)
+        self.queue = self.channel.queue_declare("", exclusive=True).method.queue
+        self.channel.queue_bind(self.queue, f"{prefix}.events", binding)
+        self.events: list[tuple[str, dict, dict, object]] = []  # routing key, body, headers, properties
+
+    def poll(self) -> None:
+        while True:
+            method, properties, body = self.channel.basic_get(self.queue, auto_ack=True)
+            if method is None:
+                return
+            self.events.append((method.routing_key, json.loads(body), properties.headers or {}, properties))
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> list[dict]:
+        """Events so far, once one of them satisfies ``predicate(routing_key, body)``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if any(predicate(key, body) for key, body, _, _ in self.events):
+                return [body for _, body, _, _ in self.events]
+            assert time.monotonic() < deadline, f"no such event in {timeout}s; got {[k for k, *_ in self.events]}"
+            time.sleep(0.2)
+
+    def of_job(self, job_id: str) -> list[tuple[str, dict, dict, object]]:
+        self.poll()
+        return [e for e in self.events if e[1].get("job_id") == job_id]
+
+    def close(self) -> None:
+        if self.conn.is_open:
+            self.conn.close()
+
+
+def dead_letters(prefix: str) -> list[tuple[bytes, dict]]:
+    """Everything in ``<prefix>.dead``: (body, headers), taken off the queue."""
+    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+    out = []
+    try:
+        channel = conn.channel()
+        while True:
+            method, properties, body = channel.basic_get(f"{prefix}.dead", auto_ack=True)
+            if method is None:
+                return out
+            out.append((body, properties.headers or {}))
+    finally:
+        conn.close()
