@@ -17,7 +17,7 @@ from tests.http_support import client, key_for, serving, upload, wait_for
 from tests.jobs_support import (AMQP_URL, choices_by_custom_id, kill_if_running, stop_gracefully, tiny_env,
                                 tiny_settings, write_requests)
 
-N = 40
+N = 200  # the file size, as on the embedded defaults
 
 
 def _spawn(args, env, log_path):
