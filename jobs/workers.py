@@ -7,7 +7,7 @@ are deleted by the worker that wrote them, with its next heartbeat, so the table
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy import delete, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -22,21 +22,14 @@ HISTORY = 3600.0  # seconds of samples kept
 
 @dataclass(frozen=True)
 class WorkerView:
-    id: str
-    host: str
-    model: str
-    device: str
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    output_tokens_per_second: float
-    started_at: float
-    seen_at: float
+    beat: Heartbeat  # the worker's last
     gone: bool
 
     def to_dict(self) -> dict:
-        return {**self.__dict__, "kv_share": self.kv_blocks_used / max(1, self.kv_blocks_used + self.kv_blocks_free)}
+        b = asdict(self.beat)
+        used, free = b["kv_blocks_used"], b["kv_blocks_free"]
+        return {**b, "id": b.pop("worker"), "seen_at": b.pop("at"), "gone": self.gone,
+                "kv_share": used / max(1, used + free)}
 
 
 def beat(db: Database, hb: Heartbeat) -> None:
@@ -61,8 +54,9 @@ def list_workers(db: Database, include_gone_for: float = HISTORY) -> list[Worker
     with db.session() as s:
         rows = s.scalars(select(WorkerRow).where(WorkerRow.seen_at >= t - include_gone_for)
                          .order_by(WorkerRow.seen_at.desc())).all()
-    return [WorkerView(r.id, r.host, r.model, r.device, r.running, r.waiting, r.kv_blocks_used, r.kv_blocks_free,
-                       r.output_tokens_per_second, r.started_at, r.seen_at, t - r.seen_at > GONE_AFTER) for r in rows]
+    return [WorkerView(Heartbeat(r.id, r.host, r.model, r.device, r.running, r.waiting, r.kv_blocks_used,
+                                 r.kv_blocks_free, r.output_tokens_per_second, r.started_at, r.seen_at),
+                       t - r.seen_at > GONE_AFTER) for r in rows]
 
 
 def samples(db: Database, since: float) -> dict[str, list[tuple[float, float, float]]]:

@@ -25,8 +25,11 @@ def test_heartbeats_keep_the_last_state_and_an_hour_of_samples(backend, tmp_path
         workers.beat(db, _beat(t + workers.HISTORY + 60 + i, tps=10.0 + i, used=5 + i))
     workers.beat(db, _beat(t + 2 * workers.HISTORY - 5, worker="host:2"))
     [second, first] = workers.list_workers(db)
-    assert (second.id, second.gone) == ("host:2", False)
-    assert (first.id, first.output_tokens_per_second, first.kv_blocks_used, first.gone) == ("host:1", 12.0, 7, True)
+    assert (second.beat.worker, second.gone) == ("host:2", False)
+    assert (first.beat.worker, first.beat.output_tokens_per_second, first.beat.kv_blocks_used, first.gone) == (
+        "host:1", 12.0, 7, True)
+    shown = first.to_dict()
+    assert (shown["id"], shown["seen_at"], shown["gone"]) == ("host:1", t + workers.HISTORY + 62, True)
     series = workers.samples(db, since=0)
     assert [round(tps) for _, tps, _ in series["host:1"]] == [10, 11, 12]
     with db.session() as s:
