@@ -5,7 +5,6 @@ worker beside it (the server itself runs no engine). The openai client's batch c
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 from sqlalchemy import select
@@ -16,12 +15,9 @@ from jobs.models import Result
 from tests.http_support import client, key_for, serving, upload, wait_for
 from tests.jobs_support import (AMQP_URL, choices_by_custom_id, kill_if_running, stop_gracefully, tiny_env,
                                 tiny_settings, write_requests)
+from tests.test_jobs_end_to_end import _spawn
 
 N = 200  # the file size, as on the embedded defaults
-
-
-def _spawn(args, env, log_path):
-    return subprocess.Popen(args, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
 def test_a_batch_through_postgresql_and_rabbitmq(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
