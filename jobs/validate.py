@@ -26,7 +26,8 @@ from typing import BinaryIO, Iterator
 
 from jobs.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
 from worker.config import Settings
-from worker.model_loader import load_config, load_tokenizer
+from worker.model_loader import load_config
+from worker.tokenizer import load_tokenizer
 from worker.request import Request
 
 __all__ = ["MAX_CUSTOM_ID", "InputError", "LineValidator", "ModelInfo", "RawLine", "copy_checked",

@@ -46,7 +46,7 @@ def tiny_llama_dir(tmp_path_factory, smol_path) -> Path:
     choices are not near-ties."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.model_loader import load_tokenizer
+    from worker.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(smol_path)
     torch.manual_seed(1234)
