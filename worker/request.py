@@ -14,6 +14,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint every sampled token must keep: the output is then a JSON value matching a schema,
+    any JSON object, a match of a regular expression, one of a list of strings, or a sentence of a
+    grammar. The door (jobs/) builds it from ``response_format`` or vLLM's ``guided_*`` /
+    ``structured_outputs`` fields and has checked that it compiles; ``worker/grammar.py`` compiles it
+    for the engine, cached by a hash of ``(kind, value)`` and the tokenizer."""
+
+    kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar"
+    value: str = ""  # json_schema: the schema as canonical JSON text; regex: the pattern;
+    # choice: a JSON list of the strings; grammar: EBNF (GBNF) text; json_object: ""
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"structured output kind must be one of {self.KINDS}, not {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
 
@@ -28,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = no logprobs; k = the sampled token's and the top k
     min_tokens: int = 0
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # None = unconstrained
 
     def __post_init__(self):
         if self.max_tokens < 1:
