@@ -1,0 +1,97 @@
+"""Write a random model of a real model's shape as a Hugging Face safetensors folder, for benchmarks
+of a size that no model shipped on PyPI has (nothing is downloaded).
+
+The default shape is Llama 3.2 1B's (1.24 billion parameters: 16 layers, hidden 2048, 32 query and
+8 key/value heads, vocabulary 128,256, tied embeddings, ``llama3`` rope scaling), in bfloat16,
+sharded in two files with an index as large checkpoints are. The tokenizer is the default model's
+(its ids all lie inside the larger vocabulary). Random weights give random text: the benchmark's
+requests ignore EOS and run to their lengths, so the work is a real model's work.
+
+    python benchmarks/random_model.py /tmp/llama3-1b          # then:
+    python benchmarks/throughput.py --model /tmp/llama3-1b --dtype bfloat16 --requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from worker.config import default_model_path  # noqa: E402
+from worker.tokenizer import load_tokenizer  # noqa: E402
+
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+STD = 0.02  # Llama's initializer_range
+
+
+def layer_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    h, d, i = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    return {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (c["num_attention_heads"] * d, h),
+            "self_attn.k_proj.weight": (c["num_key_value_heads"] * d, h),
+            "self_attn.v_proj.weight": (c["num_key_value_heads"] * d, h),
+            "self_attn.o_proj.weight": (h, c["num_attention_heads"] * d),
+            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+
+
+def random_tensor(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    if len(shape) == 1:  # norm weights: ones, as a trained model's are near
+        return torch.ones(shape, dtype=dtype)
+    return (torch.randn(shape, generator=gen) * STD).to(dtype)
+
+
+def write(folder: Path, config: dict, dtype: torch.dtype, seed: int = 0, shards: int = 2) -> int:
+    """Write the folder; return the number of parameters."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    names = {"model.embed_tokens.weight": (config["vocab_size"], config["hidden_size"]),
+             "model.norm.weight": (config["hidden_size"],)}
+    if not config["tie_word_embeddings"]:
+        names["lm_head.weight"] = (config["vocab_size"], config["hidden_size"])
+    for layer in range(config["num_hidden_layers"]):
+        names.update({f"model.layers.{layer}.{n}": s for n, s in layer_shapes(config).items()})
+    per_shard = -(-len(names) // shards)
+    items = list(names.items())
+    weight_map, params = {}, 0
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {name: random_tensor(shape, gen, dtype) for name, shape in items[k * per_shard:(k + 1) * per_shard]}
+        params += sum(t.numel() for t in tensors.values())
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    total = sum(int(torch.Size(s).numel()) * dtype.itemsize for s in names.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    tokenizer = load_tokenizer(default_model_path())
+    (folder / "config.json").write_text(json.dumps({
+        **config, "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}, indent=1))
+    tokenizer.save_pretrained(str(folder))
+    return params
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    params = write(args.folder, LLAMA_3_2_1B, getattr(torch, args.dtype), args.seed)
+    print(f"wrote {args.folder}: a random Llama-3.2-1B-shaped model, {params / 1e9:.2f}B parameters, {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()
