@@ -139,6 +139,13 @@ class _Reader:
         return values
 
 
+def read_strings(path: str | Path, array: StringArray) -> list[str]:
+    """The strings of an array the index left unread."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        reader = _Reader(mm, array.offset)
+        return [reader.string() for _ in range(array.count)]
+
+
 def _skip_strings(mm: mmap.mmap, offset: int, count: int) -> int:
     """The offset just past ``count`` length-prefixed strings: each start depends on the previous
     length, so this is a walk, but it reads one integer per string and builds no objects."""

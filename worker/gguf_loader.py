@@ -215,20 +215,20 @@ def _llama3_scaling(index: GGUFIndex, meta: _Metadata, head_dim: int) -> dict:
                                original_max_position_embeddings=int(original)))
     for candidate in candidates:
         scaling = {"rope_type": "llama3", **candidate}
-        if np.allclose(_llama3_factors(scaling, theta, head_dim), factors, rtol=1e-5):
+        if np.allclose(_llama3_factors(scaling, theta, head_dim, meta.get("context_length")), factors, rtol=1e-5):
             return scaling
     raise ModelLoadError(f"{index.path}: its rope_freqs factors are not a Llama 3 rope scaling berth "
                          f"can recognise (tried {candidates})")
 
 
-def _llama3_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+def _llama3_factors(scaling: dict, theta: float, head_dim: int, context: int | None) -> np.ndarray:
     """The per-frequency factors llama.cpp would write for ``scaling``, from transformers' own
     computation of the scaled frequencies."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
-                         rope_theta=theta, rope_scaling=dict(scaling))
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, rope_theta=theta,
+                         rope_scaling=dict(scaling), max_position_embeddings=context or 2 ** 20)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     return (plain / scaled).double().numpy()
