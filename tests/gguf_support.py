@@ -44,15 +44,21 @@ def tokenizer_fields(path: str) -> list[tuple[str, object, gguf.GGUFValueType, g
 def write_gguf(path: Path, model, arch: str, qtype=Q.F32, tokenizer=(), seed: int = 0) -> dict[str, np.ndarray]:
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(writer, config, arch)
+    write_metadata(writer, config, arch)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
     tied = config.tie_word_embeddings
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     rng = np.random.default_rng(seed)
     expected = {}
-    if config.rope_parameters.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        scale = config.max_position_embeddings / config.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
@@ -70,7 +76,7 @@ def write_gguf(path: Path, model, arch: str, qtype=Q.F32, tokenizer=(), seed: in
     return expected
 
 
-def _write_metadata(writer, config, arch: str) -> None:
+def write_metadata(writer, config, arch: str) -> None:
     hidden, heads = config.hidden_size, config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)
@@ -116,7 +122,7 @@ def _store(weight: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     return stored, gguf.quants.dequantize(stored, qtype).reshape(weight.shape)
 
 
-def _llama3_rope_factors(config) -> np.ndarray:
+def llama3_rope_factors(config) -> np.ndarray:
     """``LlamaModel.generate_extra_tensors`` of the converter, loop and all."""
     rope = config.rope_parameters
     dim = config.head_dim

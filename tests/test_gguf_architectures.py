@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gguf_support import Q, tokenizer_fields, write_gguf
+from tests.gguf_support import Q, llama3_rope_factors, tokenizer_fields, write_gguf, write_metadata
 from worker.gguf_index import read_index
 from worker.gguf_loader import gguf_weights
 from worker.model_loader import ModelLoadError, load_config, load_model
@@ -17,13 +17,18 @@ VOCAB = 49152  # the default model's tokenizer, copied into the files
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5,
              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+# case -> (GGUF architecture, transformers class, config fields)
 FAMILIES = {
-    "llama": ("LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=dict(
+    "llama": ("llama", "LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=2048))),
-    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
-    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)),
-    "phi3": ("Phi3ForCausalLM", dict(tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=32,
-                                     original_max_position_embeddings=1024)),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)),
+    "phi3": ("phi3", "Phi3ForCausalLM", dict(tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=32,
+                                             original_max_position_embeddings=1024)),
+    "phi3-longrope": ("phi3", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=True, original_max_position_embeddings=1024, rope_scaling=dict(  # float32 factors
+            rope_type="longrope", long_factor=[1.0, 1.5, 2.25, 4.0, 6.5, 8.0, 12.0, 16.0],
+            short_factor=[1.0, 1.0, 1.125, 1.25, 1.5, 1.75, 2.0, 2.5]))),
 }
 QUANTISED = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 # worst rounding error as a fraction of a tensor's largest magnitude, with slack for the float16
@@ -32,12 +37,12 @@ QUANTISED = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 ROUNDING = {Q.F16: 2.0 ** -11, Q.BF16: 2.0 ** -8, Q.Q8_0: 1.1 / 254, Q.Q4_0: 1.1 / 8, Q.Q4_1: 1.1 / 15}
 
 
-def random_model(arch: str, **fields):
+def random_model(case: str, **fields):
     import transformers
 
-    class_name, extra = FAMILIES[arch]
+    _, class_name, extra = FAMILIES[case]
     model_class = getattr(transformers, class_name)
-    torch.manual_seed(sum(map(ord, arch)))
+    torch.manual_seed(sum(map(ord, case)))
     model = model_class(model_class.config_class(**{**SMALL, "vocab_size": VOCAB, **extra, **fields}))
     with torch.no_grad():
         for p in model.parameters():  # norms and biases too, so that none is 1 or 0 everywhere
@@ -52,12 +57,12 @@ def smol_tokenizer(smol_path):
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, smol_tokenizer):
-    """Each family as an F32 file with the default model's tokenizer: arch -> (model, path, expected)."""
+    """Each case as an F32 file with the default model's tokenizer: case -> (model, path, expected)."""
     out = {}
-    for arch in FAMILIES:
-        model = random_model(arch)
-        path = tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf"
-        out[arch] = model, path, write_gguf(path, model, arch, tokenizer=smol_tokenizer)
+    for case, (arch, _, _) in FAMILIES.items():
+        model = random_model(case)
+        path = tmp_path_factory.mktemp(case) / f"tiny-{case}.gguf"
+        out[case] = model, path, write_gguf(path, model, arch, tokenizer=smol_tokenizer)
     return out
 
 
@@ -82,9 +87,9 @@ def assert_weights(loaded, model, expected, exact: bool):
                 assert torch.equal(loaded[name], tensor), name
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_family_reads_back_exactly(written, arch):
-    model, path, expected = written[arch]
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_family_reads_back_exactly(written, case):
+    model, path, expected = written[case]
     config = load_config(str(path))
     assert_config_equal(config, model.config)
     assert_weights(gguf_weights(read_index(path), config, torch.float32), model, expected, exact=True)
@@ -101,6 +106,30 @@ def test_load_model_gives_config_weights_and_tokenizer(written, smol_path):
     text = "GGUF files of every family, read back by berth: <|im_start|>user"
     assert loaded.tokenizer(text)["input_ids"] == load_tokenizer(smol_path)(text)["input_ids"]
     assert loaded.tokenizer.chat_template == load_tokenizer(smol_path).chat_template
+
+
+@pytest.mark.parametrize("shape, factor", [((4096, 32, 8, 128), 8.0), ((2048, 32, 8, 64), 32.0)],
+                         ids=["llama-3.1-8b", "llama-3.2-1b"])
+def test_llama3_rope_scaling_of_real_shapes(tmp_path, shape, factor):
+    """The rope_scaling of Llama 3.1 and 3.2 files (header and rope_freqs only: no weights needed)."""
+    import gguf
+    from transformers import LlamaConfig
+
+    hidden, heads, kv_heads, head_dim = shape
+    config = LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=16,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192))
+    path = tmp_path / "llama3.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_metadata(writer, config, "llama")
+    writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert load_config(str(path)).rope_parameters == config.rope_parameters
 
 
 @pytest.fixture(scope="module")

@@ -235,11 +235,17 @@ def _llama3_factors(scaling: dict, theta: float, head_dim: int, context: int | N
 
 
 def _phi3_fields(index: GGUFIndex, meta: _Metadata, head_dim: int) -> dict:
-    if "rope_factors_long.weight" in index.tensors:
-        raise ModelLoadError(f"{index.path}: Phi-3's long-context rope scaling (rope_factors_long) is "
-                             "not supported yet; use a 4k-context Phi-3 file")
+    """Phi-3's partial rotary embedding, sliding window and, for the long-context models, its
+    ``longrope`` factors (which llama.cpp keeps as two tensors; transformers derives the attention
+    factor from the two context lengths as llama.cpp's converter did)."""
     window = meta.get("attention.sliding_window", 0)
-    return dict(partial_rotary_factor=meta.get("rope.dimension_count", head_dim) / head_dim,
-                sliding_window=window or None,
-                original_max_position_embeddings=meta.get("rope.scaling.original_context_length",
-                                                          meta.get("context_length", 4096)))
+    fields = dict(partial_rotary_factor=meta.get("rope.dimension_count", head_dim) / head_dim,
+                  sliding_window=window or None,
+                  original_max_position_embeddings=meta.get("rope.scaling.original_context_length",
+                                                            meta.get("context_length", 4096)))
+    if "rope_factors_long.weight" in index.tensors:
+        data = open_data(index.path)
+        long, short = (read_tensor(data, index.tensors[f"rope_factors_{n}.weight"], torch.float32).tolist()
+                       for n in ("long", "short"))
+        fields["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+    return fields
