@@ -49,14 +49,12 @@ def load_model(path: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def load_config(path: str):
-    """The model's ``LlamaConfig`` without reading its weights (cheap: for validating requests)."""
+    """The model's transformers config without reading its weights (cheap: for validating requests)."""
     p = Path(path)
     if p.suffix == ".gguf":
-        import gguf
+        from worker.gguf_loader import load_gguf_config
 
-        from worker.gguf_loader import gguf_config
-
-        return gguf_config(gguf.GGUFReader(str(p)))
+        return load_gguf_config(p)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(p))

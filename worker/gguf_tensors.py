@@ -1,0 +1,58 @@
+"""A GGUF tensor's bytes as a torch tensor in the compute dtype.
+
+Float data that already is the compute dtype is not copied: it is a view of the file's memory map
+(copy-on-write, so the file is never written and torch gets the writable array it asks for).
+Quantised data is dequantised with ``gguf.quants`` (the reference numpy code that llama.cpp's
+Python tools use), driven here a few thousand blocks at a time: the working arrays then stay in
+the CPU cache, which is several times faster than both one pass over a whole tensor and
+``gguf.quants.dequantize``'s own grouping of 16 rows (see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.gguf_index import TensorInfo
+from worker.model_loader import ModelLoadError
+
+_FLOATS = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.int16, torch.bfloat16)}
+# The block quantisations of llama.cpp's common file types (Q4_K_M holds Q4_K and Q6_K, etc.)
+QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (*_FLOATS, *QUANTISED)
+_BLOCKS_PER_CHUNK = 4096
+
+
+def open_data(path: str) -> np.memmap:
+    """The whole file as bytes, mapped copy-on-write."""
+    return np.memmap(path, dtype=np.uint8, mode="c")
+
+
+def read_tensor(data: np.memmap, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    """``info``'s tensor from the mapped file ``data``, shaped ``info.shape``, in ``dtype``."""
+    import gguf
+
+    type_name = gguf.GGMLQuantizationType(info.ggml_type).name
+    if type_name not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"tensor {info.name} is stored as {type_name}, which berth cannot read; "
+                             f"it reads {', '.join(SUPPORTED_TYPES)}: pick a file quantised to one of those")
+    n = int(np.prod(info.shape))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+    raw = data[info.offset:info.offset + n // block_size * type_size]
+    if type_name in _FLOATS:
+        np_dtype, view_as = _FLOATS[type_name]
+        tensor = torch.from_numpy(raw.view(np_dtype).reshape(info.shape))
+        return (tensor.view(view_as) if view_as else tensor).to(dtype)
+    if info.shape[-1] % block_size:
+        raise ModelLoadError(f"tensor {info.name} has rows of {info.shape[-1]} values, not a multiple of "
+                             f"{type_name}'s block of {block_size}: the file is damaged")
+    return _dequantise(getattr(gguf.quants, type_name), raw.reshape(-1, type_size), dtype).reshape(info.shape)
+
+
+def _dequantise(quant, blocks: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """numpy all the way, then one conversion: small torch copies per chunk cost far more, as each
+    wakes torch's thread pool."""
+    out = np.empty((blocks.shape[0], quant.block_size), dtype=np.float32)
+    for start in range(0, blocks.shape[0], _BLOCKS_PER_CHUNK):
+        out[start:start + _BLOCKS_PER_CHUNK] = quant.dequantize_blocks(blocks[start:start + _BLOCKS_PER_CHUNK])
+    return torch.from_numpy(out).to(dtype)
