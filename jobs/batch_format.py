@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import reprlib
 import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from jobs.line_text import UNSTORABLE, bad_text, shown
 from worker.request import Request, RequestOutput, SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
@@ -39,22 +38,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 # The line_errors columns (jobs.models.LineErrorRow); a LineError's fields always fit them.
 PARAM_CHARS, CODE_CHARS, MESSAGE_CHARS = 200, 64, 4000
 
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # NUL (PostgreSQL text refuses it) and unpaired surrogates
-_SHOW = reprlib.Repr()
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlevel = 60, 60, 40, 2
-
-
-def shown(value: Any) -> str:
-    """A short ``repr`` of a value from a request line, whatever its size or depth."""
-    return _SHOW.repr(value)
-
-
 def _fit(text: str | None, size: int) -> str | None:
     """``text`` as any column of ``size`` characters and any UTF-8 file can hold it."""
     if text is None:
         return None
     text = str(text)[:size]
-    return _UNSTORABLE.sub("\ufffd", text) if "\x00" in text or not text.isascii() else text
+    return UNSTORABLE.sub("\ufffd", text) if "\x00" in text or not text.isascii() else text
 
 
 class LineError(ValueError):
@@ -109,7 +98,7 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> 
     if len(custom_id) > MAX_CUSTOM_ID:
         raise LineError(line, "custom_id", f"{len(custom_id)} characters, over the limit of {MAX_CUSTOM_ID}: "
                         "use a shorter id", custom_id)
-    if why := _bad_text(custom_id):
+    if why := bad_text(custom_id):
         raise LineError(line, "custom_id", why, custom_id)
     method = obj.get("method", "POST")
     if method != "POST":
@@ -132,18 +121,6 @@ def _get(line: BatchLine, name: str, types, default=None, check=None, why: str =
     if not isinstance(value, types) or (check is not None and not check(value)):
         raise LineError(line.line, f"body.{name}", f"must be {why}, got {shown(value)}", line.custom_id)
     return value
-
-
-def _bad_text(text: str, nul: bool = True) -> str | None:
-    """Why ``text`` cannot be stored (a NUL, with ``nul``) or tokenized (an unpaired surrogate), or None."""
-    if text.isascii() and (not nul or "\x00" not in text):
-        return None
-    for m in _UNSTORABLE.finditer(text):
-        if m.group() != "\x00":
-            return f"holds an unpaired surrogate ({m.group()!r}) at character {m.start()}: send valid Unicode text"
-        if nul:
-            return f"holds a NUL character at character {m.start()}: remove it"
-    return None
 
 
 def _is_token_id(t: Any, limit: int) -> bool:
@@ -185,7 +162,7 @@ def _chat_ids(line: BatchLine, tokenizer) -> list[int]:
         elif not isinstance(content, str):
             raise LineError(line.line, f"body.messages[{i}].content", "must be a string", line.custom_id)
         for field, text in (("role", m["role"]), ("content", m["content"])):
-            if why := _bad_text(text, nul=False):
+            if why := bad_text(text, nul=False):
                 raise LineError(line.line, f"body.messages[{i}].{field}", why, line.custom_id)
         flat.append(m)
     try:
@@ -199,7 +176,7 @@ def _chat_ids(line: BatchLine, tokenizer) -> list[int]:
 def _completion_ids(line: BatchLine, tokenizer, limit: int) -> list[int]:
     prompt = line.body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        if why := _bad_text(prompt, nul=False):
+        if why := bad_text(prompt, nul=False):
             raise LineError(line.line, "body.prompt", why, line.custom_id)
         try:
             return list(tokenizer(prompt)["input_ids"])
@@ -233,7 +210,7 @@ def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = N
         f"a string or a list of up to {MAX_STOP} strings, each of 1 to {MAX_STOP_CHARS} characters")
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     for s in stop:
-        if why := _bad_text(s, nul=False):
+        if why := bad_text(s, nul=False):
             raise LineError(line.line, "body.stop", why, line.custom_id)
     stop_token_ids = g("stop_token_ids", list, [], lambda v: len(v) <= MAX_STOP_TOKEN_IDS and all(
         _is_token_id(t, limit) for t in v), f"a list of up to {MAX_STOP_TOKEN_IDS} token ids, each in [0, {limit})")
