@@ -7,7 +7,9 @@ never stops the good ones.
 Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
 through the engine without raising, so every bound the engine needs is checked here (token ids
 inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
-of 64 bits, prompt and output inside the context). Each check is linear in the line's size, and
+of 64 bits, prompt and output inside the context, a structured-output constraint that compiles,
+see ``jobs.structured_outputs``). Each check but that compile (bounded by its size limits) is linear
+in the line's size, and
 values are shown in messages through a bounded ``reprlib`` view, never a full ``repr`` (a value
 nested a thousand deep or a megabyte long costs nothing to report).
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jobs.line_text import UNSTORABLE, bad_text, shown
+from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
 from worker.request import Request, RequestOutput, SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
@@ -242,10 +245,12 @@ def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = N
 
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
-               priority: int = 0, tenant: str = "default", vocab_size: int | None = None) -> Request:
+               priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
+               structured_limits: StructuredLimits = DEFAULT_LIMITS) -> Request:
     """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
-    tokenizer's size both."""
+    tokenizer's size both. A structured-output constraint is checked and compiled last, once the
+    cheaper checks passed."""
     model = line.body.get("model")
     if model is not None and model != model_name:
         raise LineError(line.line, "body.model", f"unknown model {shown(model)}: this service runs {model_name!r}",
@@ -267,6 +272,12 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
         raise LineError(line.line, prompt_param,
                         f"the prompt is {len(ids)} tokens; with max_tokens {shown(params.max_tokens)} it exceeds the "
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
+    try:
+        structured = structured_output(line.body, tokenizer, structured_limits)
+    except SpecError as exc:
+        raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
+    if structured is not None:
+        params = replace(params, structured=structured)
     return Request(request_id, ids, params, priority=priority, tenant=tenant)
 
 
