@@ -58,10 +58,12 @@ class ModelInfo:
     structured_limits: StructuredLimits = DEFAULT_LIMITS
 
     @classmethod
-    def of_engine(cls, engine, max_lines: int | None = None) -> ModelInfo:
-        """The facts of an engine already loaded (``berth generate``): no second tokenizer."""
+    def of_engine(cls, engine, settings: Settings | None = None) -> ModelInfo:
+        """The facts of an engine already loaded (``berth generate``): no second tokenizer. The
+        limits come from ``settings`` (default: the engine's)."""
+        limits = settings or engine.settings
         return cls(engine.model_name, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
-                   max_lines or engine.settings.max_file_lines, StructuredLimits.of(engine.settings))
+                   limits.max_file_lines, StructuredLimits.of(limits))
 
 
 @functools.lru_cache(maxsize=4)
