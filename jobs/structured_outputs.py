@@ -162,8 +162,8 @@ def _checked_value(param: str, kind: str, value: Any, limits: StructuredLimits) 
     if kind == "json_schema":
         return _schema_text(param, value, limits.schema_bytes)
     if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise SpecError(param, f"must be a non-empty list of strings, not {shown(value)}")
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise SpecError(param, f"must be a non-empty list of non-empty strings, not {shown(value)}")
         if len(value) > limits.choices:
             raise SpecError(param, f"{len(value)} choices, over the limit of {limits.choices} "
                             "(BERTH_STRUCTURED_MAX_CHOICES)")
