@@ -7,7 +7,10 @@ of filling one bitmask ``[rows, ceil(vocab/32)]`` for a batch of constrained row
 batch call and accepting the sampled tokens, and whether compiling holds the GIL (a Python loop
 spins beside a compile in a thread; its longest stall).
 
-    python benchmarks/grammar_libraries.py [--rows 64] [--steps 48]
+The masks are applied with berth's ``worker.grammar.apply_bitmask`` for both libraries (it is
+several times faster on CPU than either library's own), so the fill is what tells them apart.
+
+    python benchmarks/grammar_libraries.py [--rows 64] [--steps 48] [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks.throughput import machine_info  # noqa: E402
 from worker.config import default_model_path  # noqa: E402
+from worker.grammar import apply_bitmask  # noqa: E402
 from worker.tokenizer import load_tokenizer  # noqa: E402
 
 VOCAB = 49152
@@ -60,13 +64,13 @@ def timed(fn):
 class XGrammar:
     name = "xgrammar"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, threads: int):
         import xgrammar as xgr
 
         self.xgr = xgr
         self.info, self.tokenizer_seconds = timed(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB))
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False, max_threads=2)
-        self.batch = xgr.BatchGrammarMatcher(max_threads=2)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
 
     def compile(self, schema: dict):
         return self.compiler.compile_json_schema(json.dumps(schema))
@@ -87,13 +91,13 @@ class XGrammar:
 class LLGuidance:
     name = "llguidance"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, threads: int):
         import llguidance
         import llguidance.hf
 
         self.ll = llguidance
         self.info, self.tokenizer_seconds = timed(lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB))
-        self.executor = llguidance.LLExecutor(num_threads=2)
+        self.executor = llguidance.LLExecutor(num_threads=threads)
 
     def compile(self, schema: dict):
         """A matcher builds its lexer lazily: the first mask is part of compiling."""
@@ -131,8 +135,6 @@ def mask_cost(lib, rows: int, steps: int) -> dict:
     """``rows`` matchers over the five schemas, driven by masked argmax over seeded random logits
     (a finished row starts its grammar again). Milliseconds per step of the batch fill, the masking
     of the logits and the acceptance."""
-    import xgrammar as xgr
-
     compiled = [lib.compile(s) for s in SCHEMAS.values()]
     matchers = [lib.matcher(compiled[i % len(compiled)]) for i in range(rows)]
     bitmask = torch.full((rows, (VOCAB + 31) // 32), -1, dtype=torch.int32)
@@ -143,7 +145,7 @@ def mask_cost(lib, rows: int, steps: int) -> dict:
         t0 = time.perf_counter()
         lib.fill(matchers, bitmask)
         t1 = time.perf_counter()
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        apply_bitmask(logits, list(range(rows)), bitmask)
         tokens = logits.argmax(dim=-1).tolist()
         t2 = time.perf_counter()
         ok = lib.accept(matchers, tokens)
@@ -185,11 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1, help="threads of the batch mask fill (default: %(default)s)")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(default_model_path())
-    report = {"machine": machine_info(torch.get_num_threads()), "rows": args.rows, "vocab": VOCAB}
+    report = {"machine": machine_info(args.threads), "rows": args.rows, "vocab": VOCAB}
     for cls in (XGrammar, LLGuidance):
-        lib = cls(tokenizer)
+        lib = cls(tokenizer, args.threads)
         lib.compile(SCHEMAS["enum"])  # warm-up
         report[lib.name] = {"tokenizer_info_ms": round(lib.tokenizer_seconds * 1000, 1),
                             "compile_ms": compile_times(lib), "mask": mask_cost(lib, args.rows, args.steps),

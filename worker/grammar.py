@@ -48,6 +48,7 @@ from worker.request import StructuredOutput
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
 COMPILE_THREADS = 2  # grammars compiled at once (each may use COMPILE_THREADS threads inside)
+FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/README.md)
 _NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.(cc|h):\d+: |Check failed: \(.*?\) is false: ")
 
 
@@ -165,7 +166,7 @@ def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int) -> tor
     allows token ``t``; filled for every row in one batch call."""
     bitmask = torch.empty((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
     if not hasattr(_batch, "matcher"):
-        _batch.matcher = xgr.BatchGrammarMatcher(max_threads=COMPILE_THREADS)
+        _batch.matcher = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
     _batch.matcher.batch_fill_next_token_bitmask(list(matchers), bitmask)
     return bitmask
 
