@@ -12,71 +12,34 @@ from __future__ import annotations
 NAME = {"type": "string", "maxLength": 40}
 DATE = {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}
 
+
+def _object(**properties) -> dict:
+    """An object schema with every property required and no others allowed."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def _integer(low: int, high: int) -> dict:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def _array(items: dict, most: int) -> dict:
+    return {"type": "array", "items": items, "minItems": 1, "maxItems": most}
+
+
 SCHEMAS = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": NAME,
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "occupation": NAME,
-            "location": {"type": "object", "properties": {"city": NAME, "country": NAME},
-                         "required": ["city", "country"], "additionalProperties": False},
-        },
-        "required": ["name", "age", "occupation", "location"],
-        "additionalProperties": False,
-    },
-    "product": {
-        "type": "object",
-        "properties": {
-            "name": NAME,
-            "price": {"type": "number", "minimum": 0, "maximum": 100000},
-            "currency": {"type": "string", "enum": ["USD", "EUR", "GBP", "JPY"]},
-            "in_stock": {"type": "boolean"},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 3},
-        },
-        "required": ["name", "price", "currency", "in_stock", "tags"],
-        "additionalProperties": False,
-    },
-    "invoice": {
-        "type": "object",
-        "properties": {
-            "invoice_number": {"type": "string", "pattern": "^INV-[0-9]{4}$"},
-            "date": DATE,
-            "customer": NAME,
-            "total": {"type": "number", "minimum": 0, "maximum": 1000000},
-            "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-                "type": "object", "properties": {"description": NAME,
-                                                 "quantity": {"type": "integer", "minimum": 1, "maximum": 1000}},
-                "required": ["description", "quantity"], "additionalProperties": False}},
-        },
-        "required": ["invoice_number", "date", "customer", "total", "items"],
-        "additionalProperties": False,
-    },
-    "ticket": {
-        "type": "object",
-        "properties": {
-            "priority": {"type": "string", "enum": ["low", "medium", "high", "urgent"]},
-            "category": {"type": "string", "enum": ["billing", "technical", "account", "shipping"]},
-            "summary": {"type": "string", "maxLength": 60},
-            "customer": {"type": "object", "properties": {
-                "name": NAME, "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,3}$"}},
-                "required": ["name", "email"], "additionalProperties": False},
-        },
-        "required": ["priority", "category", "summary", "customer"],
-        "additionalProperties": False,
-    },
-    "event": {
-        "type": "object",
-        "properties": {
-            "title": NAME,
-            "date": DATE,
-            "city": NAME,
-            "attendees": {"type": "integer", "minimum": 1, "maximum": 100000},
-            "speakers": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3},
-        },
-        "required": ["title", "date", "city", "attendees", "speakers"],
-        "additionalProperties": False,
-    },
+    "person": _object(name=NAME, age=_integer(0, 120), occupation=NAME, location=_object(city=NAME, country=NAME)),
+    "product": _object(name=NAME, price={"type": "number", "minimum": 0, "maximum": 100000},
+                       currency={"type": "string", "enum": ["USD", "EUR", "GBP", "JPY"]},
+                       in_stock={"type": "boolean"}, tags=_array({"type": "string", "maxLength": 20}, 3)),
+    "invoice": _object(invoice_number={"type": "string", "pattern": "^INV-[0-9]{4}$"}, date=DATE, customer=NAME,
+                       total={"type": "number", "minimum": 0, "maximum": 1000000},
+                       items=_array(_object(description=NAME, quantity=_integer(1, 1000)), 3)),
+    "ticket": _object(priority={"type": "string", "enum": ["low", "medium", "high", "urgent"]},
+                      category={"type": "string", "enum": ["billing", "technical", "account", "shipping"]},
+                      summary={"type": "string", "maxLength": 60},
+                      customer=_object(name=NAME, email={"type": "string",
+                                                         "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,3}$"})),
+    "event": _object(title=NAME, date=DATE, city=NAME, attendees=_integer(1, 100000), speakers=_array(NAME, 3)),
 }
 
 DOCUMENTS = {
