@@ -55,6 +55,7 @@ def _invalid(kind: str, text: str) -> str | None:
     return f"invalid: {errors[0].message}" if errors else None
 
 
+@pytest.mark.slow  # two runs of 60 requests on the default model: minutes on a shared 2-core machine
 def test_every_constrained_extraction_that_stops_is_valid(tmp_path):
     engine = Engine(Settings())  # the defaults a user gets: the default model, float32, every core
     constrained = _run(tmp_path, engine, "constrained", constrained=True)
