@@ -17,8 +17,15 @@ the faster of PyTorch's matmul and berth's own linear), berth's achieved model F
 berth's KV cache figures. Prints a table, writes JSON to ``--out`` and a bar plot of useful tokens/s
 beside it (same name, ``.png``).
 
+``--structured-share 0.25`` runs berth a second time with that share of the requests constrained by
+a JSON schema (an array of at least ``STRUCTURED_MIN_ITEMS`` small records, which no request can
+complete within its length, so both runs generate the same number of tokens) and reports both
+useful tokens/s, their ratio and the grammar's cost per step (bitmask fill, mask applied, tokens
+accepted): milliseconds per step with a constrained row and per constrained row.
+
     python benchmarks/throughput.py --quick --dtype float32      # 32 requests, a few minutes
     python benchmarks/throughput.py --dtype bfloat16             # 256 requests
+    python benchmarks/throughput.py --skip static,continuous --structured-share 0.25
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from worker.config import Settings, default_model_path  # noqa: E402
 from worker.engine import DTYPES, Engine, EngineStats  # noqa: E402
 from worker.linear import make_linear  # noqa: E402
 from worker.model_loader import LoadedModel, load_model  # noqa: E402
-from worker.request import SamplingParams  # noqa: E402
+from worker.request import SamplingParams, StructuredOutput  # noqa: E402
 
 LABELS = {"berth": "berth", "static": "transformers static (16)", "continuous": "transformers continuous"}
 COLORS = {"berth": "tab:blue", "static": "tab:gray", "continuous": "tab:orange"}
@@ -53,6 +60,13 @@ WARMUP_PROMPTS = [list(range(1000, 1008)), list(range(2000, 2024))]
 WARMUP_TOKENS = 4
 ROOF_ROWS = (2048, 256)
 ROOF_REPEATS = 5
+STRUCTURED_MIN_ITEMS = 600
+STRUCTURED_SCHEMA = {"type": "object", "required": ["records"], "additionalProperties": False, "properties": {
+    "records": {"type": "array", "minItems": STRUCTURED_MIN_ITEMS, "items": {
+        "type": "object", "required": ["name", "count"], "additionalProperties": False,
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "count": {"type": "integer", "minimum": 0, "maximum": 9999}}}}}}
+"""An extraction-like schema (strings, bounded integers, nesting) no request completes early."""
 
 
 # ---------------------------------------------------------------- command line
@@ -93,10 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip", default="", help="comma-separated systems to skip: static, continuous")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: "
                         "benchmarks/results/throughput-<dtype>[-quick].json); the plot goes beside it")
+    parser.add_argument("--structured-share", type=float, default=0.0,
+                        help="also run berth with this share of requests constrained by a JSON schema (0 = not)")
     args = parse_workload_args(parser, argv, "throughput")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.skip - {"static", "continuous"}:
         parser.error(f"--skip takes static and/or continuous, not {sorted(args.skip - {'static', 'continuous'})}")
+    if not 0 <= args.structured_share <= 1:
+        parser.error("--structured-share is a share of the requests, between 0 and 1")
     return args
 
 
@@ -119,18 +137,63 @@ def kv_bytes_for(workload: Workload, config, dtype: str, block_size: int) -> int
     return blocks * block_bytes * DTYPES[dtype].itemsize
 
 
-def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings) -> dict:
-    """Time ``Engine.generate`` over the workload; add the engine's counters and KV figures."""
+def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, structured_share: float = 0.0) -> dict:
+    """Time ``Engine.generate`` over the workload; add the engine's counters and KV figures. With
+    ``structured_share``, that share of the requests (spread evenly) is constrained by
+    ``STRUCTURED_SCHEMA``, and the grammar's own time is measured too."""
     engine = warmed_engine(loaded, settings)
     peak = track_peak_blocks(engine)
-    params = [greedy_params(n) for n in workload.output_lens]
+    spec = StructuredOutput("json_schema", json.dumps(STRUCTURED_SCHEMA))
+    params = [greedy_params(n, spec if int((i + 1) * structured_share) > int(i * structured_share) else None)
+              for i, n in enumerate(workload.output_lens)]
+    grammar_time = track_grammar_time() if structured_share else None
     t0 = time.perf_counter()
     outputs = engine.generate(workload.prompts, params)
     seconds = time.perf_counter() - t0
     tokens = [out.completions[0].token_ids for out in outputs]
     result = useful_timing(workload, seconds, tokens)
     result["engine"] = _engine_figures(engine, peak["blocks_used"])
+    if grammar_time is not None:
+        result["grammar"] = grammar_time.figures(sum(p.structured is not None for p in params))
     return result
+
+
+class track_grammar_time:
+    """Wall time in the grammar's three per-step calls (bitmask fill, mask applied, token accepted),
+    and how many steps and rows were constrained, until ``figures`` puts the calls back."""
+
+    def __init__(self):
+        import worker.grammar
+        import worker.sampler
+
+        self.seconds = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
+        self.steps = self.rows = 0
+        self._restore = [(worker.grammar, "fill_bitmask"), (worker.sampler, "apply_bitmask"),
+                         (worker.grammar, "accept")]
+        self._originals = [getattr(module, name) for module, name in self._restore]
+        for (module, name), key, original in zip(self._restore, self.seconds, self._originals):
+            setattr(module, name, self._timed(key, original))
+
+    def _timed(self, key: str, original: Callable) -> Callable:
+        def timed(*args):
+            if key == "fill":
+                self.steps += 1
+                self.rows += len(args[0])
+            t0 = time.perf_counter()
+            try:
+                return original(*args)
+            finally:
+                self.seconds[key] += time.perf_counter() - t0
+        return timed
+
+    def figures(self, requests: int) -> dict:
+        for (module, name), original in zip(self._restore, self._originals):
+            setattr(module, name, original)
+        total = sum(self.seconds.values())
+        return {"constrained_requests": requests, "constrained_steps": self.steps, "constrained_rows": self.rows,
+                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "ms_per_step": round(1000 * total / max(self.steps, 1), 3),
+                "ms_per_row": round(1000 * total / max(self.rows, 1), 4)}
 
 
 def warmed_engine(loaded: LoadedModel, settings: Settings) -> Engine:
@@ -142,8 +205,8 @@ def warmed_engine(loaded: LoadedModel, settings: Settings) -> Engine:
     return engine
 
 
-def greedy_params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def greedy_params(max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, structured=structured)
 
 
 def track_peak_blocks(engine: Engine) -> dict:
@@ -410,6 +473,15 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def structured_figures(free: dict, constrained: dict, share: float) -> dict:
+    """Unconstrained against ``share``-constrained useful tokens/s, their ratio, the grammar's cost."""
+    return {"share": share, "tokens_per_s_unconstrained": free["tokens_per_s"],
+            "tokens_per_s_constrained": constrained["tokens_per_s"],
+            "ratio": round(constrained["tokens_per_s"] / free["tokens_per_s"], 3),
+            "short_requests_constrained": constrained["short_requests"],
+            "load_average_1m": constrained["load_average_1m"], **constrained["grammar"]}
+
+
 def ratios(results: dict) -> dict:
     """berth's useful tokens/s over each baseline's that ran."""
     berth = results["berth"]["tokens_per_s"]
@@ -442,6 +514,12 @@ def print_report(report: dict) -> None:
           f"({100 * kv['peak_share']:.1f}%), mean slot utilization {100 * e['mean_slot_utilization']:.1f}%; "
           f"prompt tokens computed {e['prompt_tokens_computed']}, cached {e['prompt_tokens_cached']}; "
           f"{e['steps']} steps ({e['forward_seconds']:.1f} s in forward), {e['preemptions']} preemptions")
+    if "structured" in report:
+        st = report["structured"]
+        print(f"structured outputs: {st['tokens_per_s_constrained']:.1f} useful tok/s with {100 * st['share']:.0f}% "
+              f"of requests constrained against {st['tokens_per_s_unconstrained']:.1f} unconstrained: ratio "
+              f"{st['ratio']:.3f}; grammar {st['ms_per_step']:.2f} ms per constrained step, "
+              f"{st['ms_per_row']:.3f} ms per constrained row ({st['seconds']})")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -497,6 +575,11 @@ def main(argv: list[str] | None = None) -> dict:
     settings = berth_settings(args, workload, config)
     roof = measure_roof(config, args.dtype)
     results = {"berth": measure("berth", lambda: run_berth(loaded, workload, settings), guarded=False)}
+    structured = None
+    if args.structured_share:
+        constrained = measure("berth", lambda: run_berth(loaded, workload, settings, args.structured_share),
+                              guarded=False)
+        structured = structured_figures(results["berth"], constrained, args.structured_share)
     del loaded  # the engine's copy of the weights went with run_berth; free these before transformers loads
     gc.collect()
     if {"static", "continuous"} - args.skip:
@@ -520,6 +603,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(args.threads), "workload": workload.summary(), "systems": results,
         "ratios": ratios(results), "compute": compute_share(flops, roof, results["berth"]),
     }
+    if structured:
+        report["structured"] = structured
     print_report(report)
     write_report(report, args.out)
     return report

@@ -7,7 +7,9 @@ never stops the good ones.
 Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
 through the engine without raising, so every bound the engine needs is checked here (token ids
 inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
-of 64 bits, prompt and output inside the context). Each check is linear in the line's size, and
+of 64 bits, prompt and output inside the context, a structured-output constraint that compiles,
+see ``jobs.structured_outputs``). Each check but that compile (bounded by its size limits) is linear
+in the line's size, and
 values are shown in messages through a bounded ``reprlib`` view, never a full ``repr`` (a value
 nested a thousand deep or a megabyte long costs nothing to report).
 """
@@ -16,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import reprlib
 import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from jobs.line_text import UNSTORABLE, bad_text, shown
+from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
 from worker.request import Request, RequestOutput, SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
@@ -39,22 +41,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
 # The line_errors columns (jobs.models.LineErrorRow); a LineError's fields always fit them.
 PARAM_CHARS, CODE_CHARS, MESSAGE_CHARS = 200, 64, 4000
 
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # NUL (PostgreSQL text refuses it) and unpaired surrogates
-_SHOW = reprlib.Repr()
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong, _SHOW.maxlevel = 60, 60, 40, 2
-
-
-def shown(value: Any) -> str:
-    """A short ``repr`` of a value from a request line, whatever its size or depth."""
-    return _SHOW.repr(value)
-
-
 def _fit(text: str | None, size: int) -> str | None:
     """``text`` as any column of ``size`` characters and any UTF-8 file can hold it."""
     if text is None:
         return None
     text = str(text)[:size]
-    return _UNSTORABLE.sub("\ufffd", text) if "\x00" in text or not text.isascii() else text
+    return UNSTORABLE.sub("\ufffd", text) if "\x00" in text or not text.isascii() else text
 
 
 class LineError(ValueError):
@@ -109,7 +101,7 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> 
     if len(custom_id) > MAX_CUSTOM_ID:
         raise LineError(line, "custom_id", f"{len(custom_id)} characters, over the limit of {MAX_CUSTOM_ID}: "
                         "use a shorter id", custom_id)
-    if why := _bad_text(custom_id):
+    if why := bad_text(custom_id):
         raise LineError(line, "custom_id", why, custom_id)
     method = obj.get("method", "POST")
     if method != "POST":
@@ -132,18 +124,6 @@ def _get(line: BatchLine, name: str, types, default=None, check=None, why: str =
     if not isinstance(value, types) or (check is not None and not check(value)):
         raise LineError(line.line, f"body.{name}", f"must be {why}, got {shown(value)}", line.custom_id)
     return value
-
-
-def _bad_text(text: str, nul: bool = True) -> str | None:
-    """Why ``text`` cannot be stored (a NUL, with ``nul``) or tokenized (an unpaired surrogate), or None."""
-    if text.isascii() and (not nul or "\x00" not in text):
-        return None
-    for m in _UNSTORABLE.finditer(text):
-        if m.group() != "\x00":
-            return f"holds an unpaired surrogate ({m.group()!r}) at character {m.start()}: send valid Unicode text"
-        if nul:
-            return f"holds a NUL character at character {m.start()}: remove it"
-    return None
 
 
 def _is_token_id(t: Any, limit: int) -> bool:
@@ -185,7 +165,7 @@ def _chat_ids(line: BatchLine, tokenizer) -> list[int]:
         elif not isinstance(content, str):
             raise LineError(line.line, f"body.messages[{i}].content", "must be a string", line.custom_id)
         for field, text in (("role", m["role"]), ("content", m["content"])):
-            if why := _bad_text(text, nul=False):
+            if why := bad_text(text, nul=False):
                 raise LineError(line.line, f"body.messages[{i}].{field}", why, line.custom_id)
         flat.append(m)
     try:
@@ -199,7 +179,7 @@ def _chat_ids(line: BatchLine, tokenizer) -> list[int]:
 def _completion_ids(line: BatchLine, tokenizer, limit: int) -> list[int]:
     prompt = line.body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        if why := _bad_text(prompt, nul=False):
+        if why := bad_text(prompt, nul=False):
             raise LineError(line.line, "body.prompt", why, line.custom_id)
         try:
             return list(tokenizer(prompt)["input_ids"])
@@ -233,7 +213,7 @@ def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = N
         f"a string or a list of up to {MAX_STOP} strings, each of 1 to {MAX_STOP_CHARS} characters")
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     for s in stop:
-        if why := _bad_text(s, nul=False):
+        if why := bad_text(s, nul=False):
             raise LineError(line.line, "body.stop", why, line.custom_id)
     stop_token_ids = g("stop_token_ids", list, [], lambda v: len(v) <= MAX_STOP_TOKEN_IDS and all(
         _is_token_id(t, limit) for t in v), f"a list of up to {MAX_STOP_TOKEN_IDS} token ids, each in [0, {limit})")
@@ -265,10 +245,12 @@ def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = N
 
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
-               priority: int = 0, tenant: str = "default", vocab_size: int | None = None) -> Request:
+               priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
+               structured_limits: StructuredLimits = DEFAULT_LIMITS) -> Request:
     """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
-    tokenizer's size both."""
+    tokenizer's size both. A structured-output constraint is checked and compiled last, once the
+    cheaper checks passed."""
     model = line.body.get("model")
     if model is not None and model != model_name:
         raise LineError(line.line, "body.model", f"unknown model {shown(model)}: this service runs {model_name!r}",
@@ -290,6 +272,12 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
         raise LineError(line.line, prompt_param,
                         f"the prompt is {len(ids)} tokens; with max_tokens {shown(params.max_tokens)} it exceeds the "
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
+    try:
+        structured = structured_output(line.body, tokenizer, structured_limits)
+    except SpecError as exc:
+        raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
+    if structured is not None:
+        params = replace(params, structured=structured)
     return Request(request_id, ids, params, priority=priority, tenant=tenant)
 
 

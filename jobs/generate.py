@@ -53,7 +53,7 @@ def generate_file(input_path: str | Path, output_path: str | Path, settings: Set
     limits = settings or (engine.settings if engine is not None else Settings())
     check_file_size(input_path, limits.max_file_bytes)  # before the model loads
     engine = engine or Engine(settings)
-    validator = LineValidator(ModelInfo.of_engine(engine, limits.max_file_lines))
+    validator = LineValidator(ModelInfo.of_engine(engine, limits))
     errors: list[dict] = []
     pending: list[tuple[BatchLine, object]] = []
     with open(input_path, "rb") as f:

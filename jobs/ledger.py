@@ -27,7 +27,7 @@ from jobs import workers
 from jobs.tenants import live_tenants
 from worker.config import Settings
 from worker.ledger import Claim, Heartbeat, LedgerDown, Outcome
-from worker.request import SamplingParams
+from worker.request import SamplingParams, StructuredOutput
 
 log = logging.getLogger("berth.worker")
 
@@ -37,9 +37,17 @@ MAX_ERROR = 4000  # characters of an error kept in requests.last_error
 
 
 def params_from_dict(data: dict) -> SamplingParams:
+    """A request row's parameters (``jobs.messages.params_to_dict``); a row from before a field
+    existed gets its default (no ``structured``: unconstrained). A value of the wrong shape raises
+    ``TypeError`` or ``ValueError``."""
     values = {k: v for k, v in data.items() if k in _PARAM_FIELDS}
     for name in ("stop", "stop_token_ids"):
         values[name] = tuple(values.get(name, ()))
+    structured = values.get("structured")
+    if structured is not None:
+        if not isinstance(structured, dict) or not isinstance(structured.get("value", ""), str):
+            raise TypeError(f"structured must be an object with a kind and a string value, not {structured!r:.200}")
+        values["structured"] = StructuredOutput(**structured)
     return SamplingParams(**values)
 
 

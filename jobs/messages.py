@@ -5,14 +5,17 @@ message can be rebuilt from its row at any time (``from_row``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from worker.queues import request_body
 from worker.request import SamplingParams
 
 
 def params_to_dict(params: SamplingParams) -> dict:
-    return {f.name: getattr(params, f.name) for f in fields(params)}  # its fields are immutable: no deep copy
+    """The parameters as the JSON a request row holds; ``jobs.ledger.params_from_dict`` reads it back."""
+    values = {f.name: getattr(params, f.name) for f in fields(params)}  # its fields are immutable: no deep copy
+    values["structured"] = asdict(params.structured) if params.structured is not None else None
+    return values
 
 
 @dataclass(frozen=True)

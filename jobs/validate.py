@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from jobs.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
+from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from worker.config import Settings
 from worker.model_loader import load_config
 from worker.tokenizer import load_tokenizer
@@ -45,20 +46,24 @@ class InputError(ValueError):
 @dataclass(frozen=True)
 class ModelInfo:
     """What a line is checked against: the model's served name, tokenizer, context length and
-    vocabulary size (its logits' width), and the file's line limit (``Settings.max_file_lines``),
-    which rides here so that every door building a validator from its settings gets it."""
+    vocabulary size (its logits' width), and the limits of the settings (``max_file_lines``,
+    ``structured_max_*``), which ride here so that every door building a validator from its
+    settings gets them."""
 
     name: str
     tokenizer: object
     max_model_len: int
     vocab_size: int
     max_lines: int = DEFAULT_MAX_LINES
+    structured_limits: StructuredLimits = DEFAULT_LIMITS
 
     @classmethod
-    def of_engine(cls, engine, max_lines: int | None = None) -> ModelInfo:
-        """The facts of an engine already loaded (``berth generate``): no second tokenizer."""
+    def of_engine(cls, engine, settings: Settings | None = None) -> ModelInfo:
+        """The facts of an engine already loaded (``berth generate``): no second tokenizer. The
+        limits come from ``settings`` (default: the engine's)."""
+        limits = settings or engine.settings
         return cls(engine.model_name, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
-                   max_lines or engine.settings.max_file_lines)
+                   limits.max_file_lines, StructuredLimits.of(limits))
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,7 +75,7 @@ def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
 
 def model_info(settings: Settings) -> ModelInfo:
     info = _model_info(settings.model_path(), settings.served_model_name(), settings.max_model_len)
-    return replace(info, max_lines=settings.max_file_lines)
+    return replace(info, max_lines=settings.max_file_lines, structured_limits=StructuredLimits.of(settings))
 
 
 def _too_big(size: str, limit: int) -> InputError:
@@ -174,6 +179,6 @@ class LineValidator:
                             "its own", line.custom_id)
         m = self.model
         request = to_request(line, m.tokenizer, m.name, m.max_model_len, request_id=str(raw.number),
-                             vocab_size=m.vocab_size)
+                             vocab_size=m.vocab_size, structured_limits=m.structured_limits)
         self.seen.add(line.custom_id)
         return line.custom_id, line.url, request

@@ -93,6 +93,13 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 << 20  # 200MB; BERTH_MAX_FILE_BYTES takes a size (1GiB) or bytes
     max_jobs_in_flight: int = 100  # a tenant's jobs validating or in progress at once; the next submit is refused
 
+    # --- jobs: structured outputs (response_format, guided_*, structured_outputs) a request may ask for
+    # Sizes take a unit (64KiB) or bytes; each bounds what the grammar library compiles for one request.
+    structured_max_schema_bytes: int = 64 << 10  # a JSON schema as compact JSON text
+    structured_max_regex_bytes: int = 4 << 10  # a regular expression
+    structured_max_grammar_bytes: int = 64 << 10  # a grammar's text, and a choice list as JSON text
+    structured_max_choices: int = 256  # strings in a choice list
+
     # --- checkpoints (engine worker)
     checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints
     checkpoint_seconds: float = 30.0  # ... or after this many seconds with progress, whichever comes first
@@ -135,7 +142,8 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1 (checkpoint_interval 0 turns checkpoints off)")
         return v
 
-    @field_validator("checkpoint_queue_bytes", "max_file_bytes", "max_submit_bytes", mode="before")
+    @field_validator("checkpoint_queue_bytes", "max_file_bytes", "max_submit_bytes", "structured_max_schema_bytes",
+                     "structured_max_regex_bytes", "structured_max_grammar_bytes", mode="before")
     @classmethod
     def _bytes(cls, v):
         return int(parse_memory(v))
@@ -156,7 +164,8 @@ class Settings(BaseSettings):
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
                      "max_file_lines", "max_file_bytes", "max_jobs_in_flight", "max_submit_bytes",
-                     "webhook_max_attempts")
+                     "webhook_max_attempts", "structured_max_schema_bytes", "structured_max_regex_bytes",
+                     "structured_max_grammar_bytes", "structured_max_choices")
     @classmethod
     def _positive(cls, v):
         if v < 1:

@@ -10,6 +10,12 @@ A request's life: ``add_request`` queues its first sequence; ``step`` asks the s
 token budget's worth of work, moves KV blocks it asked for (copy-on-write, swap), runs the model
 on one flattened batch, samples every sequence that reached the end of its tokens, and hands back
 the requests whose every sample has finished. ``abort`` drops a request at once.
+
+A request with a structured output (``SamplingParams.structured``) first waits, outside the
+scheduler (no running slot, no KV blocks), for its grammar to compile on worker/grammar.py's thread
+pool; then each of its samples gets a matcher, the step masks the constrained rows' logits, and a
+sample whose grammar is complete finishes with "stop". A spec that does not compile, or resumed
+tokens its grammar refuses, fails that request alone.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from worker import grammar
 from worker.block_manager import BlockManager
 from worker.config import Settings
 from worker.model_loader import LoadedModel, load_model
@@ -116,6 +124,7 @@ class Engine:
         self.stats = EngineStats()
         self._swapped_kv: dict[int, torch.Tensor] = {}
         self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
+        self._compiling: list[Request] = []  # waiting for their grammar, outside the scheduler
         # Told the ids of requests about to run for the first time, before the step that runs them: a
         # worker that dies in that step has said which requests it was running (poison counts them).
         self.on_start: Callable[[list[str]], None] | None = None
@@ -147,8 +156,38 @@ class Engine:
         else:
             self._new_sequence(request, 0, list(request.prompt_token_ids))
         self.requests[request.request_id] = request
+        if p.structured is not None:
+            request.grammar_future = self.grammars.submit(p.structured)
+            self._compiling.append(request)
+            return
         for seq in request.sequences:
             self.scheduler.add(seq)
+
+    @functools.cached_property
+    def grammars(self) -> grammar.Compiler:
+        """Structured outputs' compiler for this model's tokenizer, logits width and EOS (built on first use)."""
+        return grammar.compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled join the scheduler, a matcher per sample (past the tokens a
+        resumed sample has); those whose grammar failed are failed with the reason."""
+        if self._compiling and not self.scheduler.has_work() and not self._probation:
+            wait([r.grammar_future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs, pending, self._compiling = [], self._compiling, []
+        for request in pending:
+            if not request.grammar_future.done():
+                self._compiling.append(request)
+                continue
+            try:
+                request.grammar = request.grammar_future.result()
+                for seq in request.sequences:
+                    seq.matcher = grammar.new_matcher(request.grammar, seq.output_token_ids)
+            except Exception as exc:  # noqa: BLE001 (this request's spec: it fails alone)
+                outputs.append(self._fail(request, exc))
+                continue
+            for seq in request.sequences:
+                self.scheduler.add(seq)
+        return outputs
 
     def _check_tokens(self, request: Request) -> None:
         """What the model cannot run is refused here, whoever let it through: token ids out of the
@@ -169,6 +208,9 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        if request in self._compiling:
+            self._compiling.remove(request)
+            return True
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -241,7 +283,8 @@ class Engine:
     def num_waiting(self) -> int:
         """Sequences not running: never admitted, preempted, swapped out, or suspects of a failed step."""
         suspects = sum(1 for group in self._probation for r in group for seq in r.sequences if not seq.is_finished)
-        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + suspects
+        compiling = sum(len(r.sequences) for r in self._compiling)
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + suspects + compiling
 
     # ---- the step
     def step(self) -> list[RequestOutput]:
@@ -253,9 +296,10 @@ class Engine:
         the engine steps again; a suspect that fails a step alone is the culprit, failed with the
         error. An error while finishing one row (stop strings, detokenising) fails that request.
         """
+        outputs = self._admit_compiled() if self._compiling else []
         if self._probation:
-            return self._probe_step()
-        return self._run(self.scheduler.schedule(), self.scheduler)
+            return outputs + self._probe_step()
+        return outputs + self._run(self.scheduler.schedule(), self.scheduler)
 
     def _run(self, plan: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
         self.stats.preemptions += len(plan.preempted)
@@ -289,7 +333,10 @@ class Engine:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
         try:
             rows, logits = self._sampling_rows(logits, samplers, scheduler)
-            sampled = sample(logits, [self._sample_row(s) for s in rows])
+            constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+            mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
+                                                      self.grammars.vocab_size)) if constrained else None
+            sampled = sample(logits, [self._sample_row(s) for s in rows], mask)
         except Exception as exc:  # noqa: BLE001
             return self._step_failed(scheduled, scheduler, exc)
         return self._finish_rows(rows, sampled, scheduler)
@@ -315,6 +362,8 @@ class Engine:
                 continue
             try:
                 seq.token_ids.append(token)
+                if seq.matcher is not None:
+                    grammar.accept(seq.matcher, token)
                 if logprob is not None:
                     seq.logprobs.append({"token_id": token, **logprob})
                 self.stats.output_tokens += 1
@@ -395,6 +444,8 @@ class Engine:
         children = []
         for i in range(1, request.params.n):
             child = self._new_sequence(request, i, list(seq.token_ids))
+            if request.grammar is not None:
+                child.matcher = grammar.new_matcher(request.grammar, child.output_token_ids)
             self.block_manager.fork(seq, child)
             scheduler.add_running(child)
             children.append(child)
@@ -407,12 +458,15 @@ class Engine:
         return seq
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
+        """A constrained row's EOS is never suppressed for ``min_tokens``: its grammar says where it ends."""
         return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens, seq.num_output_tokens,
-                         seq.request.stop_ids)
+                         seq.request.stop_ids if seq.matcher is None else ())
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.request.params
         if token in seq.request.stop_set and seq.num_output_tokens > p.min_tokens:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
         if p.stop and self._cut_at_stop_string(seq):
             return "stop"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 
@@ -97,6 +98,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a stop string cut the text
     logprobs: list[dict] = field(default_factory=list)
+    matcher: object | None = None  # a structured output's grammar matcher, past every output token
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +136,8 @@ class Request:
     stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids, set once by the engine (not per row per step)
     stop_set: frozenset[int] = frozenset()
     started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
+    grammar: object | None = None  # ``params.structured`` compiled (worker/grammar.py), once it is
+    grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
 
     def __post_init__(self):
         if not self.prompt_token_ids:

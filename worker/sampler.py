@@ -3,6 +3,12 @@
 Randomness is a pure function of (request seed, sample index, token position): each row draws one
 uniform number from a counter-based hash and inverts the cumulative distribution with it. The same
 request therefore gives the same text whatever shares its batch, and after a restart.
+
+Structured outputs: the rows a grammar constrains come with a bitmask of their allowed tokens
+(worker/grammar.py), applied to their logits first, before min_tokens, temperature, top-k and top-p;
+the draw is unchanged, so a constrained row is as deterministic as any. Rows without a grammar take
+the same path as when no row has one. Logprobs are of the raw distribution, before any mask or
+suppression (vLLM's default), so a constrained token's logprob says how likely the model found it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.grammar import apply_bitmask
 from worker.request import SamplingParams
 
 _MASK = (1 << 64) - 1
@@ -44,12 +51,16 @@ class Sampled:
     logprobs: list[dict | None]  # per row: {"logprob": float, "top": [(token_id, logprob), ...]}
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
-    """``logits``: float32 ``[len(rows), vocab]``."""
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> Sampled:
+    """``logits``: float32 ``[len(rows), vocab]``; ``grammar_mask``: the constrained rows' indices and
+    their bitmask (``worker.grammar.fill_bitmask``), or None when no row is constrained."""
     n = len(rows)
     tokens = torch.empty(n, dtype=torch.long)
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+    if grammar_mask is not None:
+        apply_bitmask(logits, *grammar_mask)
     for i, r in enumerate(rows):
         if r.num_output_tokens < r.params.min_tokens and r.suppress_ids:
             logits[i, list(r.suppress_ids)] = float("-inf")

@@ -1,0 +1,219 @@
+"""The body's structured-output fields: which one constraint a request puts on its output.
+
+Three spellings reach the door, and all become one ``StructuredOutput``:
+
+- OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``;
+- vLLM's older request fields ``guided_json`` (a schema, as an object or as JSON text),
+  ``guided_regex``, ``guided_choice`` (a list of strings) and ``guided_grammar`` (EBNF/GBNF);
+- vLLM's newer ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}``.
+
+A request takes at most one constraint: two are an error, not a merge, because no rule for
+combining them is obvious to the person who wrote both. Fields that would change the output in
+ways berth does not implement (``structural_tag``, a whitespace pattern, vLLM's ``disable_*``
+switches) are refused rather than ignored, so nobody trusts a constraint that was never applied.
+
+Every check that the engine relies on happens here, before a row is stored: sizes against the
+``Settings.structured_max_*`` limits (compiling a grammar costs time and memory that grow with
+its text), a schema against the JSON Schema metaschema (``jsonschema``), and the compile itself
+(``worker.grammar.check``, which caches what it compiled for the engine to reuse).
+
+A schema is kept as compact JSON text with its keys in the order the user wrote them: a grammar
+emits an object's properties in the schema's order (OpenAI documents the same), so sorting them
+would reorder every output. Equal schemas written alike share one compiled grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from jobs.line_text import bad_text, shown
+from worker.config import Settings
+from worker.grammar import GrammarError, check
+from worker.request import StructuredOutput
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name
+_NEW_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+             "json_object": "json_object"}  # structured_outputs' keys -> kinds
+_OLD_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+               "guided_grammar": "grammar"}
+_UNSUPPORTED = {
+    "guided_json_object": "is not a field vLLM or berth reads: ask for JSON with response_format "
+                          '{"type": "json_object"} or structured_outputs {"json_object": true}',
+    "guided_whitespace_pattern": "is not supported: berth's JSON grammars allow the whitespace JSON allows; "
+                                 "remove it",
+    "structural_tag": "is not supported: use response_format, guided_* or structured_outputs instead",
+}
+_REASON_CHARS = 500  # of a library's reason, kept in a line's error
+
+
+class SpecError(ValueError):
+    """A structured-output field is wrong: ``param`` names it (``body.response_format.type``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+@dataclass(frozen=True)
+class StructuredLimits:
+    """What one request's constraint may weigh; ``Settings.structured_max_*`` and their variables."""
+
+    schema_bytes: int
+    regex_bytes: int
+    grammar_bytes: int
+    choices: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> StructuredLimits:
+        return cls(settings.structured_max_schema_bytes, settings.structured_max_regex_bytes,
+                   settings.structured_max_grammar_bytes, settings.structured_max_choices)
+
+
+DEFAULT_LIMITS = StructuredLimits(*(Settings.model_fields[f"structured_max_{name}"].default
+                                    for name in ("schema_bytes", "regex_bytes", "grammar_bytes", "choices")))
+
+
+def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_LIMITS) -> StructuredOutput | None:
+    """The one constraint ``body`` asks for, checked and compiled for ``tokenizer``; None for none.
+    Raises ``SpecError`` naming the field that is wrong."""
+    for name, why in _UNSUPPORTED.items():
+        if body.get(name) is not None:
+            raise SpecError(f"body.{name}", why)
+    asked = [c for c in _constraints(body) if c is not None]
+    if len(asked) > 1:
+        raise SpecError(asked[1][0], f"a request takes one structured-output constraint, and this one comes "
+                        f"with {asked[0][0]}: keep one of them")
+    if not asked:
+        return None
+    param, kind, value = asked[0]
+    spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
+    try:
+        check(spec, tokenizer)
+    except GrammarError as exc:
+        raise SpecError(param, f"the grammar library cannot compile it: {str(exc)[:_REASON_CHARS]}") from None
+    return spec
+
+
+def _constraints(body: dict):
+    """(param, kind, raw value) of each constraint the body names; None where a field names none."""
+    yield _response_format(body.get("response_format"))
+    for name, kind in _OLD_FIELDS.items():
+        if body.get(name) is not None:
+            yield f"body.{name}", kind, body[name]
+    new = body.get("structured_outputs")
+    if new is None:
+        return
+    if not isinstance(new, dict):
+        raise SpecError("body.structured_outputs", f"must be an object with one of {', '.join(_NEW_KEYS)}, "
+                        f"not {shown(new)}")
+    for key, value in new.items():
+        param = f"body.structured_outputs.{key}"
+        if key not in _NEW_KEYS:
+            raise SpecError(param, f"is not supported: structured_outputs takes one of {', '.join(_NEW_KEYS)}")
+        if key == "json_object":
+            if value is not None and not isinstance(value, bool):
+                raise SpecError(param, f"must be true or false, not {shown(value)}")
+            if value:
+                yield param, "json_object", None
+        elif value is not None:
+            yield param, _NEW_KEYS[key], value
+
+
+def _response_format(rf: Any):
+    param = "body.response_format"
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise SpecError(param, f'must be an object such as {{"type": "json_object"}}, not {shown(rf)}')
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return param, "json_object", None
+    if kind != "json_schema":
+        raise SpecError(f"{param}.type", f'must be "text", "json_object" or "json_schema", not {shown(kind)}')
+    js = rf.get("json_schema")
+    where = f"{param}.json_schema"
+    if not isinstance(js, dict):
+        raise SpecError(where, 'missing or not an object: give {"name": ..., "schema": {...}}')
+    name = js.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise SpecError(f"{where}.name", "missing or not 1 to 64 letters, digits, '_' or '-' (OpenAI's rule), "
+                        f"got {shown(name)}")
+    if js.get("description") is not None and not isinstance(js["description"], str):
+        raise SpecError(f"{where}.description", f"must be a string, not {shown(js['description'])}")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise SpecError(f"{where}.strict", f"must be true or false, not {shown(js['strict'])}")
+    if js.get("schema") is None:
+        raise SpecError(f"{where}.schema", "missing: give the JSON Schema every output must match")
+    return f"{where}.schema", "json_schema", js["schema"]
+
+
+def _checked_value(param: str, kind: str, value: Any, limits: StructuredLimits) -> str:
+    """``StructuredOutput.value`` for a raw field value, or ``SpecError``."""
+    if kind == "json_object":
+        return ""
+    if kind == "json_schema":
+        return _schema_text(param, value, limits.schema_bytes)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise SpecError(param, f"must be a non-empty list of non-empty strings, not {shown(value)}")
+        if len(value) > limits.choices:
+            raise SpecError(param, f"{len(value)} choices, over the limit of {limits.choices} "
+                            "(BERTH_STRUCTURED_MAX_CHOICES)")
+        for c in value:
+            if why := bad_text(c, nul=False):
+                raise SpecError(param, f"a choice {why}")
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        _within(param, "the choices, as JSON text,", text, limits.grammar_bytes, "GRAMMAR")
+        return text
+    if not isinstance(value, str) or not value:
+        raise SpecError(param, f"must be a non-empty string, not {shown(value)}")
+    if kind == "regex":
+        _within(param, "the regular expression", value, limits.regex_bytes, "REGEX")
+    else:
+        _within(param, "the grammar", value, limits.grammar_bytes, "GRAMMAR")
+    if why := bad_text(value, nul=False):
+        raise SpecError(param, why)
+    return value
+
+
+def _schema_text(param: str, schema: Any, limit: int) -> str:
+    if isinstance(schema, str):  # guided_json may carry the schema as JSON text
+        if len(schema.encode("utf-8", "surrogatepass")) > limit:
+            raise SpecError(param, f"the schema is {len(schema):,} characters, over the limit of {limit:,} bytes "
+                            "(BERTH_STRUCTURED_MAX_SCHEMA_BYTES)")
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError) as exc:
+            raise SpecError(param, f"a string that is not JSON text: {str(exc)[:200]}") from None
+    if not isinstance(schema, dict):
+        raise SpecError(param, f"must be a JSON Schema object, not {shown(schema)}")
+    try:
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:
+        raise SpecError(param, "nested too deeply: flatten the schema (use $defs and $ref)") from None
+    _within(param, "the schema, as compact JSON,", text, limit, "SCHEMA")
+    if why := bad_text(text, nul=False):
+        raise SpecError(param, why)
+    try:
+        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = exc.json_path if exc.path else "its top level"
+        raise SpecError(param, f"not a valid JSON Schema: at {where}: {exc.message[:_REASON_CHARS]}") from None
+    except RecursionError:
+        raise SpecError(param, "nested too deeply: flatten the schema (use $defs and $ref)") from None
+    return text
+
+
+def _within(param: str, what: str, text: str, limit: int, setting: str) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise SpecError(param, f"{what} is {size:,} bytes, over the limit of {limit:,} "
+                        f"(BERTH_STRUCTURED_MAX_{setting}_BYTES)")
