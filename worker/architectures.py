@@ -57,17 +57,24 @@ def architecture(config) -> Architecture:
                    mlp_bias=arch.mlp_bias or bool(getattr(config, "mlp_bias", False)))
 
 
-def attention_names(arch: Architecture) -> list[str]:
-    qkv = ["self_attn.qkv_proj"] if arch.fused_qkv else [f"self_attn.{n}_proj" for n in "qkv"]
-    names = [n + ".weight" for n in qkv] + ["self_attn.o_proj.weight"]
-    names += [n + ".bias" for n in qkv] * arch.qkv_bias + ["self_attn.o_proj.bias"] * arch.o_bias
+def qkv_modules(arch: Architecture) -> list[str]:
+    """The checkpoint's modules that make the one q/k/v projection, in that order."""
+    return ["self_attn.qkv_proj"] if arch.fused_qkv else [f"self_attn.{n}_proj" for n in "qkv"]
+
+
+def gate_up_modules(arch: Architecture) -> list[str]:
+    """The checkpoint's modules that make the one gate/up projection, gate first."""
+    return ["mlp.gate_up_proj"] if arch.fused_gate_up else ["mlp.gate_proj", "mlp.up_proj"]
+
+
+def layer_weight_names(arch: Architecture) -> list[str]:
+    def linear(modules: list[str], bias: bool) -> list[str]:
+        return [m + ".weight" for m in modules] + [m + ".bias" for m in modules] * bias
+
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    names += linear(qkv_modules(arch), arch.qkv_bias) + linear(["self_attn.o_proj"], arch.o_bias)
+    names += linear(gate_up_modules(arch), arch.mlp_bias) + linear(["mlp.down_proj"], arch.mlp_bias)
     return names + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] * arch.qk_norm
-
-
-def mlp_names(arch: Architecture) -> list[str]:
-    mlp = ["mlp.gate_up_proj"] if arch.fused_gate_up else ["mlp.gate_proj", "mlp.up_proj"]
-    mlp.append("mlp.down_proj")
-    return [n + ".weight" for n in mlp] + [n + ".bias" for n in mlp] * arch.mlp_bias
 
 
 def hf_weight_names(config) -> list[str]:
@@ -76,7 +83,7 @@ def hf_weight_names(config) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
-    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", *attention_names(arch), *mlp_names(arch)]
+    layer = layer_weight_names(arch)
     return names + [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in layer]
 
 

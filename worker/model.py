@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionOps
-from worker.architectures import ModelLoadError, architecture, sliding_window
+from worker.architectures import ModelLoadError, architecture, gate_up_modules, qkv_modules, sliding_window
 from worker.linear import Linear, make_linear
 from worker.rotary import rotary_tables
 
@@ -70,14 +70,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., dim:]), dim=-1)
 
 
-def _projection(w: dict[str, torch.Tensor], prefix: str, parts: list[str], fused: str | None,
-                bias: bool) -> Linear:
-    """One linear for projections the step runs together: the checkpoint's fused tensor where it
-    stores one (used as it lies), else its parts concatenated (the one copy fusing costs)."""
+def _projection(w: dict[str, torch.Tensor], prefix: str, modules: list[str], bias: bool) -> Linear:
+    """One linear for the checkpoint's ``modules`` that the step runs together: a fused tensor used
+    as it lies (Phi-3's), or the parts concatenated (the one copy fusing costs)."""
     def joined(kind: str) -> torch.Tensor:
-        if fused:
-            return w.pop(f"{prefix}{fused}.{kind}")
-        tensors = [w.pop(f"{prefix}{part}.{kind}") for part in parts]
+        tensors = [w.pop(f"{prefix}{m}.{kind}") for m in modules]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     return make_linear(joined("weight"), joined("bias") if bias else None)
@@ -113,13 +110,11 @@ class DecoderModel:
             p = f"model.layers.{i}."
             self.layers.append(Layer(
                 input_norm=w[p + "input_layernorm.weight"],
-                qkv=_projection(w, p, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                                "self_attn.qkv_proj" if arch.fused_qkv else None, arch.qkv_bias),
-                o=_projection(w, p, ["self_attn.o_proj"], None, arch.o_bias),
+                qkv=_projection(w, p, qkv_modules(arch), arch.qkv_bias),
+                o=_projection(w, p, ["self_attn.o_proj"], arch.o_bias),
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=_projection(w, p, ["mlp.gate_proj", "mlp.up_proj"],
-                                    "mlp.gate_up_proj" if arch.fused_gate_up else None, arch.mlp_bias),
-                down=_projection(w, p, ["mlp.down_proj"], None, arch.mlp_bias),
+                gate_up=_projection(w, p, gate_up_modules(arch), arch.mlp_bias),
+                down=_projection(w, p, ["mlp.down_proj"], arch.mlp_bias),
                 q_norm=w[p + "self_attn.q_norm.weight"] if arch.qk_norm else None,
                 k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None))
         self.cos, self.sin = rotary_tables(config, self.head_dim, device, dtype)  # [positions, rotary dim]
