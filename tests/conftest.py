@@ -39,26 +39,55 @@ def hf_smol(smol_path):
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smol_path) -> Path:
-    """A random 2-layer Llama, GQA 4:2, untied embeddings, saved as a safetensors folder with the
-    default model's tokenizer (read without its weights). Weights are scaled up so that greedy
-    choices are not near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# The shape of every tiny test model: 2 layers, GQA 4:2, weights scaled up (initializer_range) so
+# that greedy choices are not near-ties.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2)
 
-    from worker.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(smol_path)
-    torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=10000.0,
-                         initializer_range=0.2, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
+def save_tiny_model(config_class, model_class, tokenizer, path: Path, *, disk_dtype: torch.dtype | None = None,
+                    max_shard_size: str | None = None, generation: dict | None = None, seed: int = 1234,
+                    random_vectors: bool = False, **config_fields) -> Path:
+    """A random model of ``TINY_SHAPE`` (and ``config_fields``) saved as a safetensors folder with
+    the default model's tokenizer: in ``disk_dtype``, sharded past ``max_shard_size``, with
+    ``generation`` set in its generation_config.json. ``random_vectors`` draws biases and norm
+    weights too, which transformers starts at zeros and ones, where a bias left out or a norm's
+    weight applied in the wrong place would change nothing."""
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{"vocab_size": len(tokenizer), **TINY_SHAPE, **config_fields}))
+    if random_vectors:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.2)
+                elif param.dim() == 1:
+                    param.uniform_(0.5, 1.5)
+    for key, value in (generation or {}).items():
+        setattr(model.generation_config, key, value)
+    if disk_dtype is not None:
+        model = model.to(disk_dtype)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_path):
+    """The default model's tokenizer, read without its weights."""
+    from worker.tokenizer import load_tokenizer
+
+    return load_tokenizer(smol_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A random 2-layer Llama, GQA 4:2, untied embeddings, saved as a safetensors folder with the
+    default model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_tiny_model(LlamaConfig, LlamaForCausalLM, smol_tokenizer, tmp_path_factory.mktemp("tiny-llama"),
+                           tie_word_embeddings=False, rope_theta=10000.0)
 
 
 @pytest.fixture(scope="session")
@@ -76,10 +105,10 @@ def hf_tiny(tiny_llama_dir):
 
 
 @pytest.fixture(scope="session")
-def text_ids(smol_loaded) -> list[int]:
+def text_ids(smol_tokenizer) -> list[int]:
     """Token ids of real English prose and code: the standard library's argparse module."""
     text = Path(argparse.__file__).read_text()
-    return smol_loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return smol_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def cut_prompts(text_ids: list[int], lengths: list[int], stride: int = 997) -> list[list[int]]:

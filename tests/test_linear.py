@@ -32,3 +32,14 @@ def test_other_dtypes_take_f_linear():
     weight = torch.randn(8, 4, dtype=torch.float64)
     x = torch.randn(3, 4, dtype=torch.float64)
     assert torch.equal(make_linear(weight)(x), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_a_bias_is_added(dtype, tolerance):
+    g = torch.Generator().manual_seed(2)
+    weight = (torch.randn(96, 64, generator=g) * 0.05).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    assert (make_linear(weight, bias)(x).double() - exact).abs().max() < tolerance
+    assert (make_linear(weight)(x).double() - exact).abs().max() > 0.5  # the bias is what makes the difference

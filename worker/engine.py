@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import time
 from collections import Counter
@@ -118,7 +119,7 @@ class Engine:
             mode = "swap" if self.device.type == "cuda" else "recompute"
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.aging_steps, mode)
-        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = loaded.config.vocab_size
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -550,11 +551,19 @@ class Engine:
                 "slot_utilization": sum(filled.values()) / (len(filled) * bs) if filled else 1.0}
 
 
-def _eos_ids(config, tokenizer) -> tuple[int, ...]:
+def _eos_ids(config, tokenizer, path: str) -> tuple[int, ...]:
+    """Every id that ends a completion: the config's, the tokenizer's, and generation_config.json's
+    where the model folder has one (Llama 3 and Qwen list their end-of-turn tokens there)."""
+    generation = Path(path) / "generation_config.json"
+    try:
+        from_generation = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("ignoring %s: %s", generation, exc)
+        from_generation = None
     ids = set()
-    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None), from_generation):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
-            ids.update(value)
+            ids.update(v for v in value if isinstance(v, int))
     return tuple(sorted(ids))

@@ -27,15 +27,15 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def make_linear(weight: torch.Tensor) -> Linear:
-    """A function ``x [rows, in] -> [rows, out]`` for ``weight [out, in]``."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A function ``x [rows, in] -> [rows, out]`` for ``weight [out, in]``, plus ``bias [out]`` if given."""
     if _onednn_usable(weight):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT)
             probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
-            torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [None], "")
+            torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [None], "")
         except RuntimeError as exc:  # a build whose oneDNN lacks the kernel for this CPU or dtype
             log.warning("oneDNN linear unavailable (%s): using F.linear", exc)
         else:
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
-    return lambda x: F.linear(x, weight)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    return lambda x: F.linear(x, weight, bias)

@@ -1,9 +1,11 @@
-"""A Llama-family decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) that reads
-and writes a paged KV cache.
+"""The decoder of every family berth runs (Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3): RMSNorm, rotary
+embeddings, grouped-query attention and SwiGLU, with the few switches of ``worker.architectures``
+(biases, per-head q/k norms, partial rotary), reading and writing a paged KV cache.
 
 One step is one flattened batch: the new tokens of every scheduled sequence, decode tokens first,
 then prefill chunks, go through each linear layer as a single ``[tokens, hidden]`` matrix. Q, K and
-V share one weight, as do the gate and up projections, so a layer is four matrix multiplies.
+V share one weight, as do the gate and up projections, so a layer is four matrix multiplies,
+whether the checkpoint stores them fused (Phi-3) or apart.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionOps
+from worker.architectures import ModelLoadError, architecture, gate_up_modules, qkv_modules, sliding_window
 from worker.linear import Linear, make_linear
+from worker.rotary import rotary_tables
 
 
 @dataclass
@@ -41,6 +45,8 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear
+    q_norm: torch.Tensor | None = None  # [head_dim], over each head (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,13 +61,38 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LlamaModel:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dimensions of each head (all of them, but for partial rotary)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot = x[..., :dim]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., dim:]), dim=-1)
+
+
+def _projection(w: dict[str, torch.Tensor], prefix: str, modules: list[str], bias: bool) -> Linear:
+    """One linear for the checkpoint's ``modules`` that the step runs together: a fused tensor used
+    as it lies (Phi-3's), or the parts concatenated (the one copy fusing costs)."""
+    def joined(kind: str) -> torch.Tensor:
+        tensors = [w.pop(f"{prefix}{m}.{kind}") for m in modules]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    return make_linear(joined("weight"), joined("bias") if bias else None)
+
+
+class DecoderModel:
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  ops: AttentionOps):
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            raise ValueError("Llama models with attention or MLP biases are not supported yet")
+        """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``)."""
+        arch = architecture(config)
+        window = sliding_window(config)
+        if window is not None and window < config.max_position_embeddings:
+            raise ModelLoadError(f"this {config.model_type} model attends within {window} tokens, and berth's "
+                                 f"attention has no window: cap max_position_embeddings "
+                                 f"({config.max_position_embeddings}) at the window, as the safetensors loader does")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"this {config.model_type} model's activation is {config.hidden_act!r}; berth's "
+                                 "MLP is SwiGLU (silu)")
         self.config = config
         self.ops = ops
         self.dtype = dtype
@@ -70,7 +101,7 @@ class LlamaModel:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim ** -0.5
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}  # no copy if already there
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w.pop("lm_head.weight"))
@@ -79,19 +110,14 @@ class LlamaModel:
             p = f"model.layers.{i}."
             self.layers.append(Layer(
                 input_norm=w[p + "input_layernorm.weight"],
-                qkv=make_linear(torch.cat([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
-                o=make_linear(w.pop(p + "self_attn.o_proj.weight")),
+                qkv=_projection(w, p, qkv_modules(arch), arch.qkv_bias),
+                o=_projection(w, p, ["self_attn.o_proj"], arch.o_bias),
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=make_linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
-                down=make_linear(w.pop(p + "mlp.down_proj.weight"))))
-        # Rotary tables for every position, from transformers' own rotary module (rope scaling
-        # variants included), in the same float32 arithmetic, cast to the model dtype.
-        rotary = LlamaRotaryEmbedding(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * rotary.attention_scaling).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * rotary.attention_scaling).to(device=device, dtype=dtype)
+                gate_up=_projection(w, p, gate_up_modules(arch), arch.mlp_bias),
+                down=_projection(w, p, ["mlp.down_proj"], arch.mlp_bias),
+                q_norm=w[p + "self_attn.q_norm.weight"] if arch.qk_norm else None,
+                k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None))
+        self.cos, self.sin = rotary_tables(config, self.head_dim, device, dtype)  # [positions, rotary dim]
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -106,8 +132,11 @@ class LlamaModel:
             q, k, v = layer.qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
             q = q.view(T, H, D)
             k = k.view(T, KVH, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, self.eps)
+                k = rms_norm(k, layer.k_norm, self.eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
             self.ops.write_kv(k, v.view(T, KVH, D), k_cache, v_cache, step.slot_mapping)
             attn = self._attention(q, k_cache, v_cache, step)
             h = h + layer.o(attn.view(T, H * D))

@@ -16,17 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model hub is never reached at 
 
 import torch  # noqa: E402
 
+from worker.architectures import SUPPORTED_ARCHITECTURES, ModelLoadError, hf_weight_names  # noqa: E402,F401
+
 log = logging.getLogger(__name__)
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-class ModelLoadError(RuntimeError):
-    """The model path is not a model berth can load; the message says why and what to do."""
 
 
 @dataclass
 class LoadedModel:
-    config: "LlamaConfig"  # noqa: F821 (transformers' class)
+    config: "PretrainedConfig"  # noqa: F821 (transformers' config class of the family, model_type set)
     weights: dict[str, torch.Tensor]
     tokenizer: object
     path: str
@@ -55,21 +52,9 @@ def load_config(path: str):
         from worker.gguf_loader import load_gguf_config
 
         return load_gguf_config(p)
-    from transformers import AutoConfig
+    from worker.safetensors_loader import read_config
 
-    return AutoConfig.from_pretrained(str(p))
-
-
-def hf_weight_names(config) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        names += [prefix + n + ".weight" for n in (
-            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    return names
+    return read_config(p)
 
 
 def check_complete(weights: dict, wanted, path) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kernels.attention import select_ops
-from worker.model import LlamaModel, StepInput
+from worker.model import DecoderModel, StepInput
 from worker.request import Sequence
 
 
@@ -36,7 +36,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.ops = select_ops(attention_backend, device)
-        self.model = LlamaModel(loaded.config, loaded.weights, dtype, device, self.ops)
+        self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
         m = self.model
         self.num_layers = len(m.layers)
         self.block_shape = (block_size, m.num_kv_heads, m.head_dim)
