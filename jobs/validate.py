@@ -27,6 +27,7 @@ from typing import BinaryIO, Iterator
 from jobs.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
 from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from worker.config import Settings
+from worker.architectures import context_length
 from worker.model_loader import load_config
 from worker.tokenizer import load_tokenizer
 from worker.request import Request
@@ -69,7 +70,7 @@ class ModelInfo:
 @functools.lru_cache(maxsize=4)
 def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
     config = load_config(path)
-    context = config.max_position_embeddings
+    context = context_length(config)  # capped at a sliding window, as the engine does
     return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context), config.vocab_size)
 
 

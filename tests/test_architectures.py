@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import save_tiny_model
 from tests.exactness_support import check_against_hf, make_prompts
-from worker.architectures import SUPPORTED_ARCHITECTURES
+from worker.architectures import SUPPORTED_ARCHITECTURES, context_length
 from worker.engine import Engine
 from worker.model_loader import ModelLoadError, load_config, load_model
 
@@ -95,7 +95,7 @@ def test_the_checkpoints_are_stored_as_each_case_says(tmp_path, smol_tokenizer):
 
 def test_a_sliding_window_caps_the_context(tmp_path, smol_tokenizer):
     path = build("mistral-window-bf16", smol_tokenizer, tmp_path)
-    assert load_config(str(path)).max_position_embeddings == 1024  # what the front door checks prompts against
+    assert context_length(load_config(str(path))) == 1024  # what the front door checks prompts against
     assert Engine(loaded=load_model(str(path), torch.float32), kv_memory="8MiB").max_model_len == 1024
 
 

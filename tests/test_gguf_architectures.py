@@ -51,18 +51,18 @@ def random_model(case: str, **fields):
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer(smol_path):
+def smol_tokenizer_fields(smol_path):
     return tokenizer_fields(smol_path)
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory, smol_tokenizer):
+def written(tmp_path_factory, smol_tokenizer_fields):
     """Each case as an F32 file with the default model's tokenizer: case -> (model, path, expected)."""
     out = {}
     for case, (arch, _, _) in FAMILIES.items():
         model = random_model(case)
         path = tmp_path_factory.mktemp(case) / f"tiny-{case}.gguf"
-        out[case] = model, path, write_gguf(path, model, arch, tokenizer=smol_tokenizer)
+        out[case] = model, path, write_gguf(path, model, arch, tokenizer=smol_tokenizer_fields)
     return out
 
 
@@ -140,12 +140,12 @@ def quant_model():
 
 
 @pytest.mark.parametrize("qtype", QUANTISED, ids=lambda q: q.name)
-def test_quantised_weights_read_back(tmp_path, quant_model, smol_tokenizer, qtype):
+def test_quantised_weights_read_back(tmp_path, quant_model, smol_tokenizer_fields, qtype):
     """Each type reads back as gguf's reference dequantisation of the stored bytes, rows unpermuted;
     the types gguf can quantise are written from the model's weights and must be within their
     rounding error of them (Q4_K and Q6_K, which it cannot quantise, are random blocks)."""
     path = tmp_path / f"tiny-{qtype.name}.gguf"
-    token_ids = [field for field in smol_tokenizer if field[0].endswith("_token_id")]
+    token_ids = [field for field in smol_tokenizer_fields if field[0].endswith("_token_id")]
     expected = write_gguf(path, quant_model, "llama", qtype, tokenizer=token_ids)
     config = load_config(str(path))
     assert_config_equal(config, quant_model.config)
@@ -189,3 +189,21 @@ def test_cut_short_file_is_a_load_error(tmp_path, written):
     path.write_bytes(written["qwen3"][1].read_bytes()[:5000])  # inside the vocabulary
     with pytest.raises(ModelLoadError, match="cut short or damaged"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "phi3"])
+def test_engine_on_a_gguf_file_matches_transformers(written, case, smol_path, text_ids):
+    """The GGUF reading and the model together: berth's greedy tokens and logits on each family's
+    file against transformers' model it was written from (prompts short of phi3's 32-token window)."""
+    from tests.conftest import cut_prompts
+    from tests.exactness_support import check_against_hf
+    from worker.engine import Engine
+    from worker.model_loader import LoadedModel
+    from worker.tokenizer import load_tokenizer
+
+    model, path, _ = written[case]
+    config = load_config(str(path))
+    loaded = LoadedModel(config, gguf_weights(read_index(path), config, torch.float32), load_tokenizer(smol_path),
+                         str(path))
+    engine = Engine(loaded=loaded, kv_memory="16MiB", max_num_batched_tokens=16, block_size=16)
+    check_against_hf(model.eval(), engine, cut_prompts(text_ids, [1, 7, 15, 20]), generate_every=4, new_tokens=8)

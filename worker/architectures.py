@@ -87,6 +87,14 @@ def hf_weight_names(config) -> list[str]:
     return names + [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in layer]
 
 
+def context_length(config) -> int:
+    """The longest sequence berth runs on this model: its context, capped at its attention window if it
+    has one. berth's attention has no window; within the window, the window masks nothing, so full
+    attention computes exactly what the model would (Mistral v0.1 runs 4,096 tokens, Phi-3-mini-4k 2,047)."""
+    window = sliding_window(config)
+    return min(config.max_position_embeddings, window) if window else config.max_position_embeddings
+
+
 def sliding_window(config) -> int | None:
     """The attention window if any layer has one (Mistral, Phi-3, Qwen with ``use_sliding_window``)."""
     window = getattr(config, "sliding_window", None)

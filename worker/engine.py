@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from worker import grammar
+from worker.architectures import context_length
 from worker.block_manager import BlockManager
 from worker.config import Settings
 from worker.model_loader import LoadedModel, load_model
@@ -110,8 +111,8 @@ class Engine:
         self.model_name = settings.served_model_name()
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
                                   kv_memory=settings.kv_memory, attention_backend=settings.attention_backend)
-        self.max_model_len = min(settings.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        context = context_length(loaded.config)  # capped at a sliding window
+        self.max_model_len = min(settings.max_model_len or context, context)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         mode = settings.preemption_mode

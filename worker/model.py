@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionOps
-from worker.architectures import ModelLoadError, architecture, gate_up_modules, qkv_modules, sliding_window
+from worker.architectures import ModelLoadError, architecture, gate_up_modules, qkv_modules
 from worker.linear import Linear, make_linear
 from worker.rotary import rotary_tables
 
@@ -85,11 +85,6 @@ class DecoderModel:
                  ops: AttentionOps):
         """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``)."""
         arch = architecture(config)
-        window = sliding_window(config)
-        if window is not None and window < config.max_position_embeddings:
-            raise ModelLoadError(f"this {config.model_type} model attends within {window} tokens, and berth's "
-                                 f"attention has no window: cap max_position_embeddings "
-                                 f"({config.max_position_embeddings}) at the window, as the safetensors loader does")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"this {config.model_type} model's activation is {config.hidden_act!r}; berth's "
                                  "MLP is SwiGLU (silu)")

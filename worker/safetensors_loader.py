@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from worker.architectures import check_supported, sliding_window
+from worker.architectures import check_supported
 from worker.model_loader import LoadedModel, ModelLoadError, check_complete, hf_weight_names
 from worker.tokenizer import load_tokenizer
 
@@ -24,11 +24,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def read_config(path: Path):
-    """config.json as its family's transformers config, refused unless berth runs its model_type.
-
-    A model with sliding-window attention gets its context capped at the window: within it, the
-    window masks nothing, so full attention computes exactly what the model would.
-    """
+    """config.json as its family's transformers config, refused unless berth runs its model_type."""
     from transformers import AutoConfig
 
     try:
@@ -36,13 +32,7 @@ def read_config(path: Path):
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {path}/config.json ({exc}): is this a Hugging Face model folder?") from None
     check_supported(raw.get("model_type"), f"{path} (config.json's model_type)")
-    config = AutoConfig.from_pretrained(str(path))
-    window = sliding_window(config)
-    if window is not None and window < config.max_position_embeddings:
-        log.info("%s attends within a window of %d tokens: its context is capped there (from %d)",
-                 path, window, config.max_position_embeddings)
-        config.max_position_embeddings = window
-    return config
+    return AutoConfig.from_pretrained(str(path))
 
 
 def weight_files(path: Path, wanted: set[str]) -> dict[Path, list[str]]:
