@@ -1,7 +1,6 @@
 """Structured outputs end to end, on the default model: extraction prompts with a JSON schema run
 through ``berth generate``, and every output that finishes "stop" parses and validates against its
-schema. The same prompts without the constraint show what the constraint buys (printed, not
-asserted: it is the model's quality, not berth's). A constrained request body also gives the same
+schema. A constrained request body also gives the same
 output through ``berth generate``, ``berth run`` and the queue with a worker."""
 
 from __future__ import annotations
@@ -9,66 +8,26 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 
 from jobs import api
 from jobs.generate import generate_file
 from jobs.models import JobStatus
-from tests.extraction_cases import SCHEMAS, cases, extraction_prompt
+from benchmarks.extraction import SCHEMAS, invalid, run_extractions
 from tests.jobs_support import TINY_NAME, read_jsonl, tiny_settings, work_until_over
-from worker.config import DEFAULT_MODEL_NAME, Settings
+from worker.config import Settings
 from worker.engine import Engine
 
-MAX_TOKENS = 120
-
-
-def _extraction_line(i: int, kind: str, document: str, constrained: bool) -> str:
-    body = {"model": DEFAULT_MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "messages": [{"role": "user", "content": extraction_prompt(kind, document)}]}
-    if constrained:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": kind, "schema": SCHEMAS[kind],
-                                                                          "strict": True}}
-    return json.dumps({"custom_id": f"{kind}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
-
-
-def _run(tmp_path, engine, name: str, constrained: bool) -> list[tuple[str, str, str]]:
-    """(kind, finish_reason, text) of every extraction case, in order."""
-    path = tmp_path / f"{name}.jsonl"
-    path.write_text("".join(_extraction_line(i, kind, doc, constrained) + "\n" for i, (kind, doc) in enumerate(cases())))
-    summary = generate_file(path, tmp_path / f"{name}.out.jsonl", engine=engine, progress=False)
-    assert (summary.completed, summary.failed) == (len(cases()), 0)
-    out = []
-    for (kind, _), line in zip(cases(), read_jsonl(tmp_path / f"{name}.out.jsonl")):
-        [choice] = line["response"]["body"]["choices"]
-        out.append((kind, choice["finish_reason"], choice["message"]["content"]))
-    return out
-
-
-def _invalid(kind: str, text: str) -> str | None:
-    """Why ``text`` is not a JSON value valid against the kind's schema, or None."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        return f"not JSON ({exc})"
-    errors = list(jsonschema.Draft202012Validator(SCHEMAS[kind]).iter_errors(value))
-    return f"invalid: {errors[0].message}" if errors else None
-
-
-@pytest.mark.slow  # two runs of 60 requests on the default model: minutes on a shared 2-core machine
+@pytest.mark.slow  # 60 requests on the default model
 def test_every_constrained_extraction_that_stops_is_valid(tmp_path):
+    """The contrast, the same prompts without the constraint (0 of 60 valid), is a measure of the
+    model, not of berth: ``python benchmarks/extraction.py`` prints it."""
     engine = Engine(Settings())  # the defaults a user gets: the default model, float32, every core
-    constrained = _run(tmp_path, engine, "constrained", constrained=True)
+    constrained = run_extractions(tmp_path, engine, "constrained", constrained=True)
     stopped = [(kind, text) for kind, reason, text in constrained if reason == "stop"]
     for kind, text in stopped:
-        assert _invalid(kind, text) is None, (kind, text, _invalid(kind, text))
+        assert invalid(kind, text) is None, (kind, text, invalid(kind, text))
     assert len(stopped) >= 0.8 * len(constrained), [r for _, r, _ in constrained]
-
-    free = _run(tmp_path, engine, "free", constrained=False)
-    failing = [kind for kind, _, text in free if _invalid(kind, text) is not None]
-    print(f"\nstructured outputs, {len(cases())} extraction prompts over {len(SCHEMAS)} schemas, "
-          f"max_tokens {MAX_TOKENS}: constrained {len(stopped)}/{len(constrained)} finished stop, all valid; "
-          f"unconstrained {len(failing)}/{len(free)} ({len(failing) / len(free):.0%}) fail to parse or validate")
 
 
 BODIES = {  # one request of each kind of constraint, greedy
@@ -119,7 +78,7 @@ def test_a_constrained_body_gives_one_output_through_every_door(tmp_path, tiny_l
         if reason != "stop":
             continue
         if name == "schema":
-            assert _invalid("person", text) is None, text
+            assert invalid("person", text) is None, text
         elif name == "object":
             assert isinstance(json.loads(text), dict), text
         elif name == "choice":

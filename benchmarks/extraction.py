@@ -1,4 +1,5 @@
-"""Extraction prompts for the structured-output tests: five JSON schemas (a person, a product, an
+"""Extraction prompts for structured outputs (tests/test_structured_outputs.py, and the contrast
+with unconstrained output, ``python benchmarks/extraction.py``): five JSON schemas (a person, a product, an
 invoice, a support ticket, an event) and twelve short documents for each, as a user would send
 them: a chat message asking for the JSON of a document.
 
@@ -8,6 +9,15 @@ have a ``maxLength`` / ``maxItems`` so that a complete answer fits the tests' ``
 """
 
 from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 NAME = {"type": "string", "maxLength": 40}
 DATE = {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}
@@ -130,3 +140,70 @@ def extraction_prompt(kind: str, document: str) -> str:
 def cases() -> list[tuple[str, str]]:
     """(kind, document) for every document, in a fixed order."""
     return [(kind, doc) for kind, docs in DOCUMENTS.items() for doc in docs]
+
+
+MAX_TOKENS = 120
+
+
+def extraction_line(i: int, kind: str, document: str, model: str, constrained: bool) -> str:
+    """A request line asking for the JSON of ``document``, with its schema as ``response_format`` or not."""
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": extraction_prompt(kind, document)}]}
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": kind, "schema": SCHEMAS[kind],
+                                                                          "strict": True}}
+    return json.dumps({"custom_id": f"{kind}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def run_extractions(folder: Path, engine, name: str, constrained: bool) -> list[tuple[str, str, str]]:
+    """Every case through ``berth generate`` on ``engine``: (kind, finish_reason, text), in order."""
+    from jobs.generate import generate_file
+
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(extraction_line(i, kind, doc, engine.model_name, constrained) + "\n"
+                            for i, (kind, doc) in enumerate(cases())))
+    summary = generate_file(path, folder / f"{name}.out.jsonl", engine=engine, progress=False)
+    assert (summary.completed, summary.failed) == (len(cases()), 0), summary
+    out = []
+    for (kind, _), line in zip(cases(), (folder / f"{name}.out.jsonl").read_text().splitlines()):
+        [choice] = json.loads(line)["response"]["body"]["choices"]
+        out.append((kind, choice["finish_reason"], choice["message"]["content"]))
+    return out
+
+
+def invalid(kind: str, text: str) -> str | None:
+    """Why ``text`` is not a JSON value valid against the kind's schema, or None."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"not JSON ({exc})"
+    errors = list(jsonschema.Draft202012Validator(SCHEMAS[kind]).iter_errors(value))
+    return f"invalid: {errors[0].message}" if errors else None
+
+
+def main() -> None:
+    """The same prompts with and without the constraint, on the defaults: how many outputs stop,
+    parse and validate, and what each run took."""
+    import tempfile
+
+    from benchmarks.throughput import machine_info
+    from worker.config import Settings
+    from worker.engine import Engine
+
+    engine = Engine(Settings())
+    print(f"{len(cases())} extraction prompts over {len(SCHEMAS)} schemas, max_tokens {MAX_TOKENS}, "
+          f"on {machine_info(engine.settings.threads or 0)['cpu_model']}")
+    print(f"{'run':<14}{'stop':>6}{'parse':>7}{'valid':>7}{'seconds':>9}")
+    with tempfile.TemporaryDirectory() as folder:
+        for name, constrained in (("constrained", True), ("unconstrained", False)):
+            t0 = time.perf_counter()
+            results = run_extractions(Path(folder), engine, name, constrained)
+            seconds = time.perf_counter() - t0
+            stop = sum(reason == "stop" for _, reason, _ in results)
+            parse = sum(not (invalid(k, t) or "").startswith("not JSON") for k, _, t in results)
+            valid = sum(invalid(k, t) is None for k, _, t in results)
+            print(f"{name:<14}{stop:>6}{parse:>7}{valid:>7}{seconds:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
