@@ -5,12 +5,16 @@ The library is xgrammar, chosen over llguidance by measuring both on the default
 (``benchmarks/grammar_libraries.py``; figures in benchmarks/README.md, "Structured outputs"). What
 decided it is the cost paid every step: xgrammar precomputes at compile time which tokens each
 grammar position allows (its adaptive token-mask cache), so filling the bitmask of a whole batch of
-constrained rows is one batch call costing a few milliseconds, where llguidance computes masks
-lazily as it goes and took tens of times longer for the same batch. xgrammar pays at compile time
-instead (tens of milliseconds per schema, about a second for a 40-field one), which a bulk job pays
-once: its 100,000 requests share one schema, and compiled grammars are cached. Both libraries let go
-of the GIL while compiling (measured: the engine's thread is never stalled for the compile), so a
-small thread pool compiles beside the engine loop, never inside it.
+constrained rows is one cheap batch call, where llguidance computes masks lazily as it goes and
+took tens of times longer for the same batch. xgrammar pays at compile time instead (several times
+llguidance's compile), which a bulk job pays once: its 100,000 requests share one schema, and
+compiled grammars are cached. Its tokenizer info also builds faster. Both libraries let go of the
+GIL while compiling (measured: the engine's thread is never stalled for the compile), so a small
+thread pool compiles beside the engine loop, never inside it, and no process pool is needed.
+
+JSON schemas compile without free whitespace (``any_whitespace=False``: xgrammar's default
+separators): a small model let loose on whitespace can fill its whole ``max_tokens`` with newlines.
+A constrained row's EOS is not suppressed by ``min_tokens`` (its grammar says where it ends).
 
 The pieces:
 

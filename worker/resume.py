@@ -9,7 +9,9 @@ warning: the request starts over. Otherwise the request gets its generated token
 the engine to recompute by prefill, whichever ``TransferRates`` estimates is faster.
 ``ready`` (engine thread) puts fetched blocks into the engine's prefix cache and hands back the
 requests to add: the engine takes the cached blocks instead of computing them, and samples the
-rest exactly as it would have (randomness depends only on seed, sample and position).
+rest exactly as it would have (randomness depends only on seed, sample and position). A request
+with a structured output gets its matchers back from the engine, which has each accept the tokens
+its sample already has before the request is scheduled.
 """
 
 from __future__ import annotations
