@@ -42,13 +42,15 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from worker.request import StructuredOutput
+
+if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
+    import xgrammar as xgr
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
 COMPILE_THREADS = 2  # grammars compiled at once (each may use COMPILE_THREADS threads inside)
@@ -64,6 +66,8 @@ class Compiler:
     """Compiles specs for one tokenizer (and logits width), on a thread pool, with a bounded LRU."""
 
     def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None):
+        import xgrammar as xgr
+
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
         self.vocab_size = self.info.vocab_size
@@ -149,6 +153,8 @@ def check(spec: StructuredOutput, tokenizer) -> None:
 def new_matcher(compiled: xgr.CompiledGrammar, output_ids: Sequence[int] = ()) -> xgr.GrammarMatcher:
     """A matcher at the start of the grammar, then past ``output_ids`` (the tokens a resumed sample
     already has); ``GrammarError`` if the grammar refuses one of them."""
+    import xgrammar as xgr
+
     matcher = xgr.GrammarMatcher(compiled)
     for i, token in enumerate(output_ids):
         if not matcher.accept_token(token):
@@ -168,6 +174,8 @@ _batch = threading.local()
 def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int) -> torch.Tensor:
     """int32 ``[len(matchers), ceil(vocab_size/32)]``, bit ``t`` of row ``i`` set when matcher ``i``
     allows token ``t``; filled for every row in one batch call."""
+    import xgrammar as xgr
+
     bitmask = torch.empty((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
     if not hasattr(_batch, "matcher"):
         _batch.matcher = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
