@@ -49,21 +49,13 @@ import torch
 
 from worker.request import StructuredOutput
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
     import xgrammar as xgr
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
 COMPILE_THREADS = 2  # grammars compiled at once (each may use COMPILE_THREADS threads inside)
 FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/README.md)
 _NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.(cc|h):\d+: |Check failed: \(.*?\) is false: ")
-
-
-def _xgr():
-    """xgrammar, imported on first use: its import takes seconds, which a worker or a ``berth submit``
-    that never meets a constraint should not pay at start-up."""
-    import xgrammar
-
-    return xgrammar
 
 
 class GrammarError(ValueError):
@@ -74,10 +66,12 @@ class Compiler:
     """Compiles specs for one tokenizer (and logits width), on a thread pool, with a bounded LRU."""
 
     def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None):
-        self.info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        import xgrammar as xgr
+
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
         self.vocab_size = self.info.vocab_size
-        self._compiler = _xgr().GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="berth-grammar")
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -159,7 +153,9 @@ def check(spec: StructuredOutput, tokenizer) -> None:
 def new_matcher(compiled: xgr.CompiledGrammar, output_ids: Sequence[int] = ()) -> xgr.GrammarMatcher:
     """A matcher at the start of the grammar, then past ``output_ids`` (the tokens a resumed sample
     already has); ``GrammarError`` if the grammar refuses one of them."""
-    matcher = _xgr().GrammarMatcher(compiled)
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
     for i, token in enumerate(output_ids):
         if not matcher.accept_token(token):
             raise GrammarError(f"the structured output's grammar refuses token {token} at output position {i}")
@@ -178,9 +174,11 @@ _batch = threading.local()
 def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int) -> torch.Tensor:
     """int32 ``[len(matchers), ceil(vocab_size/32)]``, bit ``t`` of row ``i`` set when matcher ``i``
     allows token ``t``; filled for every row in one batch call."""
+    import xgrammar as xgr
+
     bitmask = torch.empty((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
     if not hasattr(_batch, "matcher"):
-        _batch.matcher = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
+        _batch.matcher = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
     _batch.matcher.batch_fill_next_token_bitmask(list(matchers), bitmask)
     return bitmask
 
