@@ -8,16 +8,14 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import torch
 
 from jobs import api
 from tests.jobs_support import (
-    kill_if_running,
-    stop_gracefully,
     tiny_env,
     tiny_settings,
+    work_in_process_until_over,
     write_requests,
 )
 from worker.config import KV_AUTO_SHARE
@@ -42,15 +40,7 @@ def test_the_worker_logs_its_start_before_it_runs_a_request(tmp_path, tiny_llama
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker"], env=env, cwd=tmp_path,
                                 stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        deadline = time.monotonic() + 120
-        while not api.status(job.id, settings).status.is_final:
-            assert proc.poll() is None, f"the worker died:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"the job did not end:\n{log_path.read_text()}"
-            time.sleep(0.2)
-        assert stop_gracefully(proc) == 0
-    finally:
-        kill_if_running(proc)
+    work_in_process_until_over(proc, settings, job.id, log_path)
     assert api.status(job.id, settings).completed == 1
 
     lines = log_path.read_text().splitlines()
