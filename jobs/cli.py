@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import click
 from pydantic import ValidationError
 
-from jobs.models import JobStatus
+from jobs.job_status import JobStatus
 from worker.config import ConfigError, Settings
 
 
@@ -23,7 +23,8 @@ def engine_options(command):
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"])),
         click.option("--device", help="auto, cpu, cuda or cuda:N"),
         click.option("--threads", type=int, help="CPU threads [default: all cores]"),
-        click.option("--kv-memory", help="KV cache size: bytes (2GiB, 512MB) or a fraction of free memory (0.25)"),
+        click.option("--kv-memory", help="KV cache size: auto, bytes (2GiB, 512MB) or a fraction of free memory (0.25) "
+                     "[auto: room for --max-num-seqs requests of the model's length, at most a quarter of free memory]"),
         click.option("--block-size", type=int, help="tokens per KV block [16]"),
         click.option("--max-num-batched-tokens", "--token-budget", "max_num_batched_tokens", type=int,
                      help="tokens computed per step [2048]"),
@@ -35,6 +36,14 @@ def engine_options(command):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def configure_logging(quiet: bool = False) -> None:
+    """What berth is doing on stderr, one line each (loading the model, the KV cache, ready, warnings);
+    ``quiet``: warnings and errors only."""
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its plugin list at every start says nothing
 
 
 def settings_from(flags: dict) -> Settings:
@@ -60,6 +69,7 @@ def main():
 @engine_options
 def generate(input_file, output, errors, quiet, **flags):
     """Run an OpenAI Batch request file through the engine in this process."""
+    configure_logging(quiet)
     from jobs.generate import generate_file
     from jobs.validate import InputError
     from worker.engine import RequestRejected
@@ -255,9 +265,9 @@ def tenant(name, weight, **flags):
 @engine_options
 def worker(**flags):
     """Run the engine on the request queue until SIGTERM."""
+    configure_logging()
     from jobs.engine_worker import engine_worker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from(flags)
     with user_errors():
         engine_worker(settings).run()
@@ -296,9 +306,9 @@ def webhook_secret_command(tenant, rotate, **flags):
 
 
 def _queue_door(flags: dict, submit: bool, events: bool, eager_ingest: bool = False) -> None:
+    configure_logging()
     from jobs.submit_consumer import QueueDoor
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from(flags)
     with user_errors():
         QueueDoor(settings, submit=submit, events=events, eager_ingest=eager_ingest or None).serve()
@@ -332,6 +342,7 @@ def events(**flags):
 @engine_options
 def run(input_file, output, errors, quiet, **flags):
     """Submit, run and fetch a job in this process (no servers on the default settings)."""
+    configure_logging(quiet)
     from jobs import api
     from jobs.progress import JobProgress
 
@@ -380,7 +391,7 @@ def serve(host, port, open_access, **flags):
     from jobs.serve import Server
     from worker.queues import is_embedded
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     settings = settings_from(flags)
     with user_errors():
         server = Server(settings, host, port, open_access)

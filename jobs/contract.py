@@ -14,12 +14,13 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
-
 from jobs.lifecycle import window_seconds
+
+if TYPE_CHECKING:  # jsonschema is imported where a message is checked: an engine worker never does
+    from jsonschema import Draft202012Validator
 
 SCHEMA_DIR = Path(__file__).parent / "schemas"
 SUBMIT_SCHEMA = "job-submit.v1.json"
@@ -33,9 +34,15 @@ def schema(name: str) -> dict:
     return json.loads((SCHEMA_DIR / name).read_text())
 
 
+def _validator_of(schema_part: dict) -> Draft202012Validator:
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(schema_part)
+
+
 @functools.cache
 def validator(name: str) -> Draft202012Validator:
-    return Draft202012Validator(schema(name))
+    return _validator_of(schema(name))
 
 
 class SubmitRefused(ValueError):
@@ -61,6 +68,8 @@ def read_submit(body: bytes, content_type: str | None, max_bytes: int) -> Submit
     if isinstance(data, dict) and ("input_url" in data) == ("requests" in data):
         raise SubmitRefused("give the input as input_url (an object in a store berth reads submit inputs from) or "
                             "as requests (the request lines inline), exactly one of them")
+    from jsonschema.exceptions import best_match
+
     error = best_match(validator(SUBMIT_SCHEMA).iter_errors(data))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "the message"
@@ -106,7 +115,7 @@ def salvage(body: bytes, max_bytes: int) -> dict:
     properties = schema(SUBMIT_SCHEMA)["properties"]
     kept = {}
     for name in ("model", "priority", "completion_window", "metadata", "webhook_url"):
-        if name in data and Draft202012Validator(properties[name]).is_valid(data[name]):
+        if name in data and _validator_of(properties[name]).is_valid(data[name]):
             kept[name] = data[name]
     try:
         window_seconds(kept.get("completion_window", "24h"))

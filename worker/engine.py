@@ -39,6 +39,7 @@ from worker.block_manager import BlockManager
 from worker.config import Settings
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
+from worker.process_clock import seconds_since_start
 from worker.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
 from worker.sampler import SampleRow, sample
 from worker.scheduler import Scheduler, SchedulerOutput
@@ -104,15 +105,20 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(settings.resolved_threads())
         dtype = DTYPES[settings.dtype]
-        loaded = loaded or load_model(settings.model_path(), dtype)
+        if loaded is None:
+            log.info("loading model %s (%s, %s)", settings.model_path(), settings.dtype, self.device)
+            t0 = time.perf_counter()
+            loaded = load_model(settings.model_path(), dtype)
+            log.info("weights loaded in %.1fs: %s", time.perf_counter() - t0, describe_model(loaded.config))
         self.model_config = loaded.config
         self.model_path = loaded.path  # what was loaded, also when ``loaded`` was handed in
         self.tokenizer = loaded.tokenizer
         self.model_name = settings.served_model_name()
-        self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
-                                  kv_memory=settings.kv_memory, attention_backend=settings.attention_backend)
         context = context_length(loaded.config)  # capped at a sliding window
         self.max_model_len = min(settings.max_model_len or context, context)
+        self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
+                                  kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
+                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         mode = settings.preemption_mode
@@ -130,6 +136,7 @@ class Engine:
         # Told the ids of requests about to run for the first time, before the step that runs them: a
         # worker that dies in that step has said which requests it was running (poison counts them).
         self.on_start: Callable[[list[str]], None] | None = None
+        log.info("engine ready (%.1fs since the process started)", seconds_since_start())
 
     # ---- requests in and out
     def add_request(self, request: Request) -> None:
@@ -550,6 +557,12 @@ class Engine:
         return {"blocks_used": used, "blocks_free": self.block_manager.num_free_blocks,
                 "blocks_total": self.block_manager.num_blocks, "kv_bytes": self.runner.kv_bytes,
                 "slot_utilization": sum(filled.values()) / (len(filled) * bs) if filled else 1.0}
+
+
+def describe_model(config) -> str:
+    """'llama, 30 layers, hidden 576, context 8192 tokens': what a log line says of a model."""
+    return (f"{getattr(config, 'model_type', '?')}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"context {context_length(config)} tokens")
 
 
 def _eos_ids(config, tokenizer, path: str) -> tuple[int, ...]:

@@ -1,19 +1,37 @@
 """Owns the model and its KV cache; turns a scheduled step into tensors and runs it.
 
 The KV cache is one preallocated K and one V tensor per layer, ``[num_blocks, block_size,
-kv_heads, head_dim]``, sized from the memory budget and never grown.
+kv_heads, head_dim]``, sized once and never grown: by default to what ``max_num_seqs`` requests of
+the longest length the engine allows can hold, at most a share of the free memory
+(``worker.config.KV_AUTO_SHARE``); ``kv_memory`` sets it instead.
+
+On the CPU the cache is reserved, not written: it lives in an anonymous memory mapping, whose
+pages the kernel hands out zero-filled on their first touch. Writing zeros over a cache of a
+quarter of the memory took longer than everything else a start does, for memory a job mostly never
+touches; now a worker holds in memory only the blocks it has used, and a never-written slot still
+reads as zero (the attention paths read padding slots and weigh them 0, which would turn a NaN of
+uninitialised memory into a NaN output). The block manager hands out low block ids first, so what
+a worker touches stays together. On a GPU the cache is ``torch.zeros``: device memory is
+committed at allocation anyway and zeroing it costs milliseconds.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import mmap
 import os
 
 import numpy as np
 import torch
 
 from kernels.attention import select_ops
+from worker.architectures import context_length
+from worker.config import KV_AUTO_SHARE
 from worker.model import DecoderModel, StepInput
 from worker.request import Sequence
+
+log = logging.getLogger("berth.engine")
 
 
 def available_memory(device: torch.device) -> int:
@@ -30,9 +48,39 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_cache_blocks(kv_memory: float, block_bytes: int, block_size: int, max_seqs: int, max_model_len: int,
+                    free_bytes) -> int:
+    """How many KV blocks to reserve. ``kv_memory``: 0 (auto) = blocks for ``max_seqs`` sequences of
+    ``max_model_len`` tokens each, at most ``KV_AUTO_SHARE`` of the free memory; a fraction (<= 1) =
+    that share of the free memory; more = that many bytes. ``free_bytes()`` is asked only when needed."""
+    if kv_memory == 0:
+        wanted = max_seqs * -(-max_model_len // block_size)
+        return min(wanted, int(KV_AUTO_SHARE * free_bytes() // block_bytes))
+    budget = kv_memory * free_bytes() if kv_memory <= 1 else kv_memory
+    return int(budget // block_bytes)
+
+
+def reserve_kv_cache(num_layers: int, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A K and a V tensor ``[num_blocks, *block_shape]`` per layer, reading as zeros."""
+    shape = (num_layers, 2, num_blocks, *block_shape)
+    if device.type != "cpu":
+        whole = torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        nbytes = math.prod(shape) * dtype.itemsize
+        try:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise ValueError(f"cannot reserve {nbytes / 2**20:.0f} MiB for the KV cache ({exc}): "
+                             "lower --kv-memory (BERTH_KV_MEMORY)") from None
+        whole = torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps ``region`` mapped
+    return [(whole[layer, 0], whole[layer, 1]) for layer in range(num_layers)]
+
+
 class ModelRunner:
     def __init__(self, loaded, *, dtype: torch.dtype, device: torch.device, block_size: int,
-                 kv_memory: float, attention_backend: str = "auto"):
+                 kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0):
+        """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0."""
         self.device = device
         self.block_size = block_size
         self.ops = select_ops(attention_backend, device)
@@ -41,16 +89,16 @@ class ModelRunner:
         self.num_layers = len(m.layers)
         self.block_shape = (block_size, m.num_kv_heads, m.head_dim)
         self.block_bytes = 2 * self.num_layers * block_size * m.num_kv_heads * m.head_dim * dtype.itemsize
-        budget = kv_memory * available_memory(device) if kv_memory <= 1 else kv_memory
-        self.num_blocks = int(budget // self.block_bytes)
+        self.num_blocks = kv_cache_blocks(kv_memory, self.block_bytes, block_size, max_seqs,
+                                          max_model_len or context_length(loaded.config),
+                                          lambda: available_memory(device))
         if self.num_blocks < 1:
-            raise ValueError(f"KV memory budget of {int(budget)} bytes holds no block of {self.block_bytes} "
-                             "bytes: raise --kv-memory")
+            raise ValueError(f"the KV cache's memory ({kv_memory:g}: {_describe(kv_memory)}) holds no block of "
+                             f"{self.block_bytes} bytes: raise --kv-memory (BERTH_KV_MEMORY)")
         self.kv_bytes = self.num_blocks * self.block_bytes
-        self.kv_caches = [
-            (torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=device),
-             torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=device))
-            for _ in range(self.num_layers)]
+        self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks, self.block_shape, dtype, device)
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB reserved, %s)", self.num_blocks, block_size,
+                 self.kv_bytes / 2**20, "touched as used" if device.type == "cpu" else f"on {device}")
 
     # ---- the step
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence]]:
@@ -139,3 +187,9 @@ def _pad(tables: list[list[int]]) -> np.ndarray:
     for i, t in enumerate(tables):
         out[i, : len(t)] = t
     return out
+
+
+def _describe(kv_memory: float) -> str:
+    if kv_memory == 0:
+        return f"auto, at most {KV_AUTO_SHARE:g} of the free memory"
+    return "a share of the free memory" if kv_memory <= 1 else "bytes"
