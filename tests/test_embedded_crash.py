@@ -3,13 +3,16 @@ queue and a local folder, killed with SIGKILL six times mid-job with the default
 delivery attempts among them), and started again each time. The job completes with one result per
 request, equal to a run without crashes, and no request is failed as poison: the dead workers'
 deliveries come back by the workers' own reconciling (no Celery beat here), and a request that
-made progress before each crash is never charged for it."""
+made progress before each crash is never charged for it. Every fourth request is under a JSON schema
+it cannot complete within its length: its grammar's matcher is rebuilt from the checkpointed tokens
+at each resume, and its output is still the uncrashed run's."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import signal
 
 import pytest
@@ -23,6 +26,7 @@ from tests.jobs_support import TINY_NAME, choices_by_custom_id, tiny_env, tiny_s
 from tests.test_checkpoint_crash import _results, _run_until, _start_worker, _wait_generating
 
 N, MAX_TOKENS, KILLS = 40, 200, 6
+ENDLESS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 500}
 
 
 @pytest.mark.slow
@@ -32,7 +36,8 @@ def test_an_embedded_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_
     assert settings.max_delivery_attempts == 3 and not settings.broker_url  # the defaults a user gets
     lines = [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": TINY_NAME, "prompt": f"Story {i}: once upon a time", "max_tokens": MAX_TOKENS,
-                       "temperature": 0, "ignore_eos": True}} for i in range(N)]
+                       "temperature": 0, "ignore_eos": True, **({"guided_json": ENDLESS} if i % 4 == 0 else {})}}
+             for i in range(N)]
     requests = tmp_path / "long.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
     job = api.submit(requests, settings)  # the embedded queue: ingested here
@@ -58,4 +63,8 @@ def test_an_embedded_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_
     assert len(per_request) == N and all(count == 1 for _, count in per_request)
     files = api.results(job.id, tmp_path / "out.jsonl", settings=settings)
     generate_file(requests, tmp_path / "direct.jsonl", settings, progress=False)
-    assert choices_by_custom_id(files.output) == choices_by_custom_id(tmp_path / "direct.jsonl")
+    crashed = choices_by_custom_id(files.output)
+    assert crashed == choices_by_custom_id(tmp_path / "direct.jsonl")
+    for i in range(0, N, 4):  # the constrained ones kept their grammar through every resume
+        [choice], _usage = crashed[f"long-{i}"]
+        assert re.fullmatch(r"\[(0|[1-9][0-9]{0,2})(,(0|[1-9][0-9]{0,2}))*,?", choice["text"]), choice["text"]

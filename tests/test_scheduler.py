@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import cut_prompts
-from tests.test_exactness import hf_greedy
+from tests.exactness_support import hf_greedy
 from worker.block_manager import BlockManager
 from worker.engine import Engine
 from worker.request import Request, SamplingParams, Sequence, SeqStatus
