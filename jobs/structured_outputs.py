@@ -68,15 +68,16 @@ class StructuredLimits:
     regex_bytes: int
     grammar_bytes: int
     choices: int
+    compile_seconds: float
 
     @classmethod
     def of(cls, settings: Settings) -> StructuredLimits:
         return cls(settings.structured_max_schema_bytes, settings.structured_max_regex_bytes,
-                   settings.structured_max_grammar_bytes, settings.structured_max_choices)
+                   settings.structured_max_grammar_bytes, settings.structured_max_choices,
+                   settings.structured_compile_seconds)
 
 
-DEFAULT_LIMITS = StructuredLimits(*(Settings.model_fields[f"structured_max_{name}"].default
-                                    for name in ("schema_bytes", "regex_bytes", "grammar_bytes", "choices")))
+DEFAULT_LIMITS = StructuredLimits.of(Settings.model_construct())
 
 
 def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_LIMITS) -> StructuredOutput | None:
@@ -94,7 +95,7 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
     param, kind, value = asked[0]
     spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
     try:
-        check(spec, tokenizer)
+        check(spec, tokenizer, limits.compile_seconds)
     except GrammarError as exc:
         raise SpecError(param, f"the grammar library cannot compile it: {str(exc)[:_REASON_CHARS]}") from None
     return spec

@@ -129,7 +129,7 @@ def test_a_bad_constraint_is_a_line_error_naming_its_field(model, fields, param,
 
 
 def test_the_limits_come_from_the_settings(model, monkeypatch):
-    assert DEFAULT_LIMITS == StructuredLimits(64 << 10, 4 << 10, 64 << 10, 256)
+    assert DEFAULT_LIMITS == StructuredLimits(64 << 10, 4 << 10, 64 << 10, 256, 60.0)
     monkeypatch.setenv("BERTH_STRUCTURED_MAX_REGEX_BYTES", "1KiB")
     monkeypatch.setenv("BERTH_STRUCTURED_MAX_CHOICES", "2")
     small = replace(model, structured_limits=StructuredLimits.of(Settings()))

@@ -169,6 +169,31 @@ def test_a_slow_compile_holds_nothing_and_blocks_no_one(engine, chat, monkeypatc
     assert re.fullmatch(slow.value, finished["slow"].completions[0].text)
 
 
+def test_a_compile_past_its_time_fails_its_request_alone(engine, chat, smol_loaded, monkeypatch):
+    """A grammar the library cannot finish (a pathological schema) fails its request with the
+    setting to raise, at the door and in the engine; the neighbour finishes."""
+    release = threading.Event()
+    original = grammar.Compiler.compile
+
+    def endless_compile(self, spec):
+        release.wait(timeout=60)
+        return original(self, spec)
+
+    monkeypatch.setattr(grammar.Compiler, "compile", endless_compile)
+    try:
+        stuck = StructuredOutput("regex", f"[a-z]{{4}}-{uuid.uuid4().hex[:6]}")
+        with pytest.raises(grammar.GrammarError, match="did not compile within 0.2 s"):
+            grammar.check(stuck, smol_loaded.tokenizer, seconds=0.2)
+        engine.settings = engine.settings.model_copy(update={"structured_compile_seconds": 0.5})
+        stuck = StructuredOutput("regex", f"[a-z]{{4}}-{uuid.uuid4().hex[:6]}")
+        done = run(engine, [Request("stuck", chat("Hi"), SamplingParams(max_tokens=4, temperature=0, structured=stuck)),
+                            Request("free", chat("Hi"), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))])
+        assert "BERTH_STRUCTURED_COMPILE_SECONDS" in done["stuck"].error and not done["stuck"].completions
+        assert done["free"].error is None and len(done["free"].completions[0].token_ids) == 24
+    finally:
+        release.set()
+
+
 def test_the_mask_covers_the_models_padding_ids(smol_loaded):
     tokenizer = smol_loaded.tokenizer
     compiler = grammar.compiler_for(tokenizer)

@@ -105,6 +105,7 @@ class Settings(BaseSettings):
     structured_max_regex_bytes: int = 4 << 10  # a regular expression
     structured_max_grammar_bytes: int = 64 << 10  # a grammar's text, and a choice list as JSON text
     structured_max_choices: int = 256  # strings in a choice list
+    structured_compile_seconds: float = 60.0  # a constraint whose grammar has not compiled by then fails its request
 
     # --- checkpoints (engine worker)
     checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints
@@ -176,7 +177,7 @@ class Settings(BaseSettings):
     @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
                      "max_file_lines", "max_file_bytes", "max_jobs_in_flight", "max_submit_bytes",
                      "webhook_max_attempts", "structured_max_schema_bytes", "structured_max_regex_bytes",
-                     "structured_max_grammar_bytes", "structured_max_choices")
+                     "structured_max_grammar_bytes", "structured_max_choices", "structured_compile_seconds")
     @classmethod
     def _positive(cls, v):
         if v < 1:

@@ -167,6 +167,7 @@ class Engine:
         self.requests[request.request_id] = request
         if p.structured is not None:
             request.grammar_future = self.grammars.submit(p.structured)
+            request.grammar_deadline = time.monotonic() + self.settings.structured_compile_seconds
             self._compiling.append(request)
             return
         for seq in request.sequences:
@@ -185,7 +186,11 @@ class Engine:
         outputs, pending, self._compiling = [], self._compiling, []
         for request in pending:
             if not request.grammar_future.done():
-                self._compiling.append(request)
+                if time.monotonic() < request.grammar_deadline:
+                    self._compiling.append(request)
+                else:
+                    outputs.append(self._fail(request, grammar.too_slow(request.params.structured,
+                                                                        self.settings.structured_compile_seconds)))
                 continue
             try:
                 request.grammar = request.grammar_future.result()

@@ -144,10 +144,20 @@ def compiler_for(tokenizer, vocab_size: int | None = None, stop_token_ids: Seque
         return _compilers[key]
 
 
-def check(spec: StructuredOutput, tokenizer) -> None:
-    """Raise ``GrammarError`` (with the reason) unless ``spec`` compiles for ``tokenizer``; the
-    compiled grammar stays cached for the engine of the same process."""
-    compiler_for(tokenizer).submit(spec).result()
+def check(spec: StructuredOutput, tokenizer, seconds: float | None = None) -> None:
+    """Raise ``GrammarError`` (with the reason) unless ``spec`` compiles for ``tokenizer`` within
+    ``seconds``; the compiled grammar stays cached for the engine of the same process."""
+    try:
+        compiler_for(tokenizer).submit(spec).result(timeout=seconds)
+    except TimeoutError:
+        raise too_slow(spec, seconds) from None
+
+
+def too_slow(spec: StructuredOutput, seconds: float) -> GrammarError:
+    """A compile still running after ``seconds`` (a pathological schema or regex: the library cannot
+    stop it, so it finishes on its thread and its request fails)."""
+    return GrammarError(f"{_WHAT[spec.kind]} did not compile within {seconds:g} s "
+                        "(BERTH_STRUCTURED_COMPILE_SECONDS): simplify it")
 
 
 def new_matcher(compiled: xgr.CompiledGrammar, output_ids: Sequence[int] = ()) -> xgr.GrammarMatcher:
