@@ -67,12 +67,15 @@ def written(tmp_path_factory, smol_tokenizer_fields):
 
 
 def assert_config_equal(ours, theirs):
-    assert type(ours) is type(theirs) and ours.model_type == theirs.model_type
+    assert ours.model_type == theirs.model_type  # berth's ModelConfig against transformers' class
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
-                  "bos_token_id", "eos_token_id", "pad_token_id", "head_dim", "attention_bias",
+                  "bos_token_id", "eos_token_id", "pad_token_id",
                   "sliding_window", "original_max_position_embeddings"):
         assert getattr(ours, field, None) == getattr(theirs, field, None), field
+    assert bool(ours.attention_bias) == bool(getattr(theirs, "attention_bias", False))  # absent: no biases
+    heads = theirs.hidden_size // theirs.num_attention_heads  # what the model takes where a class has no head_dim
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or heads)
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)  # float32 in the file
 
 

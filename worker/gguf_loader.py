@@ -1,5 +1,5 @@
-"""Read a model from a GGUF file: its config as the transformers config class of its family, its
-weights under the names and shapes of that family's Hugging Face checkpoint in the compute dtype,
+"""Read a model from a GGUF file: its config (``worker.model_config``, the fields the transformers
+config class of its family would hold), its weights under the names and shapes of that family's Hugging Face checkpoint in the compute dtype,
 and its tokenizer.
 
 The families are those of llama.cpp's converter (``convert_hf_to_gguf.py``) that berth runs:
@@ -22,6 +22,7 @@ import torch
 
 from worker.gguf_index import GGUFIndex, read_index
 from worker.gguf_tensors import open_data, read_tensor
+from worker.model_config import ModelConfig
 from worker.model_loader import LoadedModel, ModelLoadError, check_complete
 from worker.tokenizer import load_tokenizer
 
@@ -39,7 +40,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 
 @dataclass(frozen=True)
 class GGUFFamily:
-    config_class: str  # the transformers config class
+    config_class: str  # the transformers config class whose fields ModelConfig holds
     layer_weights: tuple[str, ...]  # GGUF tensors every layer has (".weight")
     biased: tuple[str, ...] = ()  # GGUF tensors that also have a ".bias" when the config says so
     bias_field: str | None = None  # the config field saying so; None: always biased
@@ -61,13 +62,11 @@ ARCHITECTURES = {
 
 
 def load_gguf_config(path: str | Path):
-    """The transformers config of the GGUF file at ``path``, from its header alone."""
+    """The config of the GGUF file at ``path``, from its header alone."""
     return gguf_config(read_index(path))
 
 
-def gguf_config(index: GGUFIndex):
-    import transformers
-
+def gguf_config(index: GGUFIndex) -> ModelConfig:
     arch, family = _family(index)
     meta = _Metadata(index, arch)
     hidden, heads = meta.required("embedding_length"), meta.required("attention.head_count")
@@ -88,7 +87,7 @@ def gguf_config(index: GGUFIndex):
         fields[family.bias_field] = "blk.0.attn_q.bias" in index.tensors
     fields.update(_head_dim_field(arch, head_dim, hidden // heads))
     fields.update(_phi3_fields(index, meta, head_dim) if arch == "phi3" else _rope_scaling(index, meta, head_dim))
-    return getattr(transformers, family.config_class)(**fields)
+    return ModelConfig.of(arch, **fields)
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
@@ -222,14 +221,11 @@ def _llama3_scaling(index: GGUFIndex, meta: _Metadata, head_dim: int) -> dict:
 
 
 def _llama3_factors(scaling: dict, theta: float, head_dim: int, context: int | None) -> np.ndarray:
-    """The per-frequency factors llama.cpp would write for ``scaling``, from transformers' own
-    computation of the scaled frequencies."""
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    """The per-frequency factors llama.cpp would write for ``scaling``, from the scaled frequencies
+    the model will use (``worker.rotary``, bit for bit transformers' computation)."""
+    from worker.rotary import ROPE_TYPES
 
-    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, rope_theta=theta,
-                         rope_scaling=dict(scaling), max_position_embeddings=context or 2 ** 20)
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    scaled, _ = ROPE_TYPES["llama3"]({**scaling, "rope_theta": theta}, head_dim, context or 2 ** 20)
     plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     return (plain / scaled).double().numpy()
 
