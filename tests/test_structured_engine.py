@@ -146,15 +146,21 @@ def test_a_spec_that_does_not_compile_fails_that_request_alone(engine, chat):
     assert done["good"].error is None and len(done["good"].completions[0].token_ids) == 8
 
 
-def test_a_slow_compile_holds_nothing_and_blocks_no_one(engine, chat, monkeypatch):
+def held_compiles(monkeypatch) -> threading.Event:
+    """Every compile from now on waits (at most a minute) until the returned event is set."""
     release = threading.Event()
     original = grammar.Compiler.compile
 
-    def slow_compile(self, spec):
+    def held_compile(self, spec):
         release.wait(timeout=60)
         return original(self, spec)
 
-    monkeypatch.setattr(grammar.Compiler, "compile", slow_compile)
+    monkeypatch.setattr(grammar.Compiler, "compile", held_compile)
+    return release
+
+
+def test_a_slow_compile_holds_nothing_and_blocks_no_one(engine, chat, monkeypatch):
+    release = held_compiles(monkeypatch)
     slow = StructuredOutput("regex", f"[a-z]{{3}}-{uuid.uuid4().hex[:6]}")  # compiled nowhere before
     engine.add_request(Request("slow", chat("Hi"), SamplingParams(max_tokens=16, temperature=0, structured=slow)))
     engine.add_request(Request("free", chat("Hi"), SamplingParams(max_tokens=8, temperature=0)))
@@ -172,14 +178,7 @@ def test_a_slow_compile_holds_nothing_and_blocks_no_one(engine, chat, monkeypatc
 def test_a_compile_past_its_time_fails_its_request_alone(engine, chat, smol_loaded, monkeypatch):
     """A grammar the library cannot finish (a pathological schema) fails its request with the
     setting to raise, at the door and in the engine; the neighbour finishes."""
-    release = threading.Event()
-    original = grammar.Compiler.compile
-
-    def endless_compile(self, spec):
-        release.wait(timeout=60)
-        return original(self, spec)
-
-    monkeypatch.setattr(grammar.Compiler, "compile", endless_compile)
+    release = held_compiles(monkeypatch)
     try:
         stuck = StructuredOutput("regex", f"[a-z]{{4}}-{uuid.uuid4().hex[:6]}")
         with pytest.raises(grammar.GrammarError, match="did not compile within 0.2 s"):
