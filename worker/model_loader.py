@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model hub is never reached at 
 
 import torch  # noqa: E402
 
-from worker.architectures import SUPPORTED_ARCHITECTURES, ModelLoadError, hf_weight_names  # noqa: E402,F401
+from worker.architectures import ModelLoadError  # noqa: E402,F401 (raised by every loader; callers catch it from here)
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from worker.architectures import check_supported
-from worker.model_loader import LoadedModel, ModelLoadError, check_complete, hf_weight_names
+from worker.architectures import check_supported, hf_weight_names
+from worker.model_loader import LoadedModel, ModelLoadError, check_complete
 from worker.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
