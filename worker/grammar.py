@@ -68,7 +68,9 @@ class Compiler:
     def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None):
         import xgrammar as xgr
 
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        from worker.tokenizer import as_transformers
+
+        self.info = xgr.TokenizerInfo.from_huggingface(as_transformers(tokenizer), vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
         self.vocab_size = self.info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
