@@ -12,7 +12,7 @@ import pytest
 
 from storage import open_store
 from tests.checkpoint_support import checkpointer, prompts, run_steps, tiny_engine, tokens
-from worker.block_manager import chain_hash
+from worker.block_manager import chain_hash, hash_root
 from worker.checkpoint_format import (
     KV_PREFIX,
     STATE_PREFIX,
@@ -243,3 +243,22 @@ def test_the_estimate_follows_measured_rates():
     for _ in range(20):
         rates.observe_read(10 << 30, 1.0)  # a fast one: 10 GiB/s
     assert rates.load_seconds(10, block_bytes) < rates.recompute_seconds(10, block_size)
+
+
+def test_a_longrope_sequence_past_its_threshold_names_its_blocks_from_the_long_root():
+    """Past a longrope model's threshold a sequence's keys are rotated otherwise, so its blocks hash
+    from another root (``worker.rotary``): a checkpoint must name them so, and short ones as before."""
+    prompt = list(range(3, 3 + 40))
+    request = Request("7", prompt, SamplingParams(max_tokens=30))
+    limits = EngineLimits(vocab_size=100, max_model_len=128, block_size=16, long_rope_from=48)
+
+    def sample(out, root):
+        chain = [chain_hash(root, prompt[:16])]
+        chain.append(chain_hash(chain[0], prompt[16:32]))
+        digest = request_digest(prompt, request.params)
+        return RequestCheckpoint("7", "fp", digest, 40, [SampleCheckpoint(0, out, chain)], 0.0)
+
+    assert sample([9] * 8, b"").mismatch(request, "fp", limits) is None  # 48 tokens: short
+    assert "KV block 0 is named" in sample([9] * 8, hash_root(True)).mismatch(request, "fp", limits)
+    assert sample([9] * 9, hash_root(True)).mismatch(request, "fp", limits) is None  # 49 tokens: long
+    assert "KV block 0 is named" in sample([9] * 9, b"").mismatch(request, "fp", limits)

@@ -18,6 +18,15 @@ from collections import OrderedDict
 from worker.request import Sequence
 
 
+LONG_ROPE_ROOT = b"berth:longrope"
+
+
+def hash_root(long_rope: bool) -> bytes:
+    """The parent of a sequence's first block: a long-rope sequence's blocks hold other keys than a
+    short one's of the same tokens (``worker.rotary``), so they are named apart."""
+    return LONG_ROPE_ROOT if long_rope else b""
+
+
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     """The content address of a full block: its tokens and the hash of the block before it."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
@@ -175,7 +184,7 @@ class BlockManager:
     def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else b""
+            parent = seq.block_hashes[i - 1] if i else hash_root(seq.long_rope)
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def _cache_full_blocks(self, seq: Sequence, first_block: int, num_tokens: int) -> None:

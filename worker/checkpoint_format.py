@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
-from worker.block_manager import chain_hash
+from worker.block_manager import chain_hash, hash_root
 from worker.request import Request, SamplingParams
+from worker.rotary import long_rope
 
 VERSION = 1
 ROOT = f"checkpoints/v{VERSION}"
@@ -60,6 +61,7 @@ class EngineLimits:
     vocab_size: int  # token ids are in [0, vocab_size)
     max_model_len: int  # prompt and generated tokens together
     block_size: int  # tokens per KV block, for the block hashes
+    long_rope_from: int | None = None  # a longrope model's threshold: longer sequences hash from another root
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ def _sample_mismatch(sample: SampleCheckpoint, request: Request, limits: EngineL
     tokens = list(prompt) + list(out)
     if len(sample.block_hashes) > (len(tokens) - 1) // limits.block_size:
         return f"{len(sample.block_hashes)} KV blocks named, more than its {len(tokens)} tokens fill"
-    parent = b""
+    parent = hash_root(long_rope(limits.long_rope_from, len(tokens)))
     for i, h in enumerate(sample.block_hashes):
         parent = chain_hash(parent, tokens[i * limits.block_size:(i + 1) * limits.block_size])
         if h != parent:

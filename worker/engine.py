@@ -35,6 +35,7 @@ import torch
 
 from worker import grammar
 from worker.architectures import context_length
+from worker.rotary import long_rope, long_rope_from
 from worker.block_manager import BlockManager
 from worker.config import Settings
 from worker.model_loader import LoadedModel, load_model
@@ -116,6 +117,7 @@ class Engine:
         self.model_name = settings.served_model_name()
         context = context_length(loaded.config)  # capped at a sliding window
         self.max_model_len = min(settings.max_model_len or context, context)
+        self.long_rope_from = long_rope_from(loaded.config)  # None but for a longrope model
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
                                   kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
                                   max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len)
@@ -387,6 +389,8 @@ class Engine:
                     scheduler.finish(seq)
                     if request.is_finished:
                         outputs.append(self._output(request))
+                elif not seq.long_rope and long_rope(self.long_rope_from, seq.num_tokens):
+                    self._rotate_long(seq, scheduler)
             except Exception as exc:  # noqa: BLE001 (this row's own: it fails alone)
                 log.exception("request %s failed while finishing its token", request.request_id)
                 outputs.append(self._fail(request, exc))
@@ -465,9 +469,17 @@ class Engine:
             children.append(child)
         return children
 
+    def _rotate_long(self, seq: Sequence, scheduler: Scheduler) -> None:
+        """A longrope sequence that has just passed the threshold is computed again, all of it, with the
+        long factors: transformers' Phi-3 drops its cache and does the same (``worker.rotary``)."""
+        scheduler.remove(seq)
+        seq.long_rope, seq.block_hashes = True, []
+        scheduler.add(seq)
+
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(request=request, sample_index=index, token_ids=token_ids,
-                       num_prompt_tokens=len(request.prompt_token_ids))
+                       num_prompt_tokens=len(request.prompt_token_ids),
+                       long_rope=long_rope(self.long_rope_from, len(token_ids)))
         request.sequences.append(seq)
         return seq
 

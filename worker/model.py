@@ -26,7 +26,7 @@ class StepInput:
     """What one forward pass needs, built once per step by the model runner."""
 
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 rows of the rotary tables: the position (+ the table's length: long rope)
     slot_mapping: torch.Tensor  # [T] int64
     num_decode: int  # rows [0, num_decode) are single-token queries
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32

@@ -85,6 +85,7 @@ class ModelRunner:
         self.block_size = block_size
         self.ops = select_ops(attention_backend, device)
         self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
+        self.long_table_row = loaded.config.max_position_embeddings  # a longrope model's long table follows
         m = self.model
         self.num_layers = len(m.layers)
         self.block_shape = (block_size, m.num_kv_heads, m.head_dim)
@@ -123,14 +124,14 @@ class ModelRunner:
                 num_decode += 1
                 decode_tables.append(seq.block_table)
                 decode_lens.append(end)
-                pos.append(start)
+                pos.append(start + self.long_table_row if seq.long_rope else start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
             else:
                 prefill_tables.append(seq.block_table)
                 prefill_lens.append(end)
                 prefill_starts.append(prefill_starts[-1] + n)
                 p = np.arange(start, end)
-                pos.extend(p.tolist())
+                pos.extend((p + self.long_table_row if seq.long_rope else p).tolist())
                 slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
             if end == seq.num_tokens:
                 samplers.append(seq)

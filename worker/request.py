@@ -99,6 +99,7 @@ class Sequence:
     stop_text_end: int | None = None  # where a stop string cut the text
     logprobs: list[dict] = field(default_factory=list)
     matcher: object | None = None  # a structured output's grammar matcher, past every output token
+    long_rope: bool = False  # past a longrope model's threshold: rotated with the long factors (worker.rotary)
 
     @property
     def num_tokens(self) -> int:

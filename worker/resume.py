@@ -97,7 +97,8 @@ class Restorer:
         self.block_bytes = checkpointer.block_bytes
         self.block_size = checkpointer.block_size
         self.block_shape = tuple(engine.read_kv_blocks([0])[:, :, 0].shape)
-        self.limits = EngineLimits(engine.model_config.vocab_size, engine.max_model_len, self.block_size)
+        self.limits = EngineLimits(engine.model_config.vocab_size, engine.max_model_len, self.block_size,
+                                   engine.long_rope_from)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="berth-restore")
         self._fetching: list[tuple[Request, Future]] = []
 

@@ -5,9 +5,16 @@ transformers' modeling code (seconds of start-up). The arithmetic follows transf
 (``modeling_rope_utils``) step for step, in float32, so the tables agree with it bit for bit; the
 tests hold them to that.
 
-Every rope type here is a fixed table. ``dynamic`` and ``longrope`` are not: transformers changes
-their frequencies with the length of the sequence in each forward pass, so keys already in a KV
-cache would have been rotated by another table than later queries. They are refused with the reason.
+Every rope type but ``longrope`` is one fixed table. ``longrope`` (Phi-3's long-context models) has
+two sets of frequencies, short and long: transformers rotates a sequence with the short set while
+it is at most ``original_max_position_embeddings`` tokens long, and once it is longer, with the long
+set, all of it: Phi-3's generate drops its cache when a sequence first passes that length and
+computes every key again. berth keeps both tables, one after the other, and does the same: a
+sequence whose tokens outnumber the threshold (``long_rope``) reads the long table, and one that
+passes it while generating is computed again, whole (``Engine._rotate_long``). Its KV blocks then
+hash from another root (``worker.block_manager.hash_root``): they hold other keys than a short
+sequence's blocks of the same tokens. ``dynamic`` changes its frequencies with every length, which
+a KV cache cannot follow: it is refused with the reason.
 """
 
 from __future__ import annotations
@@ -77,7 +84,21 @@ def _yarn(rope: dict, dim: int, max_positions: int) -> tuple[torch.Tensor, float
     return inv_freq, attention
 
 
-ROPE_TYPES: dict[str, RopeFn] = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+def _longrope(rope: dict, dim: int, max_positions: int, long: bool = False) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's long-context models): the base frequencies divided by a factor per
+    dimension, ``short_factor`` or ``long_factor``, and cos/sin scaled by an attention factor derived
+    from how far the context was stretched."""
+    base, original = rope["rope_theta"], rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attention
+
+
+ROPE_TYPES: dict[str, RopeFn] = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn,
+                                 "longrope": _longrope}
 
 
 def rope_parameters(config) -> dict:
@@ -99,18 +120,37 @@ def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
     fn = ROPE_TYPES.get(kind)
     if fn is None:
         why = (" (its frequencies change with each sequence's length, which a KV cache cannot follow)"
-               if kind in ("dynamic", "longrope") else "")
+               if kind == "dynamic" else "")
         raise ModelLoadError(f"rope type {kind!r} of this {config.model_type} model is not supported{why}; berth "
                          f"runs {sorted(ROPE_TYPES)}")
     return fn(rope, rotary_dim(config, head_dim), config.max_position_embeddings)
 
 
+def long_rope_from(config) -> int | None:
+    """For a ``longrope`` model, the length past which transformers rotates with the long factors
+    (``original_max_position_embeddings``); None for every other model."""
+    rope = rope_parameters(config)
+    return rope["original_max_position_embeddings"] if rope.get("rope_type") == "longrope" else None
+
+
+def long_rope(threshold: int | None, num_tokens: int) -> bool:
+    """Whether a sequence of ``num_tokens`` tokens is rotated with the long factors (see above)."""
+    return threshold is not None and num_tokens > threshold
+
+
 def rotary_tables(config, head_dim: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[max_position_embeddings, rotary_dim]``, in the model dtype."""
-    inv_freq, scaling = inv_freq_and_scaling(config, head_dim)
+    """``cos, sin`` of shape ``[max_position_embeddings, rotary_dim]``, in the model dtype; for a
+    ``longrope`` model twice as many rows: the short table, then the long one."""
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return ((emb.cos() * scaling).to(device=device, dtype=dtype),
-            (emb.sin() * scaling).to(device=device, dtype=dtype))
+    tables = [inv_freq_and_scaling(config, head_dim)]
+    if long_rope_from(config) is not None:
+        tables.append(_longrope(rope_parameters(config), rotary_dim(config, head_dim),
+                                config.max_position_embeddings, long=True))
+    cos, sin = [], []
+    for inv_freq, scaling in tables:
+        freqs = positions[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos.append(emb.cos() * scaling)
+        sin.append(emb.sin() * scaling)
+    return torch.cat(cos).to(device=device, dtype=dtype), torch.cat(sin).to(device=device, dtype=dtype)
