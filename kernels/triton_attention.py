@@ -273,6 +273,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
             block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale, window,
             stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION,
             HAS_WINDOW)
+        if HAS_WINDOW:  # rows past the chunk's end (never stored) may see no key: 0 / 0
+            row_sum = tl.where(row_sum > 0, row_sum, 1.0)
         out = acc / row_sum[:, None]
         tl.store(out_ptr + _row_offsets(tokens, heads, stride_out_token, stride_out_head, HEAD_DIM),
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
