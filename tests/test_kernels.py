@@ -262,13 +262,29 @@ def test_wrappers_read_no_tensor_values(monkeypatch):
     triton_attention.write_kv(kv, kv, decode[1], decode[2], slots)
 
 
-def test_engine_with_triton_kernels_matches_the_torch_path(tiny_loaded, text_ids):
+@pytest.fixture(scope="module")
+def windowed_loaded(tmp_path_factory, smol_tokenizer):
+    """A tiny random Mistral whose 20-token window the prompts below pass."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import save_tiny_model
+    from worker.model_loader import load_model
+
+    path = save_tiny_model(MistralConfig, MistralForCausalLM, smol_tokenizer, tmp_path_factory.mktemp("mistral"),
+                           sliding_window=20)
+    return load_model(str(path), torch.float32)
+
+
+@pytest.mark.parametrize("model", ["tiny_loaded", "windowed_loaded"])
+def test_engine_with_triton_kernels_matches_the_torch_path(model, request, text_ids):
     """The engine behind the attention interface, once with the Triton kernels (interpreted here),
-    once with PyTorch: chunked prefill and decode give the same greedy tokens."""
+    once with PyTorch: chunked prefill and decode give the same greedy tokens, with and without a
+    sliding window."""
     from tests.conftest import cut_prompts
     from worker.engine import Engine
     from worker.request import SamplingParams
 
+    tiny_loaded = request.getfixturevalue(model)
     prompts = cut_prompts(text_ids, [5, 23, 40])
     params = SamplingParams(max_tokens=6, temperature=0, min_tokens=6)
     tokens = {}
