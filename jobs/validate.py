@@ -70,7 +70,7 @@ class ModelInfo:
 @functools.lru_cache(maxsize=4)
 def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
     config = load_config(path)
-    context = context_length(config)  # capped at a sliding window, as the engine does
+    context = context_length(config)  # the model's whole context, as the engine takes it
     return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context), config.vocab_size)
 
 

@@ -64,7 +64,7 @@ def _library():
     lib = ctypes.CDLL(str(target))
     lib.berth_paged_decode.restype = None
     lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
-        ctypes.c_int] * 2
+        ctypes.c_int] * 3
     limits = [ctypes.c_int() for _ in range(3)]
     lib.berth_limits(*[ctypes.byref(x) for x in limits])
     lib.limits = tuple(x.value for x in limits)
@@ -86,12 +86,14 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_decode_attention``."""
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_decode_attention``: with a ``window``, each sequence's
+    loop starts at its window's first position."""
     if not supports(q, k_cache, v_cache):
         from kernels.reference import paged_decode_attention as reference
 
-        return reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return reference(q, k_cache, v_cache, block_tables, context_lens, scale, window)
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
@@ -100,5 +102,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _library().berth_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1], scale,
-        _DTYPES[q.dtype], torch.get_num_threads())
+        _DTYPES[q.dtype], window or 0, torch.get_num_threads())
     return out

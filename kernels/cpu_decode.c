@@ -6,6 +6,9 @@
  *   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables:      [num_seqs, max_blocks] int32;  context_lens: [num_seqs] int32
  * dtype: 0 = float32, 1 = bfloat16 (q, caches and out share it). Accumulation is float32.
+ * window: 0 for full attention; else the query (at context_len - 1) sees only the last ``window``
+ * positions, transformers' sliding window, and the loops start at the first of them: the blocks
+ * before it are never read, so a step costs the window, not the context.
  * One task per (sequence, kv head) computes all the query heads of that group, so each K/V row is
  * read once; an online softmax runs block by block. With AVX-512 and head_dim 64 (the default
  * model's) the same tasks run vectorised code (see attend_heads_64).
@@ -36,9 +39,14 @@ static inline const float *load_row(const void *base, int64_t index, int dtype, 
     return buffer->values;
 }
 
+/* The first position the query of a sequence of ``context_len`` tokens sees. */
+static inline int window_start(int context_len, int window) {
+    return window > 0 && context_len > window ? context_len - window : 0;
+}
+
 static void attend_group(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                          int context_len, void *out, int seq, int kv_head, int num_heads, int num_kv_heads,
-                         int d, int block_size, float scale, int dtype) {
+                         int d, int block_size, float scale, int dtype, int window) {
     const int group = num_heads / num_kv_heads;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP], p[MAX_GROUP][MAX_BLOCK];
@@ -51,9 +59,12 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
         l[g] = 0.0f;
     }
     const int64_t slot_stride = (int64_t)num_kv_heads * d;
-    for (int start = 0; start < context_len; start += block_size) {
-        const int n = context_len - start < block_size ? context_len - start : block_size;
-        const int64_t first = (int64_t)table[start / block_size] * block_size * slot_stride + (int64_t)kv_head * d;
+    for (int start = window_start(context_len, window), n; start < context_len; start += n) {
+        /* the rest of start's block: whole blocks but for the window's first */
+        const int room = block_size - start % block_size;
+        n = context_len - start < room ? context_len - start : room;
+        const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
+                              + (int64_t)kv_head * d;
         for (int t = 0; t < n; t++) {
             const float *k = load_row(k_cache, first + t * slot_stride, dtype, d, &row);
             for (int g = 0; g < group; g++) {
@@ -182,7 +193,7 @@ static inline __attribute__((always_inline)) void prefetch_run(
 static inline __attribute__((always_inline)) void attend_heads_64(
         const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
         int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
-        float scale, int dtype) {
+        float scale, int dtype, int window) {
     enum { D = 64 };
     __m512 qv[4][4], acc[4][4], part[4][16];
     float m[4], l[4], p[4][16] __attribute__((aligned(64)));
@@ -197,7 +208,7 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         l[g] = 0.0f;
     }
     const int64_t slot_stride = (int64_t)num_kv_heads * D;
-    for (int start = 0, run; start < context_len; start += run) {
+    for (int start = window_start(context_len, window), run; start < context_len; start += run) {
         const int offset = start % block_size;
         run = run_length(start, context_len, block_size);
         const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
@@ -251,12 +262,12 @@ static inline __attribute__((always_inline)) void attend_heads_64(
 /* Every query head of kv head ``kvh`` of one sequence, four at a time. */
 static void attend_kv_head_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                               int context_len, void *out, int seq, int kvh, int num_heads, int num_kv_heads,
-                              int block_size, float scale, int dtype) {
+                              int block_size, float scale, int dtype, int window) {
     const int group = num_heads / num_kv_heads;
     for (int g0 = 0; g0 < group; g0 += 4) {
         const int h0 = kvh * group + g0;
 #define ATTEND(NG) attend_heads_64(NG, q, k_cache, v_cache, table, context_len, out, seq, h0, kvh, num_heads, \
-                                   num_kv_heads, block_size, scale, dtype)
+                                   num_kv_heads, block_size, scale, dtype, window)
         switch (group - g0 < 4 ? group - g0 : 4) {
             case 1: ATTEND(1); break;
             case 2: ATTEND(2); break;
@@ -278,14 +289,15 @@ int berth_limits(int *max_group, int *max_head_dim, int *max_block) {
 
 void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, int max_blocks, float scale, int dtype, int num_threads) {
+                        int head_dim, int block_size, int max_blocks, float scale, int dtype, int window,
+                        int num_threads) {
 #ifdef HAVE_HEADS_64
     if (head_dim == 64) {
         #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
         for (int s = 0; s < num_seqs; s++) {
             for (int h = 0; h < num_kv_heads; h++) {
                 attend_kv_head_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out,
-                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype);
+                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype, window);
             }
         }
         return;
@@ -295,7 +307,7 @@ void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache,
     for (int s = 0; s < num_seqs; s++) {
         for (int h = 0; h < num_kv_heads; h++) {
             attend_group(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out, s, h,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, dtype);
+                         num_heads, num_kv_heads, head_dim, block_size, scale, dtype, window);
         }
     }
 }

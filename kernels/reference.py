@@ -9,6 +9,11 @@ Layout shared by every implementation:
 - ``context_lens``: ``[num_seqs]`` int32, tokens in the cache for the sequence *including* the ones
   being computed in this step (their K/V are written before attention runs).
 - Grouped-query attention: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
+- ``window``: ``None`` for full causal attention; else a sliding window as transformers'
+  (``masking_utils.sliding_window_causal_mask_function``): the query at position p sees the keys at
+  positions k with ``p - window < k <= p``, its own and the ``window - 1`` before it. The blocks
+  wholly before a window are not read; they stay allocated (the block manager frees a sequence's
+  blocks only when it ends, where vLLM frees those a window has left).
 """
 
 from __future__ import annotations
@@ -40,33 +45,55 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int | None = None) -> torch.Tensor:
     """One query token per sequence. ``q``: ``[num_seqs, num_heads, head_dim]`` -> same shape.
 
-    The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token.
+    The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token,
+    or with a ``window`` the last ``window`` of them.
     """
     num_seqs = q.shape[0]
-    if num_seqs <= DECODE_GROUP:
-        return _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale)
     block_size = k_cache.shape[1]
+    if window is not None:
+        block_tables, context_lens = _window_tables(block_tables, context_lens, window, block_size)
+    if num_seqs <= DECODE_GROUP:
+        return _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, window)
     order = torch.argsort(context_lens)
     lens = context_lens[order].tolist()
     out = torch.empty_like(q)
     for start in range(0, num_seqs, DECODE_GROUP):
         idx = order[start:start + DECODE_GROUP]
         width = -(-lens[min(start + DECODE_GROUP, num_seqs) - 1] // block_size)
-        out[idx] = _decode_padded(q[idx], k_cache, v_cache, block_tables[idx, :width], context_lens[idx], scale)
+        out[idx] = _decode_padded(q[idx], k_cache, v_cache, block_tables[idx, :width], context_lens[idx], scale,
+                                  window)
     return out
 
 
-def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode sequence seen from the block that holds the first key of its window: the block
+    tables shifted left by the blocks before it (``ceil(window / block_size) + 1`` columns at most)
+    and the context lengths counted from there. One gather for the batch, not a loop."""
+    width = -(-window // block_size) + 1
+    if width >= block_tables.shape[1]:
+        return block_tables, context_lens
+    first = (context_lens.long() - window).clamp(min=0) // block_size  # [num_seqs]
+    # Columns past a sequence's last block read the table's last column (any valid id): masked.
+    columns = (first[:, None] + torch.arange(width, device=first.device)).clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, columns), context_lens - (first * block_size).to(context_lens.dtype)
+
+
+def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, window=None):
     """The query heads sharing a kv head attend as one group of rows: K and V are never repeated."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
     v = _gather(v_cache, block_tables)
     length = k.shape[-2]
-    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].to(torch.long)
+    key_pos = torch.arange(length, device=q.device)[None, :]
+    lens = context_lens[:, None].to(torch.long)
+    valid = key_pos < lens
+    if window is not None:
+        valid &= key_pos >= lens - window
     grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     return out.view(num_seqs, num_heads, head_dim)
@@ -74,12 +101,13 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """A chunk of queries per sequence, attending causally to the cache (which holds the chunk).
 
     ``q``: ``[total_query_tokens, num_heads, head_dim]``, sequence s owning rows
     ``query_start_loc[s]:query_start_loc[s+1]``; its query i sits at position
-    ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own.
+    ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own (with a
+    ``window``, only the last ``window`` of those).
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -90,7 +118,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q_len = hi - lo
         if q_len == 0:
             continue
-        table = block_tables[s, : (ctx + block_size - 1) // block_size]
+        windowed = window is not None and ctx > window
+        # From the block of the first key the chunk's first query sees: positions count from there.
+        first = max(0, ctx - q_len - window + 1) // block_size if windowed else 0
+        table = block_tables[s, first: (ctx + block_size - 1) // block_size]
+        ctx -= first * block_size
         k = _gather(k_cache, table)[:, :ctx].to(q.dtype)  # [kvh, ctx, d]
         v = _gather(v_cache, table)[:, :ctx].to(q.dtype)
         # Each kv head repeated for its query heads, in 4-D: PyTorch's CPU flash kernel takes that
@@ -99,11 +131,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = k.repeat_interleave(group, dim=0)[None]
         v = v.repeat_interleave(group, dim=0)[None]
         qs = q[lo:hi].transpose(0, 1)[None]  # [1, h, q_len, d]
-        if q_len == ctx:
+        if q_len == ctx and not windowed:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
         else:
-            pos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+            pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            key_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = key_pos <= pos
+            if windowed:
+                mask &= key_pos > pos - window
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[lo:hi] = o[0].transpose(0, 1)
     return out

@@ -20,6 +20,10 @@ keeps an online softmax in float32 (base 2).
   at ``query_start_loc[s] // BLOCK_Q + s``, so ``total_tokens // BLOCK_Q + num_seqs`` programs always
   suffice; each finds its sequence by binary search and exits if its tile is past the chunk's end.
 - ``write_kv``: one program per token, storing all its kv heads.
+- A sliding ``window`` (``HAS_WINDOW``, a compile-time switch, so full attention compiles as
+  before): a program's loop starts at the KV tile holding the first key its first query row sees,
+  so the tiles wholly before the window are never loaded; within the tiles it does load, each row
+  masks the keys before its own window.
 
 The wrappers read only tensor shapes, never tensor values, so they do not synchronize with the
 device. They run on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run).
@@ -92,17 +96,26 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, qk_scale,
+def _first_tile(first_pos, window, TILE: tl.constexpr):
+    """The start of the KV tile holding the first key that a query at ``first_pos`` sees in its window."""
+    return tl.maximum(first_pos - window + 1, 0) // TILE * TILE
+
+
+@triton.jit
+def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, qk_scale, window,
             stride_cache_block, stride_cache_slot, stride_cache_head,
             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Online softmax of the rows of ``q`` over one sequence's cached positions ``[kv_start, kv_end)``.
 
-    ``q``: ``[M, HEAD_DIM]``; row r sees positions ``<= q_pos[r]``. ``block_table_ptr`` points at the
-    sequence's row of the block table; ``qk_scale`` is the softmax scale times log2(e).
+    ``q``: ``[M, HEAD_DIM]``; row r sees positions ``<= q_pos[r]`` (and, with ``HAS_WINDOW``, only those
+    ``> q_pos[r] - window``). ``block_table_ptr`` points at the sequence's row of the block table;
+    ``qk_scale`` is the softmax scale times log2(e).
     Returns ``(acc, row_max, row_sum)``: the unnormalised output ``[M, HEAD_DIM]`` and the running max
-    and sum ``[M]`` (base 2), all float32. An empty range gives zeros and a max of -inf. Each row must
-    see a position of the first tile, else its max is still -inf at the second tile and it gets NaN.
+    and sum ``[M]`` (base 2), all float32. An empty range gives zeros and a max of -inf. Without a
+    window each row must see a position of the first tile, else its max is still -inf at the second
+    tile and it gets NaN; with one, a row's window may begin tiles after another's, so a row that has
+    seen nothing yet exponentiates against 0 instead of its max of -inf.
     """
     acc = tl.zeros([q.shape[0], HEAD_DIM], tl.float32)
     row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)
@@ -119,10 +132,15 @@ def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_pt
         v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        correction = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
+        shift = new_max
+        if HAS_WINDOW:  # a row that has seen no key yet: every p and the correction are 0, not NaN
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(row_max - shift)
+        p = tl.exp2(scores - shift[:, None])
         row_sum = row_sum * correction + tl.sum(p, 1)
         acc = tl.dot(p.to(q.dtype), v, acc * correction[:, None], input_precision=DOT_PRECISION)
         row_max = new_max
@@ -156,13 +174,14 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                   partial_out_ptr, partial_lse_ptr, qk_scale, num_heads,
+                   partial_out_ptr, partial_lse_ptr, qk_scale, num_heads, window,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
                    stride_cache_block, stride_cache_slot, stride_cache_head,
                    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program (s, g, i): the query heads of kv head g of sequence s over split i of its context.
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Program (s, g, i): the query heads of kv head g of sequence s over split i of its context (of
+    its window's tiles, with ``HAS_WINDOW``).
 
     With one split it writes the output. Otherwise it writes head h's normalised output and its
     log2-sum-exp (-inf for an empty split) to row ``(s * num_heads + h) * NUM_SPLITS + i`` of
@@ -175,14 +194,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     tokens, heads, valid = _query_rows(seq, seq + 1, kv_head, QUERIES_PER_KV, GROUP_PAD, 1)
     q = tl.load(q_ptr + _row_offsets(tokens, heads, stride_q_token, stride_q_head, HEAD_DIM), mask=valid[:, None],
                 other=0.0).to(DOT_DTYPE)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, TILE), NUM_SPLITS)
-    kv_start = split * tiles_per_split * TILE
+    kv_first = 0
+    if HAS_WINDOW:
+        kv_first = _first_tile(context_len - 1, window, TILE)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len - kv_first, TILE), NUM_SPLITS)
+    kv_start = kv_first + split * tiles_per_split * TILE
     kv_end = tl.minimum(kv_start + tiles_per_split * TILE, context_len)
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + context_len - 1
     acc, row_max, row_sum = _attend(
         q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale,
-        stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION)
+        block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale, window,
+        stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION,
+        HAS_WINDOW)
     if NUM_SPLITS == 1:
         out = acc / row_sum[:, None]
         tl.store(out_ptr + _row_offsets(tokens, heads, stride_out_token, stride_out_head, HEAD_DIM),
@@ -217,12 +240,12 @@ def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_heads,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-                    context_lens_ptr, out_ptr, qk_scale, num_seqs,
+                    context_lens_ptr, out_ptr, qk_scale, num_seqs, window,
                     stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
                     stride_cache_block, stride_cache_slot, stride_cache_head,
                     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (t, g): ``BLOCK_Q`` query tokens of one sequence x the query heads of kv head g.
 
     Sequence s owns tiles ``query_start_loc[s] // BLOCK_Q + s`` onwards (see the module docstring);
@@ -242,10 +265,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
                     mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         q_pos = chunk_start_pos + tokens - q_begin
         kv_end = tl.minimum(chunk_start_pos + first_token + BLOCK_Q - q_begin, context_len)
+        kv_first = 0
+        if HAS_WINDOW:
+            kv_first = _first_tile(chunk_start_pos + first_token - q_begin, window, TILE)
         acc, row_max, row_sum = _attend(
-            q, q_pos, 0, kv_end, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale,
-            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION)
+            q, q_pos, kv_first, kv_end, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale, window,
+            stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION,
+            HAS_WINDOW)
+        if HAS_WINDOW:  # rows past the chunk's end (never stored) may see no key: 0 / 0
+            row_sum = tl.where(row_sum > 0, row_sum, 1.0)
         out = acc / row_sum[:, None]
         tl.store(out_ptr + _row_offsets(tokens, heads, stride_out_token, stride_out_head, HEAD_DIM),
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
@@ -272,15 +301,17 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None, *, num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence. ``q``: ``[num_seqs, num_heads, head_dim]`` -> same shape.
 
-    The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token.
-    ``num_splits`` is how many programs share each sequence's context (flash decoding); by default
-    it is picked from the shapes and the device's multiprocessor count.
+    The query of sequence s sits at position ``context_lens[s] - 1`` and sees every cached token, or
+    with a ``window`` the last ``window`` of them.
+    ``num_splits`` is how many programs share each sequence's context (its window's tiles, with one)
+    for flash decoding; by default it is picked from the shapes and the device's multiprocessor count.
     """
     _check_caches(k_cache, v_cache)
+    _check_window(window)
     num_seqs, num_heads, head_dim = q.shape
     group = _query_group(q, k_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -290,7 +321,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size = k_cache.shape[1]
     tile = max(KV_TILE, block_size)
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs * k_cache.shape[2], block_tables.shape[1] * block_size, q.device)
+        longest = block_tables.shape[1] * block_size
+        if window is not None:  # the window's tiles, from the one that holds its first key
+            longest = min(longest, window + tile)
+        num_splits = default_num_splits(num_seqs * k_cache.shape[2], longest, q.device)
     assert num_splits >= 1, f"num_splits must be at least 1, got {num_splits}"
     partial_out = partial_lse = out  # unused with one split
     if num_splits > 1:
@@ -298,9 +332,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial_lse = torch.empty((num_seqs * num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse, scale * _LOG2E, num_heads,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *k_cache.stride()[:3],
-        QUERIES_PER_KV=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits, **_dot_operands(q))
+        window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *k_cache.stride()[:3], QUERIES_PER_KV=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None,
+        **_dot_operands(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs * num_heads,)](
             partial_out, partial_lse, out, num_heads, out.stride(0), out.stride(1),
@@ -310,14 +345,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """A chunk of queries per sequence, attending causally to the cache (which holds the chunk).
 
     ``q``: ``[total_query_tokens, num_heads, head_dim]``, sequence s owning rows
     ``query_start_loc[s]:query_start_loc[s+1]``; its query i sits at position
-    ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own.
+    ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own (with a
+    ``window``, only the last ``window`` of those).
     """
     _check_caches(k_cache, v_cache)
+    _check_window(window)
     total_tokens, num_heads, head_dim = q.shape
     group = _query_group(q, k_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -329,10 +366,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = max(1, PREFILL_ROWS // group_pad)
     block_size = k_cache.shape[1]
     _prefill_kernel[(total_tokens // block_q + num_seqs, k_cache.shape[2])](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, num_seqs,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, num_seqs, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *k_cache.stride()[:3],
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE=max(KV_TILE, block_size), **_dot_operands(q))
+        BLOCK_SIZE=block_size, TILE=max(KV_TILE, block_size), HAS_WINDOW=window is not None, **_dot_operands(q))
     return out
 
 
@@ -352,6 +389,11 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         f"the Triton kernels need a power-of-two head_dim >= 16 (e.g. 64 or 128), got {head_dim}"
     assert _is_power_of_two_at_least_16(block_size), \
         f"the Triton kernels need a power-of-two block_size >= 16 (e.g. 16 or 32), got {block_size}"
+
+
+def _check_window(window: int | None) -> None:
+    assert window is None or (isinstance(window, int) and window > 0), \
+        f"a sliding window is a positive number of tokens or None, got {window!r}"
 
 
 def _query_group(q: torch.Tensor, k_cache: torch.Tensor) -> int:

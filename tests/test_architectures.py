@@ -6,6 +6,10 @@ norms, Phi-3's fused projections and partial rotary, a sliding window) and each 
 (sharded, bfloat16 and float16 on disk). Sixteen prompts of 1 to 600 tokens then run through the
 engine with chunked prefill and the prefix cache: greedy tokens must be transformers', and float32
 logits within 1e-3 of its forward pass.
+
+The families with sliding windows get a second matrix with windows far shorter than the prompts
+(Mistral's and Phi-3's on every layer, Qwen2's on the layers its ``layer_types`` names): chunks of
+16 tokens, so each window spans several chunks, and decodes that run past the window.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 
 from tests.conftest import save_tiny_model
 from tests.exactness_support import check_against_hf, make_prompts
-from worker.architectures import SUPPORTED_ARCHITECTURES, context_length
+from tests.conftest import cut_prompts
+from worker.architectures import SUPPORTED_ARCHITECTURES, context_length, layer_windows
 from worker.engine import Engine
 from worker.model_loader import ModelLoadError, load_config, load_model
 
@@ -41,12 +46,23 @@ MODELS = {
     "phi3-fused-partial": ("Phi3", dict(seed=0), dict(tie_word_embeddings=False, pad_token_id=0, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
+# Windows short of the prompts, none of them a multiple of the 16-token blocks but Mistral's (48):
+# name -> (family, how saved, config fields, the layer windows berth must read from the config)
+WINDOWED = {
+    "mistral-window48": ("Mistral", {}, dict(tie_word_embeddings=False, sliding_window=48), [48, 48]),
+    "phi3-window37": ("Phi3", dict(seed=0), dict(tie_word_embeddings=False, pad_token_id=0, sliding_window=37,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 0.5}), [37, 37]),
+    # transformers makes layers max_window_layers onwards the sliding ones: layer 0 full, 1 and 2 windowed
+    "qwen2-layer-windows": ("Qwen2", {}, dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=29,
+                                              max_window_layers=1, num_hidden_layers=3), [None, 29, 29]),
+}
 
 
 def build(name: str, tokenizer, path: Path) -> Path:
     import transformers
 
-    family, save, fields = MODELS[name]
+    family, save, fields = MODELS[name] if name in MODELS else WINDOWED[name][:3]
     return save_tiny_model(getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM"),
                            tokenizer, path, random_vectors=True, **save, **fields)
 
@@ -93,10 +109,77 @@ def test_the_checkpoints_are_stored_as_each_case_says(tmp_path, smol_tokenizer):
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= phi3.keys()
 
 
-def test_a_sliding_window_caps_the_context(tmp_path, smol_tokenizer):
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_sliding_windows_match_transformers(name, tmp_path, smol_tokenizer, text_ids):
+    """Prompts of 30 to 200 tokens (two sharing a prefix, for the prefix cache) in chunks of 20
+    tokens and 24 new tokens each, so every window spans chunks and every decode runs past a window
+    (30 + 24 tokens pass the longest); greedy tokens and float32 logits as transformers' (sdpa, its
+    default), whose eager attention gives the same logits. With the windows taken out of
+    berth's layers its logits leave transformers': the comparison sees the windows."""
+    from transformers import AutoModelForCausalLM
+
+    path = build(name, smol_tokenizer, tmp_path)
+    config = load_config(str(path))
+    assert layer_windows(config) == WINDOWED[name][3]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = Engine(loaded=load_model(str(path), torch.float32), kv_memory="16MiB", max_num_batched_tokens=20,
+                    block_size=16)
+    assert [layer.window for layer in engine.runner.model.layers] == WINDOWED[name][3]
+    base = cut_prompts(text_ids, [200], stride=4321)[0]
+    prompts = cut_prompts(text_ids, [30, 49, 130]) + [base[:120], base]
+    check_against_hf(hf, engine, prompts, generate_every=4, new_tokens=24)
+    assert engine.stats.prompt_tokens_cached > 0, "the shared prefix never hit the prefix cache"
+
+    long = torch.tensor([base])
+    with torch.no_grad():
+        sdpa = hf(long).logits[0]
+        eager = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+        torch.testing.assert_close(eager(long).logits[0], sdpa, atol=1e-4, rtol=0)
+    for layer in engine.runner.model.layers:
+        layer.window = None
+    ours = _prompt_logits(engine, base)
+    assert (ours - sdpa[-1]).abs().max() > 1e-2, "full attention gives transformers' logits: no window was tested"
+
+
+def _prompt_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """The engine's float32 logits of the token after ``prompt``."""
+    from tests.exactness_support import run_capturing_logits
+    from worker.request import SamplingParams
+
+    _, captured = run_capturing_logits(engine, [prompt], SamplingParams(max_tokens=1, temperature=0))
+    return next(iter(captured.values()))
+
+
+def test_a_sliding_window_does_not_cap_the_context(tmp_path, smol_tokenizer):
+    """The front door and the engine take the model's whole context, not its window."""
     path = build("mistral-window-bf16", smol_tokenizer, tmp_path)
-    assert context_length(load_config(str(path))) == 1024  # what the front door checks prompts against
-    assert Engine(loaded=load_model(str(path), torch.float32), kv_memory="8MiB").max_model_len == 1024
+    config = load_config(str(path))
+    assert layer_windows(config) == [1024, 1024]
+    assert context_length(config) == 2048  # what the front door checks prompts against
+    assert Engine(loaded=load_model(str(path), torch.float32), kv_memory="8MiB").max_model_len == 2048
+
+
+def test_which_layers_have_a_window():
+    """The configs transformers builds for each family, and the window each of its layers gets."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+    shape = dict(num_hidden_layers=4, max_position_embeddings=4096)
+    assert layer_windows(MistralConfig(num_hidden_layers=4, max_position_embeddings=32768)) == [4096] * 4  # v0.1
+    assert layer_windows(MistralConfig(sliding_window=None, **shape)) == [None] * 4  # Mistral v0.2 on
+    assert layer_windows(MistralConfig(sliding_window=2048, **shape)) == [2048] * 4
+    assert layer_windows(Phi3Config(sliding_window=2047, **shape)) == [2047] * 4  # Phi-3-mini-4k
+    assert layer_windows(Phi3Config(sliding_window=262144, **shape)) == [None] * 4  # past the context: no window
+    assert layer_windows(Phi3Config(**shape)) == [None] * 4
+    for qwen in (Qwen2Config, Qwen3Config):
+        assert layer_windows(qwen(sliding_window=1024, **shape)) == [None] * 4  # no use_sliding_window
+        assert layer_windows(qwen(use_sliding_window=True, sliding_window=1024, max_window_layers=3,
+                                  **shape)) == [None, None, None, 1024]
+        assert layer_windows(qwen(use_sliding_window=True, sliding_window=1024, **shape,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)) == [1024, None] * 2
+    llama = LlamaConfig(**shape)
+    llama.sliding_window = 1024  # a stray key in a config.json: transformers' Llama has no window
+    assert layer_windows(llama) == [None] * 4
 
 
 def _mapped_files() -> list[tuple[int, int, str]]:

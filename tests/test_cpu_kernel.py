@@ -1,6 +1,9 @@
-"""The C decode-attention kernel against the PyTorch reference, and its place in the engine."""
+"""The C decode-attention kernel against the PyTorch reference, and its place in the engine; and the
+reference's sliding window against a dense masked softmax written out here (these need no compiler)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 from kernels import cpu_attention, reference
 from kernels.attention import select_ops
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")
+needs_c = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: one rounding of the output
 
 
@@ -30,6 +33,7 @@ def paged_case(context_lens, block_size, heads, kv_heads, head_dim, dtype, seed=
             torch.tensor(context_lens, dtype=torch.int32), head_dim ** -0.5)
 
 
+@needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])
@@ -42,17 +46,90 @@ def test_decode_matches_reference(dtype, block_size, heads, kv_heads):
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@needs_c
 def test_head_dim_128_and_a_single_sequence():
     args = paged_case([77], 16, 8, 2, 128, torch.float32, seed=3)
     torch.testing.assert_close(cpu_attention.paged_decode_attention(*args),
                                reference.paged_decode_attention(*args), atol=1e-5, rtol=1e-5)
 
 
+@needs_c
 def test_unsupported_dtype_falls_back_to_reference():
     args = paged_case([5, 40], 16, 4, 2, 64, torch.float16)
     torch.testing.assert_close(cpu_attention.paged_decode_attention(*args), reference.paged_decode_attention(*args))
 
 
+@needs_c
 def test_auto_backend_on_cpu_is_the_c_kernel():
     assert select_ops("auto", "cpu").name == "cpu"
     assert select_ops("torch", "cpu").name == "torch"
+
+
+# --------------------------------------------------------------------------------------------------
+# sliding windows
+# --------------------------------------------------------------------------------------------------
+
+# Contexts around block edges and past every window below, 40 sequences: the reference's grouped path
+WINDOW_LENS = [1, 15, 16, 17, 33, 48, 49, 97, 130, 2000] + list(range(3, 600, 20))
+# Windows of one token, not a multiple of any block size, a block, equal to a context (130), longer than all
+WINDOWS = [1, 20, 32, 130, 5000]
+
+
+def dense_attention(q, k_cache, v_cache, table, positions, context_len, scale, window):
+    """Queries ``q`` ``[n, heads, d]`` at ``positions`` of one sequence over its first ``context_len``
+    keys, in float64, with the mask written out: key k is seen from position p when
+    ``k <= p`` and, with a window, ``k > p - window`` (transformers' sliding_window_causal_mask_function)."""
+    block_size = k_cache.shape[1]
+    blocks = table[: -(-context_len // block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:context_len].double()  # [ctx, kv_heads, d]
+    v = v_cache[blocks].flatten(0, 1)[:context_len].double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    key, pos = torch.arange(context_len)[None, :], positions[:, None]
+    seen = key <= pos
+    if window is not None:
+        seen &= key > pos - window
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, *WINDOWS])
+def test_reference_decode_window_is_the_dense_mask(window):
+    q, k, v, tables, lens, scale = paged_case(WINDOW_LENS, 16, 9, 3, 64, torch.float32, seed=5)
+    got = reference.paged_decode_attention(q, k, v, tables, lens, scale, window)
+    for s, n in enumerate(lens.tolist()):
+        want = dense_attention(q[s:s + 1], k, v, tables[s], torch.tensor([n - 1]), n, scale, window)
+        torch.testing.assert_close(got[s:s + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+# (cached tokens before the chunk, chunk length): fresh prompts longer than the windows, chunks at
+# unaligned offsets whose first query's window starts blocks back, a single token, an empty chunk
+PREFILL_WINDOW_BATCH = [(0, 70), (105, 45), (36, 1), (20, 0), (64, 32), (150, 90), (0, 130)]
+
+
+@pytest.mark.parametrize("window", [None, *WINDOWS])
+def test_reference_prefill_window_is_the_dense_mask(window):
+    contexts = [c + n for c, n in PREFILL_WINDOW_BATCH]
+    _, k, v, tables, lens, scale = paged_case(contexts, 16, 9, 3, 64, torch.float32, seed=6)
+    chunks = [n for _, n in PREFILL_WINDOW_BATCH]
+    starts = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32)
+    q = torch.randn(sum(chunks), 9, 64, generator=torch.Generator().manual_seed(7))
+    got = reference.paged_prefill_attention(q, k, v, tables, starts, lens, scale, window)
+    for s, (cached, n) in enumerate(PREFILL_WINDOW_BATCH):
+        lo = starts[s].item()
+        want = dense_attention(q[lo:lo + n], k, v, tables[s], torch.arange(cached, cached + n), cached + n, scale,
+                               window)
+        torch.testing.assert_close(got[lo:lo + n].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
+    (16, 9, 3, 64), (32, 16, 2, 64), (24, 4, 4, 64), (16, 8, 2, 128)])  # 24: runs cut by block edges; 128: plain C
+def test_decode_window_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
+    args = paged_case(WINDOW_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=block_size)
+    for window in WINDOWS:
+        got = cpu_attention.paged_decode_attention(*args, window=window)
+        want = reference.paged_decode_attention(*args, window=window)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -190,6 +190,37 @@ def test_prefill_matches_reference(block_size, queries_per_kv, dtype):
 
 
 # --------------------------------------------------------------------------------------------------
+# sliding windows (the reference's own window is checked against a dense mask in test_cpu_kernel.py)
+# --------------------------------------------------------------------------------------------------
+
+# One token, not a multiple of the block size, one KV tile, equal to a context (130), longer than all.
+WINDOWS = [1, 20, 64, 130, 5000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_window_matches_reference(window):
+    """Contexts shorter and longer than the window, one split and three (whose first splits may
+    hold only tiles before the window: skipped, so empty)."""
+    for block_size, queries_per_kv, dtype in [(16, 3, torch.float32), (32, 8, torch.bfloat16)]:
+        inputs = decode_inputs([1, 15, 33, 97, 130, 300], block_size, queries_per_kv, dtype, seed=window)
+        expected = reference.paged_decode_attention(*inputs, SCALE, window)
+        assert_matches(triton_attention.paged_decode_attention(*inputs, SCALE, window), expected)
+        assert_matches(triton_attention.paged_decode_attention(*inputs, SCALE, window, num_splits=3), expected)
+
+
+@pytest.mark.parametrize("window", [1, 20, 48, 130])
+def test_prefill_window_matches_reference(window):
+    """Chunks longer than the window and chunks whose window reaches back into cached blocks. With one
+    query head per kv head a program holds 64 query tokens, so its last rows' windows begin tiles
+    after its first row's: those rows see nothing in the first tiles (and must not turn NaN)."""
+    batch = PREFILL_BATCH + [(150, 90)]
+    for queries_per_kv, dtype in [(1, torch.float32), (3, torch.bfloat16)]:
+        inputs = prefill_inputs(batch, 16, queries_per_kv, dtype, seed=200 + window)
+        assert_matches(triton_attention.paged_prefill_attention(*inputs, SCALE, window),
+                       reference.paged_prefill_attention(*inputs, SCALE, window))
+
+
+# --------------------------------------------------------------------------------------------------
 # host side: shape checks, no synchronization
 # --------------------------------------------------------------------------------------------------
 
@@ -225,17 +256,35 @@ def test_wrappers_read_no_tensor_values(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     triton_attention.paged_decode_attention(*decode, SCALE)
     triton_attention.paged_decode_attention(*decode, SCALE, num_splits=2)
+    triton_attention.paged_decode_attention(*decode, SCALE, 20, num_splits=2)
     triton_attention.paged_prefill_attention(*prefill, SCALE)
+    triton_attention.paged_prefill_attention(*prefill, SCALE, 4)
     triton_attention.write_kv(kv, kv, decode[1], decode[2], slots)
 
 
-def test_engine_with_triton_kernels_matches_the_torch_path(tiny_loaded, text_ids):
+@pytest.fixture(scope="module")
+def windowed_loaded(tmp_path_factory, smol_tokenizer):
+    """A tiny random Mistral whose 20-token window the prompts below pass."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import save_tiny_model
+    from worker.model_loader import load_model
+
+    path = save_tiny_model(MistralConfig, MistralForCausalLM, smol_tokenizer, tmp_path_factory.mktemp("mistral"),
+                           sliding_window=20)
+    return load_model(str(path), torch.float32)
+
+
+@pytest.mark.parametrize("model", ["tiny_loaded", "windowed_loaded"])
+def test_engine_with_triton_kernels_matches_the_torch_path(model, request, text_ids):
     """The engine behind the attention interface, once with the Triton kernels (interpreted here),
-    once with PyTorch: chunked prefill and decode give the same greedy tokens."""
+    once with PyTorch: chunked prefill and decode give the same greedy tokens, with and without a
+    sliding window."""
     from tests.conftest import cut_prompts
     from worker.engine import Engine
     from worker.request import SamplingParams
 
+    tiny_loaded = request.getfixturevalue(model)
     prompts = cut_prompts(text_ids, [5, 23, 40])
     params = SamplingParams(max_tokens=6, temperature=0, min_tokens=6)
     tokens = {}

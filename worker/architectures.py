@@ -2,9 +2,10 @@
 
 Llama, Mistral, Qwen2/2.5, Qwen3 and Phi-3 are one decoder (RMSNorm, rotary embeddings,
 grouped-query attention, SwiGLU) with small differences: biases on some projections, a norm over
-each head of q and k, projections the checkpoint stores fused. One table says which, so the model
-(``worker.model``) is one class with switches and every loader asks for exactly the Hugging Face
-tensors the model will use. A family is added here, in one line, or not at all.
+each head of q and k, projections the checkpoint stores fused, which layers attend over a sliding
+window. One table says which, so the model (``worker.model``) is one class with switches and every
+loader asks for exactly the Hugging Face tensors the model will use. A family is added here, in one
+line, or not at all.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ class Architecture:
     fused_qkv: bool = False  # the checkpoint stores q, k, v as one self_attn.qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint stores gate and up as one mlp.gate_up_proj (Phi-3)
     bias_flags: bool = False  # the config's attention_bias (q, k, v, o) and mlp_bias switch biases on
+    window: str | None = None  # the config's sliding_window applies to "every" layer, or per "layer_types"
 
 
 ARCHITECTURES: dict[str, Architecture] = {  # config.json's model_type -> its family's switches
     "llama": Architecture(bias_flags=True),
-    "mistral": Architecture(),
-    "qwen2": Architecture(qkv_bias=True),
-    "qwen3": Architecture(qk_norm=True, bias_flags=True),
-    "phi3": Architecture(fused_qkv=True, fused_gate_up=True),
+    "mistral": Architecture(window="every"),
+    "qwen2": Architecture(qkv_bias=True, window="layer_types"),
+    "qwen3": Architecture(qk_norm=True, bias_flags=True, window="layer_types"),
+    "phi3": Architecture(fused_qkv=True, fused_gate_up=True, window="every"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -88,17 +90,39 @@ def hf_weight_names(config) -> list[str]:
 
 
 def context_length(config) -> int:
-    """The longest sequence berth runs on this model: its context, capped at its attention window if it
-    has one. berth's attention has no window; within the window, the window masks nothing, so full
-    attention computes exactly what the model would (Mistral v0.1 runs 4,096 tokens, Phi-3-mini-4k 2,047)."""
-    window = sliding_window(config)
-    return min(config.max_position_embeddings, window) if window else config.max_position_embeddings
+    """The longest sequence berth runs on this model: its whole context (``max_position_embeddings``).
+    A sliding window does not shorten it: the layers that have one attend within it, as transformers'
+    (Mistral v0.1 runs 32,768 tokens over a window of 4,096, Phi-3-mini-4k 4,096 over 2,047)."""
+    return config.max_position_embeddings
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding attention window (``None``: full causal attention), as transformers' model
+    of the family applies it:
+
+    - Mistral and Phi-3: the config's ``sliding_window`` on every layer, where it is set (Mistral
+      v0.1 has 4,096 and later Mistrals null; Phi-3-mini-4k has 2,047, the 128k models one longer
+      than their context, which is no window: berth then runs full attention, the same numbers).
+    - Qwen2 and Qwen3: on the layers ``layer_types`` calls ``"sliding_attention"``. Their config
+      classes keep ``sliding_window`` only with ``use_sliding_window`` and, unless ``layer_types`` is
+      given, make layers ``max_window_layers`` onwards the sliding ones; a config without
+      ``layer_types`` (berth's own, from a GGUF file) has none.
+    - Llama: no window; transformers' Llama ignores a ``sliding_window`` key.
+
+    Known limit: the KV blocks a window has left behind stay allocated until the sequence ends
+    (vLLM frees them), so a long sequence holds its whole context's blocks, as without a window.
+    """
+    arch = architecture(config)
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    if arch.window is None or window is None or window >= config.max_position_embeddings:
+        return [None] * layers
+    if arch.window == "every":
+        return [window] * layers
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def sliding_window(config) -> int | None:
     """The attention window if any layer has one (Mistral, Phi-3, Qwen with ``use_sliding_window``)."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return window
+    return max((w for w in layer_windows(config) if w is not None), default=None)

@@ -115,7 +115,7 @@ class Engine:
         self.model_path = loaded.path  # what was loaded, also when ``loaded`` was handed in
         self.tokenizer = loaded.tokenizer
         self.model_name = settings.served_model_name()
-        context = context_length(loaded.config)  # capped at a sliding window
+        context = context_length(loaded.config)  # the whole context: sliding windows do not cap it
         self.max_model_len = min(settings.max_model_len or context, context)
         self.long_rope_from = long_rope_from(loaded.config)  # None but for a longrope model
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,

@@ -1,6 +1,7 @@
 """The decoder of every family berth runs (Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3): RMSNorm, rotary
 embeddings, grouped-query attention and SwiGLU, with the few switches of ``worker.architectures``
-(biases, per-head q/k norms, partial rotary), reading and writing a paged KV cache.
+(biases, per-head q/k norms, partial rotary, per-layer sliding windows), reading and writing a
+paged KV cache.
 
 One step is one flattened batch: the new tokens of every scheduled sequence, decode tokens first,
 then prefill chunks, go through each linear layer as a single ``[tokens, hidden]`` matrix. Q, K and
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionOps
-from worker.architectures import ModelLoadError, architecture, gate_up_modules, qkv_modules
+from worker.architectures import ModelLoadError, architecture, gate_up_modules, layer_windows, qkv_modules
 from worker.linear import Linear, make_linear
 from worker.rotary import rotary_tables
 
@@ -47,6 +48,7 @@ class Layer:
     down: Linear
     q_norm: torch.Tensor | None = None  # [head_dim], over each head (Qwen3)
     k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding attention window (worker.architectures.layer_windows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,6 +103,7 @@ class DecoderModel:
         self.norm = w["model.norm.weight"]
         self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w.pop("lm_head.weight"))
         self.layers = []
+        windows = layer_windows(config)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             self.layers.append(Layer(
@@ -111,7 +114,8 @@ class DecoderModel:
                 gate_up=_projection(w, p, gate_up_modules(arch), arch.mlp_bias),
                 down=_projection(w, p, ["mlp.down_proj"], arch.mlp_bias),
                 q_norm=w[p + "self_attn.q_norm.weight"] if arch.qk_norm else None,
-                k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None))
+                k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None,
+                window=windows[i]))
         self.cos, self.sin = rotary_tables(config, self.head_dim, device, dtype)  # [positions, rotary dim]
 
     @torch.inference_mode()
@@ -133,7 +137,7 @@ class DecoderModel:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             self.ops.write_kv(k, v.view(T, KVH, D), k_cache, v_cache, step.slot_mapping)
-            attn = self._attention(q, k_cache, v_cache, step)
+            attn = self._attention(q, k_cache, v_cache, step, layer.window)
             h = h + layer.o(attn.view(T, H * D))
             x = rms_norm(h, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -143,15 +147,15 @@ class DecoderModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _attention(self, q, k_cache, v_cache, step: StepInput) -> torch.Tensor:
+    def _attention(self, q, k_cache, v_cache, step: StepInput, window: int | None) -> torch.Tensor:
         nd = step.num_decode
         if nd == q.shape[0]:
             return self.ops.decode(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
-                                   self.scale)
+                                   self.scale, window)
         prefill = self.ops.prefill(q[nd:], k_cache, v_cache, step.prefill_block_tables,
-                                   step.prefill_query_start_loc, step.prefill_context_lens, self.scale)
+                                   step.prefill_query_start_loc, step.prefill_context_lens, self.scale, window)
         if nd == 0:
             return prefill
         decode = self.ops.decode(q[:nd], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
-                                 self.scale)
+                                 self.scale, window)
         return torch.cat([decode, prefill])

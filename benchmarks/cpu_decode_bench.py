@@ -1,0 +1,106 @@
+"""The CPU decode-attention kernel (``kernels/cpu_decode.c``) without a window, against a baseline
+checkout's kernel in the same run, and with a sliding window against without one.
+
+A change to the kernel must not slow the default model's path (no window): ``--baseline DIR`` loads
+``DIR/kernels/cpu_attention.py`` (which builds ``DIR/kernels/cpu_decode.c``) beside this tree's and
+times the two in alternation on the same inputs, so a machine busy with other jobs slows both
+alike. It also times this tree's kernel with a window over the same contexts: its cost should follow
+the window, not the context. Shapes are the default model's (9 query heads, 3 kv heads, head_dim 64,
+blocks of 16), with block ids shuffled over a cache larger than the CPU's caches.
+
+    git archive main kernels | tar -x -C /tmp/berth-baseline
+    python benchmarks/cpu_decode_bench.py --baseline /tmp/berth-baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, without installing berth
+from kernels import cpu_attention  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+CASES = [(torch.float32, 192, 512), (torch.float32, 64, 2048), (torch.bfloat16, 192, 512),
+         (torch.bfloat16, 64, 2048)]  # dtype, sequences, context
+WINDOW = 256
+
+
+def load_baseline(folder: Path):
+    path = folder / "kernels" / "cpu_attention.py"
+    spec = importlib.util.spec_from_file_location("baseline_cpu_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not module.available():
+        raise SystemExit(f"the baseline kernel in {path.parent} did not build")
+    return module
+
+
+def inputs(dtype: torch.dtype, seqs: int, context: int, gen: torch.Generator) -> tuple:
+    blocks = -(-context // BLOCK_SIZE)
+    pool = seqs * blocks + 1
+    k = torch.randn(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    tables = torch.randperm(pool, generator=gen)[:seqs * blocks].view(seqs, blocks).to(torch.int32)
+    q = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return q, k, v, tables, torch.full((seqs,), context, dtype=torch.int32), HEAD_DIM ** -0.5
+
+
+def time_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, help="a checkout (or `git archive` of kernels/) to compare with")
+    parser.add_argument("--rounds", type=int, default=5, help="alternations of baseline and this tree per case")
+    parser.add_argument("--reps", type=int, default=20, help="calls timed per round (the median is kept)")
+    args = parser.parse_args()
+    if not cpu_attention.available():
+        raise SystemExit("no C compiler built kernels/cpu_decode.c")
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    windowed = "window" in inspect.signature(cpu_attention.paged_decode_attention).parameters
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads")
+    print(f"{'dtype':9} {'seqs':>4} {'ctx':>5} {'this ms':>8} {'base ms':>8} {'this/base':>9} "
+          f"{'win ' + str(WINDOW) + ' ms':>11} {'win/full':>8}")
+    gen = torch.Generator().manual_seed(0)
+    for dtype, seqs, context in CASES:
+        case = inputs(dtype, seqs, context, gen)
+        ours, base, window = [], [], []
+        for _ in range(args.rounds):
+            ours.append(time_ms(lambda: cpu_attention.paged_decode_attention(*case), args.reps))
+            if baseline:
+                base.append(time_ms(lambda: baseline.paged_decode_attention(*case), args.reps))
+            if windowed:
+                window.append(time_ms(lambda: cpu_attention.paged_decode_attention(*case, window=WINDOW), args.reps))
+        if baseline:
+            torch.testing.assert_close(cpu_attention.paged_decode_attention(*case),
+                                       baseline.paged_decode_attention(*case), atol=0, rtol=0)
+        t = statistics.median(ours)
+        b = f"{statistics.median(base):8.3f} {t / statistics.median(base):9.3f}" if base else f"{'-':>8} {'-':>9}"
+        w = f"{statistics.median(window):11.3f} {statistics.median(window) / t:8.3f}" if window else ""
+        print(f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {context:5d} {t:8.3f} {b} {w}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
