@@ -194,7 +194,7 @@ def test_cut_short_file_is_a_load_error(tmp_path, written):
         load_config(str(path))
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "phi3", "phi3-longrope"])
 def test_engine_on_a_gguf_file_matches_transformers(written, case, smol_path, text_ids):
     """The GGUF reading and the model together: berth's greedy tokens and logits on each family's
     file against transformers' model it was written from. The 40-token prompt runs past phi3's
