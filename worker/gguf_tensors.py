@@ -2,10 +2,12 @@
 
 Float data that already is the compute dtype is not copied: it is a view of the file's memory map
 (copy-on-write, so the file is never written and torch gets the writable array it asks for).
-Quantised data is dequantised with ``gguf.quants`` (the reference numpy code that llama.cpp's
-Python tools use), driven here a few thousand blocks at a time: the working arrays then stay in
-the CPU cache, which is several times faster than both one pass over a whole tensor and
-``gguf.quants.dequantize``'s own grouping of 16 rows (see benchmarks/README.md).
+Quantised data of the common types (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) is dequantised with
+torch by ``worker.gguf_dequant``, straight from the memory map and bit for bit what ``gguf.quants``
+gives, several times faster (benchmarks/README.md). The other types (Q2_K, Q3_K) keep
+``gguf.quants`` (the reference numpy code that llama.cpp's Python tools use), driven a few thousand
+blocks at a time: the working arrays then stay in the CPU cache, which is several times faster than
+both one pass over a whole tensor and ``gguf.quants.dequantize``'s own grouping of 16 rows.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.gguf_dequant import dequantise
 from worker.gguf_index import TensorInfo
 from worker.model_loader import ModelLoadError
 
@@ -46,7 +49,11 @@ def read_tensor(data: np.memmap, info: TensorInfo, dtype: torch.dtype) -> torch.
     if info.shape[-1] % block_size:
         raise ModelLoadError(f"tensor {info.name} has rows of {info.shape[-1]} values, not a multiple of "
                              f"{type_name}'s block of {block_size}: the file is damaged")
-    return _dequantise(getattr(gguf.quants, type_name), raw.reshape(-1, type_size), dtype).reshape(info.shape)
+    blocks = raw.reshape(-1, type_size)
+    tensor = dequantise(type_name, torch.from_numpy(blocks), dtype)
+    if tensor is None:
+        tensor = _dequantise(getattr(gguf.quants, type_name), blocks, dtype)
+    return tensor.reshape(info.shape)
 
 
 def _dequantise(quant, blocks: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
