@@ -1,0 +1,98 @@
+"""berth's torch dequantisation (worker/gguf_dequant.py) against gguf.quants' numpy reference, bit
+for bit: random blocks with the float16 scales forced to the awkward values (zeros of both signs,
+subnormals, the largest finite, infinities, NaN), then the default model's own tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worker.gguf_dequant import BLOCK_TYPES, dequantise
+
+# where each type keeps its float16 scales (d, and m/dmin where it has one)
+F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SPECIAL_F16 = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF,
+                        0x7C00, 0xFC00, 0x7E00, 0xFE01], dtype=np.uint16)
+
+
+def reference(type_name: str, blocks: np.ndarray) -> torch.Tensor:
+    import gguf
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        return torch.from_numpy(getattr(gguf.quants, type_name).dequantize_blocks(blocks))
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bit for bit (signed zeros included), any NaN matching any NaN."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[want.dtype]
+    assert torch.equal(got[~nan].view(as_int), want[~nan].view(as_int))
+
+
+def random_blocks(type_name: str, n: int = 640, seed: int = 0) -> np.ndarray:
+    """Random bytes (so every nibble, bit and 6-bit scale occurs many times), with each scale
+    field running through SPECIAL_F16 against random values of the other fields, then random
+    finite float16s of every size."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, BLOCK_TYPES[type_name].type_size), dtype=np.uint8)
+    for i, at in enumerate(F16_AT[type_name]):
+        field = blocks[:, at:at + 2].view(np.uint16)[:, 0]
+        special = np.roll(SPECIAL_F16, 5 * i)  # a different pairing of d and m
+        field[:len(SPECIAL_F16) * 8] = np.tile(special, 8)
+        finite = rng.integers(0, 0x7C00, size=n // 2, dtype=np.uint16) | rng.integers(0, 2, size=n // 2, dtype=np.uint16) << 15
+        field[n // 2:] = finite
+    return blocks
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_random_blocks_equal_reference(type_name):
+    blocks = random_blocks(type_name)
+    want = reference(type_name, blocks)
+    assert want.isnan().any() and want.isinf().any() and (want == 0).any()  # the special scales did occur
+    got = dequantise(type_name, torch.from_numpy(blocks), torch.float32)
+    assert_bits_equal(got, want)
+    # chunks that end inside the array, the last one short
+    assert_bits_equal(dequantise(type_name, torch.from_numpy(blocks), torch.float32, chunk_values=7 * 256), want)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert_bits_equal(dequantise(type_name, torch.from_numpy(blocks), dtype, chunk_values=5 * 256), want.to(dtype))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_unaligned_and_strided_bytes(type_name):
+    """Blocks that do not start on a 4-byte boundary (copied to aligned memory first) read the same."""
+    blocks = random_blocks(type_name, n=160, seed=1)
+    buffer = np.zeros(blocks.size + 1, dtype=np.uint8)
+    buffer[1:] = blocks.reshape(-1)
+    shifted = torch.from_numpy(buffer)[1:].view(160, -1)
+    assert_bits_equal(dequantise(type_name, shifted, torch.float32), reference(type_name, blocks))
+
+
+def test_types_without_a_torch_version_are_declined():
+    assert dequantise("Q2_K", torch.zeros(1, 84, dtype=torch.uint8), torch.float32) is None
+    with pytest.raises(ValueError, match="Q4_1 blocks are 20 bytes"):
+        dequantise("Q4_1", torch.zeros(2, 18, dtype=torch.uint8), torch.float32)
+
+
+def test_default_model_tensors_equal_reference(smol_path):
+    """The shipped Q4_1 file through read_tensor (its Q8_0 embedding, Q4_1 layers) in float32
+    and bfloat16."""
+    import gguf
+
+    from worker.gguf_index import read_index
+    from worker.gguf_tensors import open_data, read_tensor
+
+    index, data = read_index(smol_path), open_data(smol_path)
+    names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.attn_v.weight"]
+    assert {gguf.GGMLQuantizationType(index.tensors[n].ggml_type).name for n in names} == {"Q8_0", "Q4_1"}
+    for name in names:
+        info = index.tensors[name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        n = int(np.prod(info.shape))
+        blocks = np.asarray(data[info.offset:info.offset + n // block_size * type_size]).reshape(-1, type_size)
+        want = reference(gguf.GGMLQuantizationType(info.ggml_type).name, blocks).reshape(info.shape)
+        assert_bits_equal(read_tensor(data, info, torch.float32), want)
+        assert_bits_equal(read_tensor(data, info, torch.bfloat16), want.to(torch.bfloat16))
