@@ -54,10 +54,15 @@ def _nibbles(words: torch.Tensor, out: torch.Tensor, mask: int) -> torch.Tensor:
     return out
 
 
-def _high_bits(words: torch.Tensor, shifts: torch.Tensor, mask: int, out: torch.Tensor) -> torch.Tensor:
-    """``((words >> shift) & mask) << 4`` for each shift: a new axis before the last one."""
-    torch.bitwise_right_shift(words.unsqueeze(-2), shifts.view(-1, 1), out=out)
-    return out.bitwise_and_(mask).bitwise_left_shift_(4)
+def _high_bits(words: torch.Tensor, shifts: range, mask: int, out: torch.Tensor) -> torch.Tensor:
+    """``((words >> shift) << 4) & (mask << 4)`` for each shift: a new axis before the last one.
+    One scalar shift per row of ``out`` (a tensor of shifts, broadcast, is several times slower)."""
+    for i, shift in enumerate(shifts):
+        if shift <= 4:
+            torch.bitwise_left_shift(words, 4 - shift, out=out[..., i, :])
+        else:
+            torch.bitwise_right_shift(words, shift - 4, out=out[..., i, :])
+    return out.bitwise_and_(mask << 4)
 
 
 def _k_scales(scales: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +130,7 @@ def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     w = b.view(torch.int32)
     q = _nibbles(w[:, 12:].view(n, 4, 8), torch.empty(n, 4, 16, dtype=torch.int32), _M4_32).view(n, 8, 8)
     # bit s of qh byte j is the fifth bit of sub-block s's value j
-    q.bitwise_or_(_high_bits(w[:, 4:12], _SHIFTS_8_I32, _BIT_32, torch.empty(n, 8, 8, dtype=torch.int32)))
+    q.bitwise_or_(_high_bits(w[:, 4:12], range(8), _BIT_32, torch.empty(n, 8, 8, dtype=torch.int32)))
     out = out.view(n, 8, 32)
     out.copy_(q.view(torch.uint8).view(n, 8, 32))
     out.mul_(scale).sub_(offset)
@@ -137,7 +142,7 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # two 64-byte groups of low bits (values 0-63 low nibbles, 64-127 high), each with a
     # 32-byte group of high bits holding 2 bits for 4 rows of 32 values
     q = _nibbles(w[:, :64].view(n, 2, 32), torch.empty(n, 2, 64, dtype=torch.int16), _M4_16).view(n, 2, 4, 16)
-    q.bitwise_or_(_high_bits(w[:, 64:96].view(n, 2, 16), _SHIFTS_2BIT_I16, 0x0303,
+    q.bitwise_or_(_high_bits(w[:, 64:96].view(n, 2, 16), range(0, 8, 2), 0x0303,
                              torch.empty(n, 2, 4, 16, dtype=torch.int16)))
     q = q.view(torch.uint8).view(n, 16, 16).sub_(32)
     scale = _f16(b, 208) * b[:, 192:208].view(torch.int8)
@@ -147,8 +152,6 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 _SHIFTS_8_U8 = torch.arange(8, dtype=torch.uint8)
-_SHIFTS_8_I32 = torch.arange(8, dtype=torch.int32)
-_SHIFTS_2BIT_I16 = torch.arange(0, 8, 2, dtype=torch.int16)
 
 
 @dataclass(frozen=True)
