@@ -54,6 +54,17 @@ def _nibbles(words: torch.Tensor, out: torch.Tensor, mask: int) -> torch.Tensor:
     return out
 
 
+def _planes(words: torch.Tensor, mask: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low and high nibbles of every byte of ``words`` (whole blocks, scales included), as uint8
+    tensors shaped like the blocks' bytes. Operations over whole contiguous blocks run several
+    times faster than over the packed bytes' slice (short strided rows); the float conversion
+    then reads the slice."""
+    lo = torch.bitwise_and(words, mask)
+    hi = torch.bitwise_right_shift(words, 4).bitwise_and_(mask)
+    n = words.shape[0]
+    return lo.view(torch.uint8).view(n, -1), hi.view(torch.uint8).view(n, -1)
+
+
 def _high_bits(words: torch.Tensor, shifts: range, mask: int, out: torch.Tensor) -> torch.Tensor:
     """``((words >> shift) << 4) & (mask << 4)`` for each shift: a new axis before the last one.
     One scalar shift per row of ``out`` (a tensor of shifts, broadcast, is several times slower)."""
@@ -81,15 +92,16 @@ def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
-    w = b.view(torch.int16)
-    q = _nibbles(w[:, 1:], torch.empty(b.shape[0], 16, dtype=torch.int16), _M4_16).view(torch.uint8)
-    out.copy_(q.sub_(8).view(torch.int8))  # q - 8 wraps in uint8: the int8 two's complement
+    lo, hi = _planes(b.view(torch.int16), _M4_16)
+    out[:, :16].copy_(lo.sub_(8).view(torch.int8)[:, 2:])  # q - 8 wraps in uint8: int8's two's complement
+    out[:, 16:].copy_(hi.sub_(8).view(torch.int8)[:, 2:])
     out.mul_(_f16(b, 0))
 
 
 def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
-    w = b.view(torch.int32)
-    out.copy_(_nibbles(w[:, 1:], torch.empty(b.shape[0], 8, dtype=torch.int32), _M4_32).view(torch.uint8))
+    lo, hi = _planes(b.view(torch.int32), _M4_32)
+    out[:, :16].copy_(lo[:, 4:])
+    out[:, 16:].copy_(hi[:, 4:])
     out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
@@ -118,10 +130,11 @@ def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     scale, offset = _k_scales(b[:, 4:16], _f16(b, 0), _f16(b, 2))
     # four 32-byte groups: low nibbles are sub-block 2g, high nibbles 2g + 1
-    q = _nibbles(b.view(torch.int32)[:, 4:].view(n, 4, 8), torch.empty(n, 4, 16, dtype=torch.int32), _M4_32)
-    out = out.view(n, 8, 32)
-    out.copy_(q.view(torch.uint8).view(n, 8, 32))
-    out.mul_(scale).sub_(offset)
+    lo, hi = _planes(b.view(torch.int32), _M4_32)
+    groups = out.view(n, 4, 2, 32)
+    groups[:, :, 0].copy_(lo[:, 16:].view(n, 4, 32))
+    groups[:, :, 1].copy_(hi[:, 16:].view(n, 4, 32))
+    out.view(n, 8, 32).mul_(scale).sub_(offset)
 
 
 def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
