@@ -43,8 +43,8 @@ def random_blocks(type_name: str, n: int = 640, seed: int = 0) -> np.ndarray:
         field = blocks[:, at:at + 2].view(np.uint16)[:, 0]
         special = np.roll(SPECIAL_F16, 5 * i)  # a different pairing of d and m
         field[:len(SPECIAL_F16) * 8] = np.tile(special, 8)
-        finite = rng.integers(0, 0x7C00, size=n // 2, dtype=np.uint16) | rng.integers(0, 2, size=n // 2, dtype=np.uint16) << 15
-        field[n // 2:] = finite
+        sign = rng.integers(0, 2, size=n // 2, dtype=np.uint16) << 15
+        field[n // 2:] = rng.integers(0, 0x7C00, size=n // 2, dtype=np.uint16) | sign  # finite
     return blocks
 
 

@@ -4,7 +4,8 @@ Why not ``gguf.quants`` (numpy): it builds one full-size temporary per step, on 
 for the default model on the 2-core machine, against a start-up goal of 3 s to the first token.
 Here each type is a few torch operations per chunk of a tensor (torch's thread pool, vectorised
 kernels), the packed bits unpacked in 16- or 32-bit words (a block's bytes viewed as
-``int16``/``int32``), two or four nibbles or bits per lane, so the integer work touches a fraction of the values' bytes.
+``int16``/``int32``), two or four nibbles or bits per lane, so the integer work touches a
+fraction of the values' bytes.
 
 Why the results are exact: every value is ``scale * q``, with ``+ m`` or ``- dmin * m`` in the
 types that have an offset, where ``scale`` is a float16 (11 significant bits), in the K-quants
