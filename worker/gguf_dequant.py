@@ -41,7 +41,7 @@ import torch
 # full-size float32 temporary); much smaller chunks pay per-operation overhead (benchmarks/README.md).
 CHUNK_VALUES = 1 << 19
 _M4_32, _M4_16 = 0x0F0F0F0F, 0x0F0F
-_BIT_32, _BIT_16 = 0x01010101, 0x0101
+_BIT_32 = 0x01010101
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
