@@ -96,3 +96,25 @@ def test_default_model_tensors_equal_reference(smol_path):
         want = reference(gguf.GGMLQuantizationType(info.ggml_type).name, blocks).reshape(info.shape)
         assert_bits_equal(read_tensor(data, info, torch.float32), want)
         assert_bits_equal(read_tensor(data, info, torch.bfloat16), want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "Q2_K", "Q3_K"])
+def test_read_tensor_torch_and_numpy_paths(type_name):
+    """read_tensor on bytes at an offset inside a buffer, shaped [rows, cols]: the torch types and
+    the ones left to gguf.quants (Q2_K, Q3_K) both give the reference, in float32 and bfloat16."""
+    import gguf
+
+    from worker.gguf_index import TensorInfo
+    from worker.gguf_tensors import read_tensor
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    shape = (3, 2 * 256)
+    n_blocks = shape[0] * shape[1] // block_size
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    data = np.concatenate([np.zeros(64, dtype=np.uint8), blocks.reshape(-1), np.zeros(7, dtype=np.uint8)])
+    info = TensorInfo("t", int(qtype), shape, 64)
+    want = reference(type_name, blocks).reshape(shape)
+    assert_bits_equal(read_tensor(data, info, torch.float32), want)
+    assert_bits_equal(read_tensor(data, info, torch.bfloat16), want.to(torch.bfloat16))
