@@ -13,7 +13,6 @@ Phi-3 keeps its fused ``qkv_proj`` and ``gate_up_proj`` in both formats.
 
 from __future__ import annotations
 
-import contextlib
 
 import logging
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from worker.gguf_tensors import open_data, read_tensor
 from worker.model_config import ModelConfig
 from worker.model_loader import LoadedModel, ModelLoadError, check_complete
 from worker.tokenizer import load_tokenizer
+from worker.torch_threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -99,24 +99,10 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(config, weights, load_tokenizer(str(path)), str(path))
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Dequantising is a thousand short torch operations: on two threads each waits at its end for
-    the other thread, and where another process holds that core the wait is its time slice. Measured
-    on the 2-core machines, the default model: 0.15 s on two threads and 0.26 s on one when quiet,
-    0.77 s against 0.26 s beside one busy process. A worker restarted after a crash usually starts
-    beside busy ones: one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def gguf_weights(index: GGUFIndex, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every weight of the file's model under its Hugging Face name, in ``dtype``."""
-    with _one_thread():
+    """Every weight of the file's model under its Hugging Face name, in ``dtype`` (on one thread:
+    ``worker.torch_threads``)."""
+    with one_thread():
         return _gguf_weights(index, config, dtype)
 
 

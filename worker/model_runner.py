@@ -30,6 +30,7 @@ from worker.architectures import context_length
 from worker.config import KV_AUTO_SHARE
 from worker.model import DecoderModel, StepInput
 from worker.request import Sequence
+from worker.torch_threads import one_thread
 
 log = logging.getLogger("berth.engine")
 
@@ -84,7 +85,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.ops = select_ops(attention_backend, device)
-        self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
+        with one_thread():  # thousands of short operations (worker.torch_threads)
+            self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
         self.long_table_row = loaded.config.max_position_embeddings  # a longrope model's long table follows
         m = self.model
         self.num_layers = len(m.layers)
