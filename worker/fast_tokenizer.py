@@ -8,8 +8,8 @@ transformers derived: special tokens, ids, chat template, decoding cleanup) in m
 
 It offers the part of transformers' interface berth uses: ``len``, ``encode``/``__call__``,
 ``decode``, ``apply_chat_template``, the special token ids, ``get_vocab``, ``save_pretrained``, and
-``transformers()`` for the few callers that need transformers' own object (xgrammar's tokenizer
-info), loaded on first use.
+``transformers()`` for a caller that needs transformers' own object, loaded on first use
+(structured outputs build xgrammar's tokenizer info from ``facts["grammar"]`` instead).
 """
 
 from __future__ import annotations

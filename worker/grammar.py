@@ -68,10 +68,7 @@ class Compiler:
     def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None):
         import xgrammar as xgr
 
-        from worker.tokenizer import as_transformers
-
-        self.info = xgr.TokenizerInfo.from_huggingface(as_transformers(tokenizer), vocab_size=vocab_size,
-                                                       stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+        self.info = tokenizer_info(tokenizer, vocab_size, list(stop_token_ids) if stop_token_ids else None)
         self.vocab_size = self.info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="berth-grammar")
@@ -133,6 +130,40 @@ def choice_grammar(value: str) -> str:
 
 _compilers: dict[tuple, Compiler] = {}
 _compilers_lock = threading.Lock()
+
+
+def tokenizer_facts(hf_tokenizer) -> dict:
+    """What xgrammar derives from transformers' tokenizer beyond its vocabulary (how tokens spell
+    bytes, whether a leading space is added), for ``worker.tokenizer`` to keep with the tokenizer it
+    converts: a process that reads the tokenizer without transformers then builds the same
+    ``TokenizerInfo`` without it."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer)
+    return {"vocab_type": info.vocab_type.name, "add_prefix_space": bool(info.add_prefix_space)}
+
+
+def tokenizer_info(tokenizer, vocab_size: int | None, stop_token_ids: list[int] | None):
+    """xgrammar's ``TokenizerInfo``: from the facts kept with a ``FastTokenizer`` (as
+    ``from_huggingface`` builds it, without loading transformers), else from transformers' tokenizer."""
+    import xgrammar as xgr
+
+    from worker.tokenizer import as_transformers
+
+    facts = (getattr(tokenizer, "facts", None) or {}).get("grammar")
+    if not facts:
+        return xgr.TokenizerInfo.from_huggingface(as_transformers(tokenizer), vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+    vocab = tokenizer.get_vocab()
+    size = vocab_size or max(len(vocab), max(vocab.values()) + 1)
+    encoded = [""] * size
+    for token, i in vocab.items():
+        if i < size:
+            encoded[i] = token
+    if stop_token_ids is None and tokenizer.eos_token_id is not None:
+        stop_token_ids = [tokenizer.eos_token_id]
+    return xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType[facts["vocab_type"]], vocab_size=size,
+                             stop_token_ids=stop_token_ids, add_prefix_space=facts["add_prefix_space"])
 
 
 def compiler_for(tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None) -> Compiler:

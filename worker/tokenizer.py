@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model hub is never reached at 
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # of a cache entry; a change converts every tokenizer again
+FORMAT = 3  # of a cache entry; a change converts every tokenizer again
 # The files of a Hugging Face folder that can change what AutoTokenizer builds (config.json names the class)
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
@@ -113,8 +113,21 @@ def _facts(hf) -> tuple[dict, str | None]:
         clean = False  # transformers skips the cleanup for BPE models
     facts = {"chat_template": template, "special_tokens_map": dict(hf.special_tokens_map),
              "bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id, "pad_token_id": hf.pad_token_id,
-             "all_special_ids": list(hf.all_special_ids), "clean_up_tokenization_spaces": clean}
+             "all_special_ids": list(hf.all_special_ids), "clean_up_tokenization_spaces": clean,
+             "grammar": _grammar_facts(hf)}
     return facts, why
+
+
+def _grammar_facts(hf) -> dict | None:
+    """What structured outputs need of this tokenizer (``worker.grammar.tokenizer_facts``), or None
+    (structured outputs then load transformers' tokenizer on first use)."""
+    try:
+        from worker.grammar import tokenizer_facts
+
+        return tokenizer_facts(hf)
+    except Exception as exc:  # noqa: BLE001 (a tokenizer xgrammar cannot read: the fallback stands)
+        log.warning("structured outputs will read this tokenizer with transformers: %s", exc)
+        return None
 
 
 def _transformers_tokenizer(where: str):
