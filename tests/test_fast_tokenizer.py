@@ -203,3 +203,35 @@ def test_structured_outputs_build_xgrammars_tokenizer_info_without_transformers_
     fresh = load_tokenizer(smol_path)
     grammar.check(StructuredOutput("json_schema", '{"type": "object"}'), fresh, 60)
     assert fresh._transformers is None, "the compiler loaded transformers' tokenizer (0.4 s) all the same"
+
+
+def test_a_llama2_style_tokenizer_adding_bos_reads_as_transformers_does(tmp_path, monkeypatch):
+    """SentencePiece-style BPE (the ▁ spaces of Llama 2 and Mistral) with transformers' Llama class,
+    which adds BOS through its post-processor, and a template that writes BOS itself."""
+    from pathlib import Path
+
+    from tokenizers import SentencePieceBPETokenizer, Tokenizer
+    from transformers import AutoTokenizer, LlamaTokenizerFast
+
+    monkeypatch.setenv("BERTH_CACHE_DIR", str(tmp_path / "cache"))
+    root = Path(__file__).resolve().parents[1]
+    trainer = SentencePieceBPETokenizer(unk_token="<unk>", fuse_unk=True)
+    trainer.train_from_iterator([(root / "README.md").read_text()] * 2, vocab_size=600,
+                                special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=100)
+    hf = LlamaTokenizerFast(tokenizer_object=Tokenizer.from_str(trainer._tokenizer.to_str()), bos_token="<s>",
+                            eos_token="</s>", unk_token="<unk>", add_bos_token=True)
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                        "{{ '[INST] ' + m['content'] | trim + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+                        "{{ ' ' + m['content'] | trim + eos_token }}{% endif %}{% endfor %}")
+    hf.save_pretrained(str(tmp_path / "llama"))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path / "llama"))
+    ours = load_tokenizer(str(tmp_path / "llama"))
+    assert isinstance(ours, FastTokenizer)
+    assert ours("Hello")["input_ids"][0] == reference.bos_token_id == 1
+    for text in _texts(2, 100):
+        ids = reference(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True), text
+    for chat in CHATS:
+        assert ours.apply_chat_template(chat, return_dict=False) == \
+               list(reference.apply_chat_template(chat)["input_ids"])
