@@ -40,6 +40,7 @@ import hashlib
 import json
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
@@ -139,7 +140,9 @@ def tokenizer_facts(hf_tokenizer) -> dict:
     ``TokenizerInfo`` without it."""
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer)
+    with warnings.catch_warnings():  # a tokenizer without EOS: stop ids are the engine's, given later
+        warnings.simplefilter("ignore")
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer)
     return {"vocab_type": info.vocab_type.name, "add_prefix_space": bool(info.add_prefix_space)}
 
 
