@@ -113,3 +113,24 @@ def _listening_sockets() -> list[tuple[str, int]]:
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
             found.append((socket.inet_ntop(family, raw), int(port, 16)))
     return found
+
+
+def test_the_images_warm_up_leaves_a_checked_tokenizer_and_the_kernel_in_the_cache(tmp_path):
+    """The Dockerfile derives, at build time, what a start would otherwise derive once (the
+    tokenizer's conversion and check, the C kernel): its command must keep working as the code changes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    dockerfile = ROOT.joinpath("Dockerfile").read_text().replace("\\\n", "")
+    [command] = [line.removeprefix("RUN ") for line in dockerfile.splitlines()
+                 if line.startswith("RUN python -c") and "load_tokenizer" in line]
+    code = command.removeprefix('python -c "').removesuffix('"')
+    env = {**os.environ, "BERTH_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)
+    [entry] = (tmp_path / "tokenizers").iterdir()
+    assert json.loads((entry / "berth-tokenizer.json").read_text())["verdict"] is None
+    assert list((tmp_path / "kernels").glob("cpu_decode-*.so"))
+    assert any(line.startswith("ENV ") and "BERTH_CACHE_DIR=" in line for line in dockerfile.splitlines()), \
+        "the image must keep the cache it built where every container reads it"
