@@ -7,8 +7,9 @@ So a model's tokenizer goes through transformers once per machine:
 
 1. transformers loads it (``AutoTokenizer``, from the folder or the GGUF file);
 2. berth saves it under ``cache_dir("tokenizers")/<key>`` (the key names the source files, their
-   sizes and times, and the transformers and tokenizers versions), with a manifest of the facts
-   transformers derived (special tokens and their ids, chat template, decoding cleanup);
+   sizes and times, the transformers, tokenizers and xgrammar versions and berth's reader and check
+   as they are), with a manifest of the facts transformers derived (special tokens and their ids,
+   chat template, decoding cleanup, what xgrammar reads of the tokenizer);
 3. ``worker.tokenizer_check`` compares a ``FastTokenizer`` read from that save with transformers'
    own on sample texts and chats, and the manifest records the verdict.
 
@@ -156,7 +157,8 @@ def _manifest(path: Path) -> dict | None:
 def _entry(source: Path) -> Path:
     from worker.config import cache_dir
 
-    parts = [str(FORMAT), str(source.resolve()), _version("transformers"), _version("tokenizers")]
+    parts = [str(FORMAT), str(source.resolve()), _version("transformers"), _version("tokenizers"),
+             _version("xgrammar"), _reader_digest()]
     files = [source] if source.suffix == ".gguf" else [source / name for name in SOURCE_FILES]
     for f in files:
         try:
@@ -165,6 +167,13 @@ def _entry(source: Path) -> Path:
         except OSError:
             pass
     return cache_dir("tokenizers") / hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _reader_digest() -> str:
+    """berth's reader and its check as they are now: a change to either checks every tokenizer again."""
+    here = Path(__file__).parent
+    code = b"".join((here / f).read_bytes() for f in ("fast_tokenizer.py", "chat_template.py", "tokenizer_check.py"))
+    return hashlib.sha256(code).hexdigest()[:16]
 
 
 def _version(package: str) -> str:
