@@ -235,3 +235,16 @@ def test_a_llama2_style_tokenizer_adding_bos_reads_as_transformers_does(tmp_path
     for chat in CHATS:
         assert ours.apply_chat_template(chat, return_dict=False) == \
                list(reference.apply_chat_template(chat)["input_ids"])
+
+
+def test_a_tokenizer_berths_reader_fails_on_is_read_by_transformers(tmp_path, monkeypatch, caplog, smol_transformers):
+    monkeypatch.setenv("BERTH_CACHE_DIR", str(tmp_path / "cache"))
+    smol_transformers.save_pretrained(str(tmp_path / "model"))
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("no such model type")
+
+    monkeypatch.setattr(FastTokenizer, "read", unreadable)
+    tokenizer = load_tokenizer(str(tmp_path / "model"))
+    assert not isinstance(tokenizer, FastTokenizer) and len(tokenizer) == 49152
+    assert "berth's reader failed on it: ValueError: no such model type" in caplog.text

@@ -76,9 +76,12 @@ def _convert(source: Path, entry: Path):
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=entry.parent))
         hf.save_pretrained(str(tmp))
-        facts, verdict = _facts(hf)
-        if verdict is None:
-            verdict = differences(FastTokenizer.read(tmp, facts), hf)
+        try:
+            facts, verdict = _facts(hf)
+            if verdict is None:
+                verdict = differences(FastTokenizer.read(tmp, facts), hf)
+        except Exception as exc:  # noqa: BLE001 (whatever berth's reader cannot take: transformers reads it)
+            facts, verdict = {}, f"berth's reader failed on it: {type(exc).__name__}: {exc}"[:500]
         if verdict is not None:
             log.warning("the tokenizer of %s is read with transformers (slower to start): berth's own reader "
                         "differs from it: %s", source.name, verdict)
