@@ -30,6 +30,7 @@ from worker.architectures import context_length
 from worker.config import KV_AUTO_SHARE
 from worker.model import DecoderModel, StepInput
 from worker.request import Sequence
+from worker.rotary import long_table_row
 from worker.torch_threads import one_thread
 
 log = logging.getLogger("berth.engine")
@@ -87,7 +88,7 @@ class ModelRunner:
         self.ops = select_ops(attention_backend, device)
         with one_thread():  # thousands of short operations (worker.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
-        self.long_table_row = loaded.config.max_position_embeddings  # a longrope model's long table follows
+        self.long_table_row = long_table_row(loaded.config)
         m = self.model
         self.num_layers = len(m.layers)
         self.block_shape = (block_size, m.num_kv_heads, m.head_dim)

@@ -138,11 +138,17 @@ def long_rope(threshold: int | None, num_tokens: int) -> bool:
     return threshold is not None and num_tokens > threshold
 
 
+def long_table_row(config) -> int:
+    """Where a ``longrope`` model's long table starts in its rotary tables: a token of position ``p``
+    rotated with the long factors reads row ``p + long_table_row(config)``."""
+    return config.max_position_embeddings
+
+
 def rotary_tables(config, head_dim: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape ``[max_position_embeddings, rotary_dim]``, in the model dtype; for a
-    ``longrope`` model twice as many rows: the short table, then the long one."""
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    ``longrope`` model twice as many rows: the short table, then the long one (``long_table_row``)."""
+    positions = torch.arange(long_table_row(config), dtype=torch.float32)
     tables = [inv_freq_and_scaling(config, head_dim)]
     if long_rope_from(config) is not None:
         tables.append(_longrope(rope_parameters(config), rotary_dim(config, head_dim),
