@@ -35,13 +35,13 @@ import torch
 
 from worker import grammar
 from worker.architectures import context_length
-from worker.rotary import long_rope, long_rope_from
 from worker.block_manager import BlockManager
 from worker.config import Settings
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner
 from worker.process_clock import seconds_since_start
 from worker.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
+from worker.rotary import long_rope, long_rope_from
 from worker.sampler import SampleRow, sample
 from worker.scheduler import Scheduler, SchedulerOutput
 

@@ -129,10 +129,6 @@ def choice_grammar(value: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-_compilers: dict[tuple, Compiler] = {}
-_compilers_lock = threading.Lock()
-
-
 def tokenizer_facts(hf_tokenizer) -> dict:
     """What xgrammar derives from transformers' tokenizer beyond its vocabulary (how tokens spell
     bytes, whether a leading space is added), for ``worker.tokenizer`` to keep with the tokenizer it
@@ -167,6 +163,10 @@ def tokenizer_info(tokenizer, vocab_size: int | None, stop_token_ids: list[int] 
         stop_token_ids = [tokenizer.eos_token_id]
     return xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType[facts["vocab_type"]], vocab_size=size,
                              stop_token_ids=stop_token_ids, add_prefix_space=facts["add_prefix_space"])
+
+
+_compilers: dict[tuple, Compiler] = {}
+_compilers_lock = threading.Lock()
 
 
 def compiler_for(tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None) -> Compiler:
