@@ -25,7 +25,7 @@ RUN pip install .
 # by transformers and checked against berth's own reader (about 6 s), and the C kernel for this
 # machine's CPU (a container on another CPU builds its own on its first start). A container, new or
 # restarted after a crash, then starts in about 2 s (benchmarks/README.md, start-up).
-RUN python -c "from kernels import cpu_attention; from worker.config import default_model_path; \
-from worker.tokenizer import load_tokenizer; load_tokenizer(default_model_path()); cpu_attention.available()"
+RUN python -c "from kernels import cpu_attention; from worker.config import cache_dir, default_model_path; \
+from worker.model.tokenizer import load_tokenizer; load_tokenizer(default_model_path()); cpu_attention.load(cache_dir('kernels'))"
 
 CMD ["berth", "--help"]

@@ -51,15 +51,16 @@ from benchmarks.throughput import (WARMUP_PROMPTS, WARMUP_TOKENS, add_workload_o
                                    save_report, useful_timing)
 from benchmarks.workload import Workload, corpus_token_ids, make_workload  # noqa: E402
 from storage import ObjectStore, open_store  # noqa: E402
-from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key  # noqa: E402
-from worker.checkpoint_writer import THREAD_NAME  # noqa: E402
-from worker.checkpointer import Checkpointer  # noqa: E402
+from worker.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from worker.checkpoint.format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key  # noqa: E402
+from worker.checkpoint.resume import Restorer, TransferRates  # noqa: E402
+from worker.checkpoint.writer import THREAD_NAME  # noqa: E402
 from worker.config import Settings  # noqa: E402
-from worker.engine import DTYPES, Engine, EngineStats  # noqa: E402
+from worker.engine.engine import DTYPES, Engine, EngineStats  # noqa: E402
+from worker.engine.request import Request  # noqa: E402
 from worker.metrics import WorkerMetrics  # noqa: E402
-from worker.model_loader import LoadedModel, load_model  # noqa: E402
-from worker.request import Request  # noqa: E402
-from worker.resume import Restorer, TransferRates  # noqa: E402
+from worker.model.base import LoadedModel
+from worker.model.loader import load_model
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 CONTEXTS = (256, 1024, 4096)

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, without installing berth
 from kernels import cpu_attention  # noqa: E402
+from worker.config import cache_dir  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CASES = [(torch.float32, 192, 512), (torch.float32, 64, 2048), (torch.bfloat16, 192, 512),
@@ -39,9 +40,19 @@ def load_baseline(folder: Path):
     spec = importlib.util.spec_from_file_location("baseline_cpu_attention", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not module.available():
+    decode = decode_of(module)
+    if decode is None:
         raise SystemExit(f"the baseline kernel in {path.parent} did not build")
-    return module
+    return decode
+
+
+def decode_of(module):
+    """The module's decode function, built into the worker's kernel folder: ``load(folder)`` since
+    the kernels take their folder from the worker, ``available()`` and a module function before."""
+    if hasattr(module, "load"):
+        kernel = module.load(cache_dir("kernels"))
+        return kernel.paged_decode_attention if kernel is not None else None
+    return module.paged_decode_attention if module.available() else None
 
 
 def inputs(dtype: torch.dtype, seqs: int, context: int, gen: torch.Generator) -> tuple:
@@ -75,10 +86,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternations of baseline and this tree per case")
     parser.add_argument("--reps", type=int, default=20, help="calls timed per round (the median is kept)")
     args = parser.parse_args()
-    if not cpu_attention.available():
+    decode = decode_of(cpu_attention)
+    if decode is None:
         raise SystemExit("no C compiler built kernels/cpu_decode.c")
     baseline = load_baseline(args.baseline) if args.baseline else None
-    windowed = "window" in inspect.signature(cpu_attention.paged_decode_attention).parameters
+    windowed = "window" in inspect.signature(decode).parameters
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads")
     print(f"{'dtype':9} {'seqs':>4} {'ctx':>5} {'this ms':>8} {'base ms':>8} {'this/base':>9} "
           f"{'win ' + str(WINDOW) + ' ms':>11} {'win/full':>8}")
@@ -87,14 +99,14 @@ def main() -> int:
         case = inputs(dtype, seqs, context, gen)
         ours, base, window = [], [], []
         for _ in range(args.rounds):
-            ours.append(time_ms(lambda: cpu_attention.paged_decode_attention(*case), args.reps))
+            ours.append(time_ms(lambda: decode(*case), args.reps))
             if baseline:
-                base.append(time_ms(lambda: baseline.paged_decode_attention(*case), args.reps))
+                base.append(time_ms(lambda: baseline(*case), args.reps))
             if windowed:
-                window.append(time_ms(lambda: cpu_attention.paged_decode_attention(*case, window=WINDOW), args.reps))
+                window.append(time_ms(lambda: decode(*case, window=WINDOW), args.reps))
         if baseline:
-            torch.testing.assert_close(cpu_attention.paged_decode_attention(*case),
-                                       baseline.paged_decode_attention(*case), atol=0, rtol=0)
+            torch.testing.assert_close(decode(*case),
+                                       baseline(*case), atol=0, rtol=0)
         t = statistics.median(ours)
         b = f"{statistics.median(base):8.3f} {t / statistics.median(base):9.3f}" if base else f"{'-':>8} {'-':>9}"
         w = f"{statistics.median(window):11.3f} {statistics.median(window) / t:8.3f}" if window else ""

@@ -57,8 +57,9 @@ from benchmarks.throughput import (add_workload_options, berth_settings, clock, 
                                    machine_info, parse_workload_args, save_report, warmed_engine)
 from benchmarks.workload import Workload, make_workload  # noqa: E402
 from worker.config import Settings  # noqa: E402
-from worker.engine import DTYPES, Engine  # noqa: E402
-from worker.model_loader import LoadedModel, load_model  # noqa: E402
+from worker.engine.engine import DTYPES, Engine  # noqa: E402
+from worker.model.base import LoadedModel
+from worker.model.loader import load_model
 
 SYSTEMS = ("engine", "embedded", "servers")
 TARGET_RATIO = 0.90
@@ -142,8 +143,8 @@ def run_whole_path(loaded: LoadedModel, settings: Settings, request_file: Path, 
     queries the job from another process meanwhile."""
     from jobs import api
     from jobs.db import open_database
-    from jobs.models import JobStatus
     from jobs.engine_worker import engine_worker
+    from jobs.models import JobStatus
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
     worker = engine_worker(settings, warmed_engine(loaded, settings), eager_tasks=True)
@@ -160,7 +161,7 @@ def run_whole_path(loaded: LoadedModel, settings: Settings, request_file: Path, 
     result = timing(out, workload, job.completed_at - t0)
     result["phases"] = {"queued": round(job.in_progress_at - t0, 3), "last_result": round(job.finalizing_at - t0, 3),
                         "results_written": round(job.completed_at - t0, 3), "results_copied": round(copied - t0, 3)}
-    result["engine"] = engine_figures(worker.engine)
+    result["engine"] = engine_figures(worker.engine.engine)
     result["status_queries"] = probe.latencies
     return result
 
@@ -303,7 +304,7 @@ def delete_queues(amqp_url: str, prefix: str, model: str) -> None:
     """Delete the queues and exchanges berth declared under ``prefix``."""
     from kombu import Connection
 
-    from worker.queues import Topology
+    from worker.consumer.queues import Topology
 
     topology = Topology(prefix)
     try:

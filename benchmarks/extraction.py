@@ -188,7 +188,7 @@ def main() -> None:
 
     from benchmarks.throughput import machine_info
     from worker.config import Settings
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     engine = Engine(Settings())
     print(f"{len(cases())} extraction prompts over {len(SCHEMAS)} schemas, max_tokens {MAX_TOKENS}, "

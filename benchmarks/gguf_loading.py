@@ -8,7 +8,7 @@ imports it needs, so the figures are the work itself, not Python's start-up.
 
 Dequantisation is timed in rounds that run every variant once (best of ``--repeat`` rounds), so a
 neighbour's load on a shared machine hits all of them alike: the file's quantised tensors with
-gguf.quants (whole tensors, and berth's former chunked driver) against worker.gguf_dequant in
+gguf.quants (whole tensors, and berth's former chunked driver) against worker.model.gguf.dequant in
 float32 and bfloat16 at several chunk sizes; then the same for a Q4_K_M-style model: the default
 model's shapes as random Q4_K blocks (Q6_K for token_embd, attn_v and ffn_down, as llama.cpp's
 Q4_K_M does for those), built in memory, since gguf.quants cannot quantise K-quants.
@@ -75,8 +75,8 @@ def dequant_figures(index, data, repeat: int) -> None:
     import gguf
     import numpy as np
 
-    import worker.gguf_dequant as dq
-    from worker.gguf_tensors import _dequantise
+    import worker.model.gguf.dequant as dq
+    from worker.model.gguf.tensors import _dequantise
 
     Q = gguf.GGMLQuantizationType
     files = {"file": []}
@@ -118,10 +118,10 @@ def main() -> None:
     import gguf
 
     from worker.config import default_model_path
-    from worker.gguf_index import read_index
-    from worker.gguf_loader import gguf_config, gguf_weights
-    from worker.gguf_tensors import open_data, read_tensor
-    from worker.model_loader import load_config, load_model
+    from worker.model.gguf.index import read_index
+    from worker.model.gguf.loader import gguf_config, gguf_weights
+    from worker.model.gguf.tensors import open_data, read_tensor
+    from worker.model.loader import load_config, load_model
 
     path = args.model or default_model_path()
     index = read_index(path)

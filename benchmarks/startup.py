@@ -57,8 +57,8 @@ t0 = time.perf_counter()
 import jobs.cli, jobs.generate
 t1 = time.perf_counter()
 from worker.config import Settings
-from worker.model_loader import load_model
-from worker.engine import DTYPES, Engine
+from worker.engine.engine import DTYPES, Engine
+from worker.model.loader import load_model
 settings = Settings()
 loaded = load_model(settings.model_path(), DTYPES[settings.dtype])
 t2 = time.perf_counter()
@@ -70,7 +70,7 @@ def kv_resident():
 
 kv_after_start = kv_resident()
 t3b = time.perf_counter()
-from worker.request import SamplingParams
+from worker.engine.request import SamplingParams
 ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
 ids = list(ids if isinstance(ids, list) else ids["input_ids"])
 engine.generate([ids], SamplingParams(max_tokens=1, temperature=0))

@@ -46,10 +46,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks.workload import Workload, make_workload  # noqa: E402
 from worker.config import Settings, default_model_path  # noqa: E402
-from worker.engine import DTYPES, Engine, EngineStats  # noqa: E402
-from worker.linear import make_linear  # noqa: E402
-from worker.model_loader import LoadedModel, load_model  # noqa: E402
-from worker.request import SamplingParams, StructuredOutput  # noqa: E402
+from worker.engine.engine import DTYPES, Engine, EngineStats  # noqa: E402
+from worker.engine.request import SamplingParams, StructuredOutput  # noqa: E402
+from worker.model.base import LoadedModel
+from worker.model.linear import make_linear  # noqa: E402
+from worker.model.loader import load_model
 
 LABELS = {"berth": "berth", "static": "transformers static (16)", "continuous": "transformers continuous"}
 COLORS = {"berth": "tab:blue", "static": "tab:gray", "continuous": "tab:orange"}
@@ -163,13 +164,13 @@ class track_grammar_time:
     and how many steps and rows were constrained, until ``figures`` puts the calls back."""
 
     def __init__(self):
-        import worker.grammar
-        import worker.sampler
+        import worker.engine.grammar
+        import worker.engine.sampler
 
         self.seconds = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
         self.steps = self.rows = 0
-        self._restore = [(worker.grammar, "fill_bitmask"), (worker.sampler, "apply_bitmask"),
-                         (worker.grammar, "accept")]
+        self._restore = [(worker.engine.grammar, "fill_bitmask"), (worker.engine.sampler, "apply_bitmask"),
+                         (worker.engine.grammar, "accept")]
         self._originals = [getattr(module, name) for module, name in self._restore]
         for (module, name), key, original in zip(self._restore, self.seconds, self._originals):
             setattr(module, name, self._timed(key, original))
@@ -382,7 +383,7 @@ def clock() -> str:
 def measure_roof(config, dtype: str) -> dict:
     """The machine's best matmul rate (GFLOP/s) on the model's MLP shapes, best of ``ROOF_REPEATS``:
     PyTorch's ``a @ b`` (MKL, what transformers runs) and berth's own linear (oneDNN with the weight
-    reordered once, ``worker.linear``), which is the faster on AMD CPUs, where MKL runs AVX2 code."""
+    reordered once, ``worker.model.linear``), which is the faster on AMD CPUs, where MKL runs AVX2 code."""
     h, m = config.hidden_size, config.intermediate_size
     shapes = [(rows, k, n) for rows in ROOF_ROWS for k, n in ((h, m), (m, h))]
     rates = {}

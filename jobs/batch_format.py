@@ -25,7 +25,7 @@ from typing import Any
 
 from jobs.line_text import UNSTORABLE, bad_text, shown
 from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
-from worker.request import Request, RequestOutput, SamplingParams
+from worker.engine.request import Request, RequestOutput, SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

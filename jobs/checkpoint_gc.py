@@ -27,7 +27,7 @@ from jobs.db import Database
 from jobs.lifecycle import LIVE
 from jobs.models import Job, RequestRow, Result
 from storage import ObjectNotFound, ObjectStore
-from worker.checkpoint_format import KV_PREFIX, STATE_PREFIX, CorruptCheckpoint, RequestCheckpoint, block_key
+from worker.checkpoint.format import KV_PREFIX, STATE_PREFIX, CorruptCheckpoint, RequestCheckpoint, block_key
 
 log = logging.getLogger("berth.checkpoint")
 

@@ -72,8 +72,8 @@ def generate(input_file, output, errors, quiet, **flags):
     configure_logging(quiet)
     from jobs.generate import generate_file
     from jobs.validate import InputError
-    from worker.engine import RequestRejected
-    from worker.model_loader import ModelLoadError
+    from worker.engine.engine import RequestRejected
+    from worker.model.base import ModelLoadError
 
     settings = settings_from(flags)
     try:
@@ -139,8 +139,8 @@ def user_errors():
     from jobs.lifecycle import JobNotFound, JobStateError
     from jobs.tenants import TenantNotFound
     from jobs.validate import InputError
-    from worker.engine import RequestRejected
-    from worker.model_loader import ModelLoadError
+    from worker.engine.engine import RequestRejected
+    from worker.model.base import ModelLoadError
 
     try:
         yield
@@ -307,7 +307,7 @@ def webhook_secret_command(tenant, rotate, **flags):
 
 def _queue_door(flags: dict, submit: bool, events: bool, eager_ingest: bool = False) -> None:
     configure_logging()
-    from jobs.submit_consumer import QueueDoor
+    from jobs.queue_door.consumer import QueueDoor
 
     settings = settings_from(flags)
     with user_errors():
@@ -386,10 +386,10 @@ def retry(job_id, as_json, **flags):
 def serve(host, port, open_access, **flags):
     """OpenAI's Files and Batches API (base_url http://HOST:PORT/v1). On the embedded defaults (no
     --broker-url) it runs an engine worker in this process too."""
-    from jobs.api_keys import any_keys
     from jobs.db import open_database
-    from jobs.serve import Server
-    from worker.queues import is_embedded
+    from jobs.http.keys import any_keys
+    from jobs.http.server import Server
+    from worker.consumer.queues import is_embedded
 
     configure_logging()
     settings = settings_from(flags)
@@ -420,8 +420,8 @@ def key():
 @click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
 def key_create(tenant, database_url):
     """Make a key and print it: it is shown this once (the database keeps only its hash)."""
-    from jobs.api_keys import create_key
     from jobs.db import open_database
+    from jobs.http.keys import create_key
 
     with user_errors():
         made = create_key(open_database(settings_from({"database_url": database_url}).database_url), tenant)
@@ -436,8 +436,8 @@ def key_list(tenant, database_url):
     """The keys by their first characters, with their tenants."""
     import datetime
 
-    from jobs.api_keys import list_keys
     from jobs.db import open_database
+    from jobs.http.keys import list_keys
 
     with user_errors():
         keys = list_keys(open_database(settings_from({"database_url": database_url}).database_url), tenant)
@@ -452,8 +452,8 @@ def key_list(tenant, database_url):
 @click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
 def key_revoke(key_or_prefix, database_url):
     """Revoke a key: give it whole, or its 12 first characters as `berth key list` shows them."""
-    from jobs.api_keys import revoke_key
     from jobs.db import open_database
+    from jobs.http.keys import revoke_key
 
     with user_errors():
         n = revoke_key(open_database(settings_from({"database_url": database_url}).database_url), key_or_prefix)

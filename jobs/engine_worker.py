@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from jobs.ledger import JobsLedger
 from worker.config import Settings
-from worker.consumer import EngineWorker
-from worker.engine import Engine
+from worker.consumer.loop import EngineWorker
+from worker.engine.engine import Engine
 
 
 def engine_worker(settings: Settings, engine: Engine | None = None, eager_tasks: bool | None = None,

@@ -34,6 +34,8 @@ from jobs.models import (
     ResultStatus,
     now,
 )
+from jobs.stored_lines import last_stored_line, line_custom_id
+from jobs.validate import InputError, read_lines
 from storage import ObjectNotFound
 
 log = logging.getLogger("berth.finalize")
@@ -85,9 +87,6 @@ def _close_unread(session, files: JobFiles, job: Job, code: str, message: str) -
     """The lines of a job stopped during its ingest that were never stored become line errors with
     ``code``; how many. The ingest stores lines in order and stores nothing once the job left
     ``validating``, so they are the lines after the last one stored."""
-    from jobs.ingest import last_stored_line, line_custom_id  # jobs.ingest imports this module
-    from jobs.validate import InputError, read_lines
-
     last = last_stored_line(session, job.id)
     n = 0
     try:

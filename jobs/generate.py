@@ -21,7 +21,7 @@ from pathlib import Path
 from jobs.batch_format import BatchLine, LineError, response_line
 from jobs.validate import LineValidator, ModelInfo, check_file_size, read_lines
 from worker.config import Settings
-from worker.engine import Engine, RequestRejected
+from worker.engine.engine import Engine, RequestRejected
 
 
 @dataclass

@@ -25,9 +25,9 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from worker.queues import broker_url, is_embedded
 from jobs.tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, RECONCILE, make_app
 from worker.config import Settings
+from worker.consumer.queues import broker_url, is_embedded
 
 log = logging.getLogger("berth.housekeeping")
 

@@ -31,11 +31,11 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
-from jobs.batch_format import LineError, parse_line
+from jobs.batch_format import LineError
 from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.finalize import write_outputs
@@ -43,7 +43,8 @@ from jobs.lifecycle import mark_finalizing
 from jobs.messages import RequestMessage, params_to_dict
 from jobs.models import Job, JobStatus, LineErrorRow, RequestRow, Tenant, now
 from jobs.queue import Publisher
-from jobs.validate import MAX_CUSTOM_ID, InputError, LineValidator, RawLine, model_info, read_lines
+from jobs.stored_lines import last_stored_line, line_custom_id
+from jobs.validate import InputError, LineValidator, RawLine, model_info, read_lines
 from storage import ObjectNotFound
 from worker.config import Settings
 
@@ -108,29 +109,11 @@ def hold_validating(session: Session, job_id: str) -> bool:
                            .values(ingest_seen_at=now())).rowcount == 1
 
 
-def last_stored_line(session: Session, job_id: str) -> int:
-    return max(session.scalar(select(func.max(RequestRow.line)).where(RequestRow.job_id == job_id)) or 0,
-               session.scalar(select(func.max(LineErrorRow.line)).where(LineErrorRow.job_id == job_id)) or 0)
-
-
 def _stored(db: Database, job_id: str) -> tuple[int, set[str]]:
     with db.session() as s:
         last = last_stored_line(s, job_id)
         seen = set(s.scalars(select(RequestRow.custom_id).where(RequestRow.job_id == job_id)))
     return last, seen
-
-
-def line_custom_id(raw: RawLine) -> str | None:
-    """The line's ``custom_id`` if the line parses that far and any database can store it (for its
-    error line), else None."""
-    if raw.data is None:
-        return None
-    try:
-        custom_id = parse_line(raw.data, raw.number).custom_id
-        custom_id.encode("utf-8")  # a lone surrogate ("\ud800" in the JSON) is not text a database stores
-    except Exception:  # noqa: BLE001 (any line that does not parse simply has none)
-        return None
-    return custom_id if len(custom_id) <= MAX_CUSTOM_ID and "\x00" not in custom_id else None
 
 
 def _error_row(job_id: str, line: int, custom_id: str | None, message: str, code: str = "invalid_request",

@@ -1,4 +1,4 @@
-"""The jobs database as an engine worker sees it: ``worker.ledger.Ledger`` on the jobs schema.
+"""The jobs database as an engine worker sees it: ``worker.consumer.ledger.Ledger`` on the jobs schema.
 
 A delivery is claimed in one transaction: its attempt counted, the row's account of the previous
 delivery read (did its worker die while running it?), and this worker written as the holder. The
@@ -17,17 +17,17 @@ from dataclasses import fields
 from sqlalchemy import exc as sql_errors
 from sqlalchemy import select, update
 
+from jobs import workers
 from jobs.batch_format import BatchLine, response_line
 from jobs.db import open_database
 from jobs.lifecycle import LIVE
 from jobs.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.results import ResultRecord, record_outcomes
 from jobs.tasks import finalize_later, make_app
-from jobs import workers
 from jobs.tenants import live_tenants
 from worker.config import Settings
-from worker.ledger import Claim, Heartbeat, LedgerDown, Outcome
-from worker.request import SamplingParams, StructuredOutput
+from worker.consumer.ledger import Claim, Heartbeat, LedgerDown, Outcome
+from worker.engine.request import SamplingParams, StructuredOutput
 
 log = logging.getLogger("berth.worker")
 

@@ -1,4 +1,4 @@
-"""The message jobs/ publishes for each request: it names the request (``worker.queues`` holds the
+"""The message jobs/ publishes for each request: it names the request (``worker.consumer.queues`` holds the
 contract), and carries where it goes: the model and tenant of its queue and the job's priority.
 An engine worker reads everything else from the request's database row, the source of truth, so a
 message can be rebuilt from its row at any time (``from_row``)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from worker.queues import request_body
-from worker.request import SamplingParams
+from worker.consumer.queues import request_body
+from worker.engine.request import SamplingParams
 
 
 def params_to_dict(params: SamplingParams) -> dict:

@@ -253,7 +253,7 @@ class BrokerUser(Base):
 
 class JobEvent(Base):
     """The outbox: one row per change of a job's status, written by database triggers on ``jobs`` in
-    the transaction that changes it (see ``jobs.events``), with the job's counts and files as they
+    the transaction that changes it (see ``jobs.queue_door.events``), with the job's counts and files as they
     were then. The relay publishes it (``published_at``) and POSTs it to the job's webhook
     (``webhook_due_at`` is when the next try is due, None when there is none to make)."""
 

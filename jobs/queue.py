@@ -1,5 +1,5 @@
 """Publishing with confirms: request messages (the topology, the connection and the message
-contract are ``worker.queues``, shared with the engine workers that consume them), and any other
+contract are ``worker.consumer.queues``, shared with the engine workers that consume them), and any other
 persistent message berth publishes (job events, dead letters) as an ``Outgoing``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kombu import Exchange, Producer, Queue
 
 from jobs.messages import RequestMessage
 from worker.config import Settings
-from worker.queues import MAX_PRIORITY, Topology, connect, is_embedded
+from worker.consumer.queues import MAX_PRIORITY, Topology, connect, is_embedded
 
 
 class PublishError(RuntimeError):

@@ -36,8 +36,8 @@ from jobs.lifecycle import LIVE
 from jobs.messages import RequestMessage
 from jobs.models import Job, JobStatus, RequestRow, Result, Tenant, now
 from jobs.queue import Publisher
-from worker.queues import is_embedded
 from worker.config import Settings
+from worker.consumer.queues import is_embedded
 
 STALE_DELIVERY_SECONDS = 1800.0
 INGEST_SILENCE_SECONDS = 120.0  # an ingest writes ingest_seen_at with every chunk of 2,000 lines

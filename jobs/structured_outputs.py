@@ -16,7 +16,7 @@ switches) are refused rather than ignored, so nobody trusts a constraint that wa
 Every check that the engine relies on happens here, before a row is stored: sizes against the
 ``Settings.structured_max_*`` limits (compiling a grammar costs time and memory that grow with
 its text), a schema against the JSON Schema metaschema (``jsonschema``), and the compile itself
-(``worker.grammar.check``, which caches what it compiled for the engine to reuse).
+(``worker.engine.grammar.check``, which caches what it compiled for the engine to reuse).
 
 A schema is kept as compact JSON text with its keys in the order the user wrote them: a grammar
 emits an object's properties in the schema's order (OpenAI documents the same), so sorting them
@@ -34,8 +34,8 @@ import jsonschema
 
 from jobs.line_text import bad_text, shown
 from worker.config import Settings
-from worker.grammar import GrammarError, check
-from worker.request import StructuredOutput
+from worker.engine.grammar import GrammarError, check
+from worker.engine.request import StructuredOutput
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name
 _NEW_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",

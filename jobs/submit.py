@@ -4,7 +4,7 @@ well under a second whatever the file's size; the lines are checked and queued b
 A submit is refused at once, with the limit and the setting that raises it, when the file is over
 ``Settings.max_file_bytes`` or holds a request past line ``max_file_lines`` (``InputError``), or
 when the tenant already has ``max_jobs_in_flight`` jobs validating or in progress (``JobRefused``).
-A job submitted through the queue (``jobs.submit_consumer``) is made the same way from its input
+A job submitted through the queue (``jobs.queue_door.consumer``) is made the same way from its input
 stream, and carries its message's id (unique per tenant: a message that comes twice makes one job).
 """
 
@@ -25,14 +25,12 @@ from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
 from jobs.models import Job, JobStatus, Tenant, now
-from jobs.tenants import tenant_id
+from jobs.tenants import check_tenant_name, tenant_id
 from jobs.validate import check_file_size, copy_checked
 from worker.config import Settings
-from worker.queues import MAX_PRIORITY
+from worker.consumer.queues import MAX_PRIORITY
 
 IN_FLIGHT = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS)
-
-_TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")
 
 
 @dataclass(frozen=True)
@@ -55,11 +53,6 @@ class JobSpec:
         if not isinstance(self.metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                           for k, v in self.metadata.items()):
             raise ValueError("metadata must map strings to strings")
-
-
-def check_tenant_name(name: str) -> None:
-    if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= _TENANT_CHARS:
-        raise ValueError(f"tenant {name!r}: use 1-64 letters, digits or _ . - @")
 
 
 def new_job_id() -> str:

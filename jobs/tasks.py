@@ -22,15 +22,15 @@ from celery import Celery
 
 from jobs.checkpoint_gc import collect_checkpoints
 from jobs.db import open_database
-from jobs.events import prune_events
 from jobs.files import JobFiles
 from jobs.finalize import finalize
 from jobs.ingest import ingest
 from jobs.lifecycle import expire_due
-from worker.queues import Topology, is_embedded
+from jobs.outbox import prune_events
 from jobs.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
 from storage import open_store
 from worker.config import Settings
+from worker.consumer.queues import Topology, is_embedded
 
 INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
 CHECKPOINT_GC = "berth.checkpoint_gc"

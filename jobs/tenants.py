@@ -23,6 +23,8 @@ from jobs.db import Database
 from jobs.lifecycle import LIVE
 from jobs.models import BrokerUser, Job, Tenant, now
 
+_TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")
+
 
 class TenantNotFound(LookupError):
     def __init__(self, name: str):
@@ -59,9 +61,8 @@ def live_tenants(db: Database, model: str) -> dict[str, float]:
 
 
 def check_tenant_name(name: str) -> str:
-    from jobs.submit import JobSpec  # jobs.submit imports this module
-
-    JobSpec(tenant=name).check()
+    if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= _TENANT_CHARS:
+        raise ValueError(f"tenant {name!r}: use 1-64 letters, digits or _ . - @")
     return name
 
 

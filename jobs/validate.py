@@ -27,10 +27,10 @@ from typing import BinaryIO, Iterator
 from jobs.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
 from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from worker.config import Settings
-from worker.architectures import context_length
-from worker.model_loader import load_config
-from worker.tokenizer import load_tokenizer
-from worker.request import Request
+from worker.engine.request import Request
+from worker.model.architectures import context_length
+from worker.model.loader import load_config
+from worker.model.tokenizer import load_tokenizer
 
 __all__ = ["MAX_CUSTOM_ID", "InputError", "LineValidator", "ModelInfo", "RawLine", "copy_checked",
            "check_file_size", "model_info", "read_lines"]

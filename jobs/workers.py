@@ -1,6 +1,6 @@
 """Engine workers as the jobs database knows them: each one's last heartbeat, and an hour of them.
 
-A worker writes a heartbeat every ``worker.consumer.HEARTBEAT_INTERVAL`` seconds (through its
+A worker writes a heartbeat every ``worker.consumer.loop.HEARTBEAT_INTERVAL`` seconds (through its
 ledger); one not seen for ``GONE_AFTER`` seconds is shown as gone. Samples older than ``HISTORY``
 are deleted by the worker that wrote them, with its next heartbeat, so the table stays small.
 """
@@ -14,7 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from jobs.db import Database
 from jobs.models import WorkerRow, WorkerSample, now
-from worker.ledger import Heartbeat
+from worker.consumer.ledger import Heartbeat
 
 GONE_AFTER = 30.0  # seconds without a heartbeat
 HISTORY = 3600.0  # seconds of samples kept

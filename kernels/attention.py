@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,19 +23,22 @@ TORCH_OPS = AttentionOps("torch", reference.write_kv, reference.paged_decode_att
                          reference.paged_prefill_attention)
 
 
-def select_ops(backend: str, device: torch.device | str) -> AttentionOps:
-    """``auto`` takes Triton on CUDA and, on the CPU, the C decode kernel where a compiler builds it;
-    ``torch`` forces the pure PyTorch path, ``cpu`` the C kernel, ``triton`` the Triton kernels."""
+def select_ops(backend: str, device: torch.device | str, build_dir: Path | None = None) -> AttentionOps:
+    """``auto`` takes Triton on CUDA and, on the CPU, the C decode kernel where a compiler builds it
+    (into ``build_dir``; without one, the PyTorch path); ``torch`` forces the pure PyTorch path,
+    ``cpu`` the C kernel, ``triton`` the Triton kernels."""
     on_cuda = torch.device(device).type == "cuda"
     if backend == "cpu" or (backend == "auto" and not on_cuda):
         from kernels import cpu_attention
 
-        if cpu_attention.available():
-            return AttentionOps("cpu", reference.write_kv, cpu_attention.paged_decode_attention,
+        kernel = cpu_attention.load(Path(build_dir)) if build_dir is not None else None
+        if kernel is not None:
+            return AttentionOps("cpu", reference.write_kv, kernel.paged_decode_attention,
                                 reference.paged_prefill_attention)
         if backend == "cpu":
             raise RuntimeError("attention_backend=cpu needs a C compiler with OpenMP (cc or $CC) to build "
-                               "kernels/cpu_decode.c; install gcc or use attention_backend=torch")
+                               "kernels/cpu_decode.c, and a folder to build it in; install gcc or use "
+                               "attention_backend=torch")
         return TORCH_OPS
     if backend == "torch":
         return TORCH_OPS

@@ -3,9 +3,9 @@
 PyTorch cannot attend over a paged cache without first gathering every sequence's blocks into a
 padded copy; at a few hundred running requests that copy, not the matrix multiplies, bounds a CPU
 decode step. The C kernel reads each cached key and value once, in place. It is compiled once per
-source, compiler and CPU into ``$BERTH_CACHE_DIR/kernels`` (default ``~/.cache/berth/kernels``) and
-shares PyTorch's OpenMP runtime. ``available()`` is False where no compiler works; the engine then
-keeps the PyTorch path.
+source, compiler and CPU into the folder its caller names (the worker passes
+``$BERTH_CACHE_DIR/kernels``, by default ``~/.cache/berth/kernels``) and shares PyTorch's OpenMP
+runtime. ``load(folder)`` gives None where no compiler works; the engine then keeps the PyTorch path.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kernels import reference
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -37,21 +40,56 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
+@dataclass(frozen=True)
+class DecodeKernel:
+    """The built kernel: ``paged_decode_attention`` has ``kernels.reference``'s contract."""
+
+    lib: ctypes.CDLL
+    max_group: int
+    max_dim: int
+    max_block: int
+
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        if (q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return False
+        return (q.shape[1] // k_cache.shape[2] <= self.max_group and q.shape[2] <= self.max_dim
+                and k_cache.shape[1] <= self.max_block)
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               window: int | None = None) -> torch.Tensor:
+        """Same contract as ``kernels.reference.paged_decode_attention``: with a ``window``, each
+        sequence's loop starts at its window's first position."""
+        if not self.supports(q, k_cache, v_cache):
+            return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window)
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        num_seqs, num_heads, head_dim = q.shape
+        self.lib.berth_paged_decode(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1], scale,
+            _DTYPES[q.dtype], window or 0, torch.get_num_threads())
+        return out
+
+
 @functools.cache
-def _library():
+def load(folder: Path) -> DecodeKernel | None:
+    """The kernel, built into ``folder`` on first use (once per source, compiler and CPU), or None
+    where it cannot be built (logged)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU decode attention uses the slower PyTorch path")
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + compiler.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    from worker.config import cache_dir
-
-    cache = cache_dir("kernels")
-    target = cache / f"cpu_decode-{key}.so"
+    folder = Path(folder)
+    target = folder / f"cpu_decode-{key}.so"
     if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / target.name
             cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
                    "-o", str(built), str(SOURCE), "-lm"]
@@ -67,40 +105,4 @@ def _library():
         ctypes.c_int] * 3
     limits = [ctypes.c_int() for _ in range(3)]
     lib.berth_limits(*[ctypes.byref(x) for x in limits])
-    lib.limits = tuple(x.value for x in limits)
-    return lib
-
-
-def available() -> bool:
-    return _library() is not None
-
-
-def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    lib = _library()
-    if (lib is None or q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        return False
-    max_group, max_dim, max_block = lib.limits
-    return (q.shape[1] // k_cache.shape[2] <= max_group and q.shape[2] <= max_dim
-            and k_cache.shape[1] <= max_block)
-
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int | None = None) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_decode_attention``: with a ``window``, each sequence's
-    loop starts at its window's first position."""
-    if not supports(q, k_cache, v_cache):
-        from kernels.reference import paged_decode_attention as reference
-
-        return reference(q, k_cache, v_cache, block_tables, context_lens, scale, window)
-    q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
-    num_seqs, num_heads, head_dim = q.shape
-    _library().berth_paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1], scale,
-        _DTYPES[q.dtype], window or 0, torch.get_num_threads())
-    return out
+    return DecodeKernel(lib, *(x.value for x in limits))

@@ -8,12 +8,12 @@ import threading
 from collections import Counter
 
 from storage import ObjectStore, StorageError
-from worker.checkpoint_format import KV_PREFIX
-from worker.checkpointer import Checkpointer
+from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.format import KV_PREFIX
 from worker.config import Settings
-from worker.engine import Engine
+from worker.engine.engine import Engine
+from worker.engine.request import Request, RequestOutput
 from worker.metrics import WorkerMetrics
-from worker.request import Request, RequestOutput
 
 
 class ControlledStore(ObjectStore):

@@ -25,7 +25,7 @@ def smol_path() -> str:
 
 @pytest.fixture(scope="session")
 def smol_loaded(smol_path):
-    from worker.model_loader import load_model
+    from worker.model.loader import load_model
 
     return load_model(smol_path, torch.float32)
 
@@ -75,7 +75,7 @@ def save_tiny_model(config_class, model_class, tokenizer, path: Path, *, disk_dt
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_path):
     """The default model's tokenizer, read without its weights."""
-    from worker.tokenizer import load_tokenizer
+    from worker.model.tokenizer import load_tokenizer
 
     return load_tokenizer(smol_path)
 
@@ -92,7 +92,7 @@ def tiny_llama_dir(tmp_path_factory, smol_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_llama_dir):
-    from worker.model_loader import load_model
+    from worker.model.loader import load_model
 
     return load_model(str(tiny_llama_dir), torch.float32)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from worker.engine import EngineStats, RequestRejected
-from worker.ledger import Claim, LedgerDown, Outcome
-from worker.queues import request_body
-from worker.request import Completion, Request, RequestOutput, SamplingParams
+from worker.consumer.ledger import Claim, LedgerDown, Outcome
+from worker.consumer.queues import request_body
+from worker.engine.engine import EngineStats, RequestRejected
+from worker.engine.request import Completion, Request, RequestOutput, SamplingParams
 
 MODEL = "m"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import cut_prompts
-from worker.engine import Engine
-from worker.request import SamplingParams
+from worker.engine.engine import Engine
+from worker.engine.request import SamplingParams
 
 NEW_TOKENS = 64
 LENGTHS = [1, 2, 7, 15, 16, 17, 31, 33, 64, 100, 129, 200, 255, 300, 450, 600]

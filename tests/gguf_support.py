@@ -25,7 +25,7 @@ def tokenizer_fields(path: str) -> list[tuple[str, object, gguf.GGUFValueType, g
     """The ``tokenizer.*`` keys of the GGUF file at ``path``, to copy into another file (read with
     berth's index: GGUFReader takes seconds over the vocabulary; a wrong string shows up as the
     copied tokenizer encoding differently)."""
-    from worker.gguf_index import StringArray, read_index, read_strings
+    from worker.model.gguf.index import StringArray, read_index, read_strings
 
     V = gguf.GGUFValueType
     fields = []

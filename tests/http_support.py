@@ -9,9 +9,9 @@ from pathlib import Path
 
 import openai
 
-from jobs.api_keys import create_key
 from jobs.db import open_database
-from jobs.serve import Server
+from jobs.http.keys import create_key
+from jobs.http.server import Server
 from tests.jobs_support import tiny_settings
 
 FINAL = ("completed", "failed", "cancelled", "expired")

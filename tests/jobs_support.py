@@ -55,7 +55,7 @@ def queue_prefix():
     yield prefix
     from kombu import Connection
 
-    from worker.queues import Topology
+    from worker.consumer.queues import Topology
 
     topology = Topology(prefix)
     with Connection(AMQP_URL) as conn:
@@ -71,7 +71,7 @@ def queue_prefix():
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir):
     """An engine on the tiny model, shared by the tests of one module."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(tiny_settings(tiny_llama_dir))
 

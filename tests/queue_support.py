@@ -8,7 +8,7 @@ import time
 
 import pika
 
-from jobs.submit_consumer import QueueDoor
+from jobs.queue_door.consumer import QueueDoor
 from tests.jobs_support import TINY_NAME, tiny_settings
 
 PIKA_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"

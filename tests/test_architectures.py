@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from tests.conftest import save_tiny_model
-from tests.exactness_support import check_against_hf, make_prompts
 from tests.conftest import cut_prompts
-from worker.architectures import SUPPORTED_ARCHITECTURES, context_length, layer_windows
-from worker.engine import Engine
-from worker.model_loader import ModelLoadError, load_config, load_model
+from tests.exactness_support import check_against_hf, make_prompts
+from worker.engine.engine import Engine
+from worker.model.architectures import SUPPORTED_ARCHITECTURES, context_length, layer_windows
+from worker.model.base import ModelLoadError
+from worker.model.loader import load_config, load_model
 
 NEW_TOKENS = 12
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -145,7 +146,7 @@ def test_sliding_windows_match_transformers(name, tmp_path, smol_tokenizer, text
 def _prompt_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """The engine's float32 logits of the token after ``prompt``."""
     from tests.exactness_support import run_capturing_logits
-    from worker.request import SamplingParams
+    from worker.engine.request import SamplingParams
 
     _, captured = run_capturing_logits(engine, [prompt], SamplingParams(max_tokens=1, temperature=0))
     return next(iter(captured.values()))
@@ -203,7 +204,7 @@ def _file_backed(tensor: torch.Tensor, folder: Path, spans) -> bool:
 def test_weights_in_the_compute_dtype_are_the_files_pages(tmp_path, smol_tokenizer, name, dtype, mapped):
     """Memory-mapped and used where they lie when the file holds the compute dtype; converted otherwise."""
     from kernels.attention import select_ops
-    from worker.model import DecoderModel
+    from worker.model.decoder import DecoderModel
 
     path = build(name, smol_tokenizer, tmp_path)
     loaded = load_model(str(path), dtype)

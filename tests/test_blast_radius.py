@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import cut_prompts
-from worker.engine import Engine, RequestRejected
-from worker.request import Request, SamplingParams
+from worker.engine.engine import Engine, RequestRejected
+from worker.engine.request import Request, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)

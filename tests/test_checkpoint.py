@@ -15,8 +15,8 @@ import torch
 from jobs.checkpoint_gc import collect_checkpoints
 from storage import ObjectNotFound, open_store
 from tests.checkpoint_support import ControlledStore, checkpointer, prompts, run_steps, tiny_engine
-from worker import checkpoint_writer
-from worker.checkpoint_format import (
+from worker.checkpoint import writer as checkpoint_writer
+from worker.checkpoint.format import (
     KV_PREFIX,
     STATE_PREFIX,
     RequestCheckpoint,
@@ -24,9 +24,9 @@ from worker.checkpoint_format import (
     block_key,
     state_key,
 )
-from worker.checkpoint_writer import CheckpointWriter, Snapshot
+from worker.checkpoint.writer import CheckpointWriter, Snapshot
+from worker.engine.request import Request, SamplingParams
 from worker.metrics import WorkerMetrics
-from worker.request import Request, SamplingParams
 
 
 @pytest.fixture

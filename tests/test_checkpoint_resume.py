@@ -12,8 +12,7 @@ import pytest
 
 from storage import open_store
 from tests.checkpoint_support import checkpointer, prompts, run_steps, tiny_engine, tokens
-from worker.block_manager import chain_hash, hash_root
-from worker.checkpoint_format import (
+from worker.checkpoint.format import (
     KV_PREFIX,
     STATE_PREFIX,
     CorruptCheckpoint,
@@ -23,9 +22,10 @@ from worker.checkpoint_format import (
     request_digest,
     state_key,
 )
-from worker.engine import EngineStats
-from worker.request import Request, SamplingParams
-from worker.resume import Restorer, TransferRates
+from worker.checkpoint.resume import Restorer, TransferRates
+from worker.engine.block_manager import chain_hash, hash_root
+from worker.engine.engine import EngineStats
+from worker.engine.request import Request, SamplingParams
 
 PARAMS = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=48, temperature=0.8, seed=11, ignore_eos=True),
@@ -247,7 +247,7 @@ def test_the_estimate_follows_measured_rates():
 
 def test_a_longrope_sequence_past_its_threshold_names_its_blocks_from_the_long_root():
     """Past a longrope model's threshold a sequence's keys are rotated otherwise, so its blocks hash
-    from another root (``worker.rotary``): a checkpoint must name them so, and short ones as before."""
+    from another root (``worker.model.rotary``): a checkpoint must name them so, and short ones as before."""
     prompt = list(range(3, 3 + 40))
     request = Request("7", prompt, SamplingParams(max_tokens=30))
     limits = EngineLimits(vocab_size=100, max_model_len=128, block_size=16, long_rope_from=48)

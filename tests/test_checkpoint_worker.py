@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 from jobs import api
+from jobs.engine_worker import engine_worker
 from jobs.generate import generate_file
 from jobs.models import JobStatus
 from storage import open_store
 from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_settings
-from worker.checkpoint_format import STATE_PREFIX, RequestCheckpoint
-from jobs.engine_worker import engine_worker
-from worker.engine import Engine
+from worker.checkpoint.format import STATE_PREFIX, RequestCheckpoint
+from worker.engine.engine import Engine
 
 
 def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_dir, pg_url, queue_prefix, s3_url):

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-import worker.consumer as consumer
 from tests.consumer_fakes import FakeBroker, FakeEngine, FakeLedger, Row
-from worker import admission
 from worker.config import Settings
-from worker.ledger import Claim
-from worker.queues import request_body
-from worker.request import SamplingParams
+from worker.consumer import admission
+from worker.consumer.ledger import Claim
+import worker.consumer.loop as consumer
+from worker.consumer.queues import request_body
+from worker.engine.request import SamplingParams
 
 
 @pytest.fixture(autouse=True)

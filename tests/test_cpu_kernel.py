@@ -10,8 +10,10 @@ import torch
 
 from kernels import cpu_attention, reference
 from kernels.attention import select_ops
+from worker.config import cache_dir
 
-needs_c = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")
+KERNEL = cpu_attention.load(cache_dir("kernels"))  # the worker's build folder, as the engine passes it
+needs_c = pytest.mark.skipif(KERNEL is None, reason="no C compiler to build the CPU kernel")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: one rounding of the output
 
 
@@ -40,7 +42,7 @@ def paged_case(context_lens, block_size, heads, kv_heads, head_dim, dtype, seed=
 def test_decode_matches_reference(dtype, block_size, heads, kv_heads):
     lens = [1, 15, 16, 17, 33, 97, 130, 2000] + list(range(3, 600, 41))
     args = paged_case(lens, block_size, heads, kv_heads, 64, dtype)
-    got = cpu_attention.paged_decode_attention(*args)
+    got = KERNEL.paged_decode_attention(*args)
     want = reference.paged_decode_attention(*args)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -49,20 +51,21 @@ def test_decode_matches_reference(dtype, block_size, heads, kv_heads):
 @needs_c
 def test_head_dim_128_and_a_single_sequence():
     args = paged_case([77], 16, 8, 2, 128, torch.float32, seed=3)
-    torch.testing.assert_close(cpu_attention.paged_decode_attention(*args),
+    torch.testing.assert_close(KERNEL.paged_decode_attention(*args),
                                reference.paged_decode_attention(*args), atol=1e-5, rtol=1e-5)
 
 
 @needs_c
 def test_unsupported_dtype_falls_back_to_reference():
     args = paged_case([5, 40], 16, 4, 2, 64, torch.float16)
-    torch.testing.assert_close(cpu_attention.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+    torch.testing.assert_close(KERNEL.paged_decode_attention(*args), reference.paged_decode_attention(*args))
 
 
 @needs_c
 def test_auto_backend_on_cpu_is_the_c_kernel():
-    assert select_ops("auto", "cpu").name == "cpu"
-    assert select_ops("torch", "cpu").name == "torch"
+    assert select_ops("auto", "cpu", cache_dir("kernels")).name == "cpu"
+    assert select_ops("torch", "cpu", cache_dir("kernels")).name == "torch"
+    assert select_ops("auto", "cpu").name == "torch"  # no folder to build in: the PyTorch path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,6 +133,6 @@ def test_reference_prefill_window_is_the_dense_mask(window):
 def test_decode_window_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
     args = paged_case(WINDOW_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=block_size)
     for window in WINDOWS:
-        got = cpu_attention.paged_decode_attention(*args, window=window)
+        got = KERNEL.paged_decode_attention(*args, window=window)
         want = reference.paged_decode_attention(*args, window=window)
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

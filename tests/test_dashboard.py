@@ -13,9 +13,9 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-import worker.consumer as consumer
 from tests.http_support import client, embedded_settings, key_for, serving, upload, wait_for
 from tests.jobs_support import TINY_NAME
+import worker.consumer.loop as consumer
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import cut_prompts
-from worker.engine import Engine, RequestRejected
-from worker.request import Request, SamplingParams
+from worker.engine.engine import Engine, RequestRejected
+from worker.engine.request import Request, SamplingParams
 
 
 @pytest.fixture(scope="module")

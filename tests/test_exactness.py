@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.exactness_support import check_against_hf, make_prompts
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 
 def test_default_model_matches_transformers(smol_loaded, hf_smol, text_ids):

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from worker.fast_tokenizer import MANIFEST, FastTokenizer
-from worker.tokenizer import load_tokenizer
+from worker.model.fast_tokenizer import MANIFEST, FastTokenizer
+from worker.model.tokenizer import load_tokenizer
 
 QWEN_LIKE_TEMPLATE = """
 {%- if messages[0]['role'] == 'system' %}
@@ -83,7 +83,7 @@ def test_the_default_model_reads_as_transformers_does(smol_tokenizer, smol_trans
 
 
 def test_a_start_reads_the_cached_tokenizer_without_transformers(smol_tokenizer, smol_path):
-    code = ("import sys; from worker.tokenizer import load_tokenizer; "
+    code = ("import sys; from worker.model.tokenizer import load_tokenizer; "
             f"t = load_tokenizer({smol_path!r}); "
             "print(type(t).__name__, 'transformers' in sys.modules, "
             "t.apply_chat_template([{'role': 'user', 'content': 'Hi'}], add_generation_prompt=True)['input_ids'])")
@@ -155,7 +155,7 @@ def test_a_tokenizer_the_check_refuses_is_read_by_transformers_from_then_on(tmp_
     monkeypatch.setenv("BERTH_CACHE_DIR", str(tmp_path / "cache"))
     folder = tmp_path / "model"
     smol_transformers.save_pretrained(str(folder))
-    monkeypatch.setattr("worker.tokenizer_check.differences", lambda fast, hf: "token 7 decodes differently")
+    monkeypatch.setattr("worker.model.tokenizer_check.differences", lambda fast, hf: "token 7 decodes differently")
     first = load_tokenizer(str(folder))
     assert not isinstance(first, FastTokenizer)
     assert "token 7 decodes differently" in caplog.text
@@ -171,7 +171,7 @@ def test_a_tokenizer_the_check_refuses_is_read_by_transformers_from_then_on(tmp_
 def test_the_check_finds_a_real_difference(smol_tokenizer, smol_transformers):
     from pathlib import Path
 
-    from worker.tokenizer_check import differences
+    from worker.model.tokenizer_check import differences
 
     assert differences(smol_tokenizer, smol_transformers) is None
     broken = FastTokenizer.read(Path(smol_tokenizer.name_or_path))
@@ -191,14 +191,14 @@ def test_structured_outputs_build_xgrammars_tokenizer_info_without_transformers_
     (0.4 s at a process's first structured request)."""
     import xgrammar as xgr
 
-    from worker import grammar
-    from worker.grammar import tokenizer_info
+    from worker.engine import grammar
+    from worker.engine.grammar import tokenizer_info
 
     for vocab_size, stops in ((None, None), (49216, [2, 7])):  # the model's logits may be wider than the vocabulary
         ours = tokenizer_info(smol_tokenizer, vocab_size, stops)
         theirs = xgr.TokenizerInfo.from_huggingface(smol_transformers, vocab_size=vocab_size, stop_token_ids=stops)
         assert ours.serialize_json() == theirs.serialize_json()
-    from worker.request import StructuredOutput
+    from worker.engine.request import StructuredOutput
 
     fresh = load_tokenizer(smol_path)
     grammar.check(StructuredOutput("json_schema", '{"type": "object"}'), fresh, 60)

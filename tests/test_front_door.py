@@ -165,7 +165,7 @@ def _check_error(error: LineError, number: int) -> None:
 @pytest.fixture(scope="module")
 def short_engine(tiny_llama_dir):
     """The tiny model with a context of 96 tokens, so that no accepted request runs long."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     return Engine(tiny_settings(tiny_llama_dir, max_model_len=96))
 

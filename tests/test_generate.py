@@ -8,8 +8,8 @@ import torch
 from click.testing import CliRunner
 
 from jobs.cli import main
-from worker.engine import Engine
-from worker.request import SamplingParams
+from worker.engine.engine import Engine
+from worker.engine.request import SamplingParams
 
 
 def chat(custom_id, content, **body):

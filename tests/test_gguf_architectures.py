@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.gguf_support import Q, llama3_rope_factors, tokenizer_fields, write_gguf, write_metadata
-from worker.gguf_index import read_index
-from worker.gguf_loader import gguf_weights
-from worker.model_loader import ModelLoadError, load_config, load_model
+from worker.model.base import ModelLoadError
+from worker.model.gguf.index import read_index
+from worker.model.gguf.loader import gguf_weights
+from worker.model.loader import load_config, load_model
 
 VOCAB = 49152  # the default model's tokenizer, copied into the files
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -100,7 +101,7 @@ def test_family_reads_back_exactly(written, case):
 
 def test_load_model_gives_config_weights_and_tokenizer(written, smol_path):
     """The whole load of one family (the tokenizer's conversion is the slow part: once is enough)."""
-    from worker.tokenizer import load_tokenizer
+    from worker.model.tokenizer import load_tokenizer
 
     model, path, expected = written["qwen2"]
     loaded = load_model(str(path), torch.float32)
@@ -201,9 +202,9 @@ def test_engine_on_a_gguf_file_matches_transformers(written, case, smol_path, te
     32-token window (the file's ``attention.sliding_window``) in chunks of 16."""
     from tests.conftest import cut_prompts
     from tests.exactness_support import check_against_hf
-    from worker.engine import Engine
-    from worker.model_loader import LoadedModel
-    from worker.tokenizer import load_tokenizer
+    from worker.engine.engine import Engine
+    from worker.model.base import LoadedModel
+    from worker.model.tokenizer import load_tokenizer
 
     model, path, _ = written[case]
     config = load_config(str(path))

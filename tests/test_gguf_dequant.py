@@ -1,4 +1,4 @@
-"""berth's torch dequantisation (worker/gguf_dequant.py) against gguf.quants' numpy reference, bit
+"""berth's torch dequantisation (worker/model/gguf/dequant.py) against gguf.quants' numpy reference, bit
 for bit: random blocks with the float16 scales forced to the awkward values (zeros of both signs,
 subnormals, the largest finite, infinities, NaN), then the default model's own tensors."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.gguf_dequant import BLOCK_TYPES, dequantise
+from worker.model.gguf.dequant import BLOCK_TYPES, dequantise
 
 # where each type keeps its float16 scales (d, and m/dmin where it has one)
 F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
@@ -82,8 +82,8 @@ def test_default_model_tensors_equal_reference(smol_path):
     and bfloat16."""
     import gguf
 
-    from worker.gguf_index import read_index
-    from worker.gguf_tensors import open_data, read_tensor
+    from worker.model.gguf.index import read_index
+    from worker.model.gguf.tensors import open_data, read_tensor
 
     index, data = read_index(smol_path), open_data(smol_path)
     names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.attn_v.weight"]
@@ -104,8 +104,8 @@ def test_read_tensor_torch_and_numpy_paths(type_name):
     the ones left to gguf.quants (Q2_K, Q3_K) both give the reference, in float32 and bfloat16."""
     import gguf
 
-    from worker.gguf_index import TensorInfo
-    from worker.gguf_tensors import read_tensor
+    from worker.model.gguf.index import TensorInfo
+    from worker.model.gguf.tensors import read_tensor
 
     qtype = gguf.GGMLQuantizationType[type_name]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

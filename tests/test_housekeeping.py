@@ -13,13 +13,13 @@ import sys
 
 from sqlalchemy import select, update
 
-import jobs.tasks
 from jobs import api
 from jobs.db import open_database
 from jobs.housekeeping import chores
 from jobs.models import Job, JobStatus, RequestRow, now
-from worker.queues import Topology, broker_url, connect
+import jobs.tasks
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, write_requests
+from worker.consumer.queues import Topology, broker_url, connect
 
 
 def _embedded(tmp_path, tiny_llama_dir):

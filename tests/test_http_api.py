@@ -12,9 +12,9 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from jobs.api_keys import revoke_key
 from jobs.cli import main
 from jobs.db import open_database
+from jobs.http.keys import revoke_key
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import write_requests
 

@@ -13,8 +13,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                               status_code_conformance)
 
-from jobs.http_api import create_app
-from jobs.http_tasks import Tasks
+from jobs.http.app import create_app
+from jobs.http.tasks import Tasks
 from tests.http_support import embedded_settings, key_for
 from tests.jobs_support import write_requests
 

@@ -9,8 +9,8 @@ from kombu.exceptions import EncodeError
 
 from jobs.messages import RequestMessage
 from jobs.queue import Publisher
-from worker.queues import Topology, connect
 from worker.config import Settings
+from worker.consumer.queues import Topology, connect
 
 
 def _message(i: int, job_id: object = "batch_test") -> RequestMessage:

@@ -20,9 +20,9 @@ from jobs import api
 from jobs.db import open_database
 from jobs.generate import generate_file
 from jobs.models import JobStatus, Result
-from worker.queues import Topology
 from tests.jobs_support import (AMQP_URL, TINY_NAME, choices_by_custom_id, read_jsonl, tiny_env, tiny_settings,
                                 write_requests)
+from worker.consumer.queues import Topology
 
 N = 200
 

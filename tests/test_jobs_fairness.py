@@ -13,11 +13,11 @@ from sqlalchemy import func, select
 
 from jobs import api
 from jobs.db import open_database
+from jobs.engine_worker import engine_worker
 from jobs.models import JobStatus, Result
 from jobs.submit import JobSpec
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings
-from jobs.engine_worker import engine_worker
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 MAX_TOKENS = 32
 
@@ -92,4 +92,4 @@ def test_a_tenants_weight_reaches_the_engine(tmp_path, settings):
     worker = engine_worker(settings, engine, eager_tasks=True)
     worker.run(until=lambda: True)  # connects, follows the live tenants once, stops
     assert engine.scheduler.waiting.shares == {"alice": 1.0, "bob": 3.0}
-    assert set(worker.broker.queues) == {"alice", "bob"}
+    assert set(worker.consumer.broker.queues) == {"alice", "bob"}

@@ -11,14 +11,13 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-import jobs.ingest
 from jobs import api
 from jobs.db import open_database
+import jobs.ingest
 from jobs.ingest import job_target, publish
 from jobs.lifecycle import JobStateError, expire_due
 from jobs.models import JobStatus, RequestRow, Result, ResultStatus
 from jobs.queue import Publisher
-from worker.queues import Topology, connect, queue_depth
 from jobs.reconcile import reconcile
 from jobs.submit import JobSpec
 from jobs.tasks import finalize_later, make_app
@@ -30,6 +29,7 @@ from tests.jobs_support import (
     work_until_over,
     write_requests,
 )
+from worker.consumer.queues import Topology, connect, queue_depth
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_cancelling_a_running_job_aborts_its_requests_in_the_engine(tmp_path, se
         view = api.status(job.id, settings)
         if view.status is JobStatus.IN_PROGRESS and worker.inflight:
             api.cancel(job.id, settings)
-            finalize_later(worker.ledger.tasks, [job.id])
+            finalize_later(worker.consumer.ledger.tasks, [job.id])
         return view.status.is_final and not worker.inflight  # emptied by the worker, not at its exit
 
     worker.run(until=cancel_once_running)

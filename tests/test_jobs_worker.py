@@ -13,10 +13,10 @@ from sqlalchemy import select
 
 from jobs import api
 from jobs.db import open_database
-from jobs.models import JobStatus, RequestRow, Result
-from worker.queues import Topology, connect, queue_depth
-from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
 from jobs.engine_worker import engine_worker
+from jobs.models import JobStatus, RequestRow, Result
+from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
+from worker.consumer.queues import Topology, connect, queue_depth
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(t
 
     def cut_once_running() -> bool:
         if worker.inflight and not cut:
-            worker.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
+            worker.consumer.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
             cut.append(set(worker.inflight))
         return api.status(job.id, settings).status.is_final
 

@@ -268,7 +268,7 @@ def windowed_loaded(tmp_path_factory, smol_tokenizer):
     from transformers import MistralConfig, MistralForCausalLM
 
     from tests.conftest import save_tiny_model
-    from worker.model_loader import load_model
+    from worker.model.loader import load_model
 
     path = save_tiny_model(MistralConfig, MistralForCausalLM, smol_tokenizer, tmp_path_factory.mktemp("mistral"),
                            sliding_window=20)
@@ -281,8 +281,8 @@ def test_engine_with_triton_kernels_matches_the_torch_path(model, request, text_
     once with PyTorch: chunked prefill and decode give the same greedy tokens, with and without a
     sliding window."""
     from tests.conftest import cut_prompts
-    from worker.engine import Engine
-    from worker.request import SamplingParams
+    from worker.engine.engine import Engine
+    from worker.engine.request import SamplingParams
 
     tiny_loaded = request.getfixturevalue(model)
     prompts = cut_prompts(text_ids, [5, 23, 40])

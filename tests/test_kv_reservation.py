@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from benchmarks.startup import resident_bytes
-from worker.block_manager import BlockManager
 from worker.config import KV_AUTO_SHARE, Settings
-from worker.engine import Engine
-from worker.model_runner import available_memory, kv_cache_blocks
-from worker.request import Request, SamplingParams, Sequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine import Engine
+from worker.engine.model_runner import available_memory, kv_cache_blocks
+from worker.engine.request import Request, SamplingParams, Sequence
 
 BLOCK_BYTES = 8192  # the tiny model: 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 bytes
 

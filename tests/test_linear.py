@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.linear import make_linear
+from worker.model.linear import make_linear
 
 
 @pytest.mark.parametrize("rows", [1, 7, 256, 300])

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.conftest import cut_prompts, save_tiny_model
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.request import SamplingParams
-from worker.rotary import inv_freq_and_scaling, rotary_tables
+from worker.engine.engine import Engine
+from worker.engine.request import SamplingParams
+from worker.model.loader import load_model
+from worker.model.rotary import inv_freq_and_scaling, rotary_tables
 
 THRESHOLD = 48
 ROPE = {"rope_type": "longrope", "rope_theta": 10000.0,

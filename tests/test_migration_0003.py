@@ -8,9 +8,9 @@ import json
 import pytest
 from sqlalchemy import MetaData, insert, select
 
-from jobs.batches import batch_object, get_batch
 from jobs.db import close_database, head_revision, make_engine, open_database, upgrade
 from jobs.files import JobFiles
+from jobs.http.batches import batch_object, get_batch
 
 T = 1_790_000_000.0
 ROWS = {

@@ -126,8 +126,8 @@ def _check_job(settings, job_id: str, requests: Path, lengths: list[int], genera
 # ---- the database failing, simulated: runs anywhere (the real restart below needs root)
 def test_outcomes_wait_while_the_database_fails(tmp_path, tiny_llama_dir, monkeypatch):
     from jobs.engine_worker import engine_worker
-    from worker.engine import Engine
-    from worker.ledger import LedgerDown
+    from worker.consumer.ledger import LedgerDown
+    from worker.engine.engine import Engine
 
     settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
                              storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=SEATS)
@@ -145,7 +145,7 @@ def test_outcomes_wait_while_the_database_fails(tmp_path, tiny_llama_dir, monkey
         return maybe
 
     for name in ("claim", "record", "live_tenants"):
-        monkeypatch.setattr(worker.ledger, name, failing(getattr(worker.ledger, name)))
+        monkeypatch.setattr(worker.consumer.ledger, name, failing(getattr(worker.consumer.ledger, name)))
 
     metric = worker.metrics.registry.get_sample_value
 

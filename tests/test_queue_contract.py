@@ -10,17 +10,17 @@ import jsonschema
 import pytest
 from sqlalchemy import select, update
 
-from jobs.contract import EVENT_SCHEMA, SUBMIT_SCHEMA, SubmitRefused, read_submit, salvage, schema
 from jobs.db import open_database
-from jobs.events import job_event_body, rejection_body
 from jobs.files import JobFiles
 from jobs.finalize import finalize
 from jobs.ingest import ingest
 from jobs.lifecycle import cancel, expire_due
 from jobs.models import Job, JobEvent, JobStatus, RequestRow, ResultStatus, Tenant
+from jobs.queue_door.contract import EVENT_SCHEMA, SUBMIT_SCHEMA, SubmitRefused, read_submit, salvage, schema
+from jobs.queue_door.events import job_event_body, rejection_body
+from jobs.queue_door.webhooks import sign, verify
 from jobs.results import ResultRecord, record_outcomes
 from jobs.submit import JobSpec, create_job
-from jobs.webhooks import sign, verify
 from tests.jobs_support import TINY_NAME, request_line, tiny_settings, write_requests
 
 MAX = 1 << 20
@@ -152,7 +152,7 @@ def test_every_change_of_status_on_every_path_writes_one_event(tmp_path, tiny_ll
 
 
 def test_events_are_deleted_once_older_than_the_keep_time(tmp_path, tiny_llama_dir):
-    from jobs.events import prune_events
+    from jobs.outbox import prune_events
 
     settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
                              storage_url=f"file://{tmp_path / 'store'}")

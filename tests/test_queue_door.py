@@ -15,10 +15,10 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.contract import EVENT_SCHEMA, schema
 from jobs.db import open_database
 from jobs.models import Job, JobEvent, JobStatus
-from jobs.webhooks import SIGNATURE_HEADER, verify
+from jobs.queue_door.contract import EVENT_SCHEMA, schema
+from jobs.queue_door.webhooks import SIGNATURE_HEADER, verify
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, work_until_over, write_requests
 from tests.queue_support import (PIKA_URL, EventTap, dead_letters, door_settings, jobs_queue_depth, publish,
                                  start_door, submit_body)

@@ -8,8 +8,8 @@ import importlib
 import pytest
 import torch
 
-from worker.model_loader import ModelLoadError
-from worker.rotary import inv_freq_and_scaling, rotary_tables
+from worker.model.base import ModelLoadError
+from worker.model.rotary import inv_freq_and_scaling, rotary_tables
 
 SHAPE = dict(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=4096)
 CASES = {

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from tests.conftest import cut_prompts
 from tests.exactness_support import hf_greedy
-from worker.block_manager import BlockManager
-from worker.engine import Engine
-from worker.request import Request, SamplingParams, Sequence, SeqStatus
-from worker.scheduler import Scheduler
+from worker.engine.block_manager import BlockManager
+from worker.engine.engine import Engine
+from worker.engine.request import Request, SamplingParams, Sequence, SeqStatus
+from worker.engine.scheduler import Scheduler
 
 
 def check_block_accounting(bm: BlockManager, seqs: list[Sequence]) -> None:

@@ -19,7 +19,7 @@ from tests.jobs_support import (
     write_requests,
 )
 from worker.config import KV_AUTO_SHARE
-from worker.model_runner import available_memory
+from worker.engine.model_runner import available_memory
 
 STARTUP_LINES = [
     r"INFO berth\.engine: loading model (?P<path>\S+) \(float32, cpu\)",

@@ -12,7 +12,7 @@ from boto3.s3.transfer import TransferConfig
 
 from storage import ObjectNotFound, StorageError, check_key, open_store
 from storage.s3 import S3Store
-from worker.checkpoint_format import block_key, state_key
+from worker.checkpoint.format import block_key, state_key
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -20,7 +20,7 @@ from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from jobs.validate import LineValidator, model_info, read_lines
 from tests.jobs_support import TINY_NAME, tiny_settings
 from worker.config import Settings
-from worker.request import StructuredOutput
+from worker.engine.request import StructuredOutput
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import torch
 
-from worker import grammar
-from worker.engine import Engine
-from worker.request import Request, SamplingParams, StructuredOutput
+from worker.engine import grammar
+from worker.engine.engine import Engine
+from worker.engine.request import Request, SamplingParams, StructuredOutput
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -10,13 +10,13 @@ import re
 
 import pytest
 
+from benchmarks.extraction import SCHEMAS, invalid, run_extractions
 from jobs import api
 from jobs.generate import generate_file
 from jobs.models import JobStatus
-from benchmarks.extraction import SCHEMAS, invalid, run_extractions
 from tests.jobs_support import TINY_NAME, read_jsonl, tiny_settings, work_until_over
 from worker.config import Settings
-from worker.engine import Engine
+from worker.engine.engine import Engine
 
 @pytest.mark.slow  # 60 requests on the default model
 def test_every_constrained_extraction_that_stops_is_valid(tmp_path):

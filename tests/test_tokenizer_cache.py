@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.tokenizer import load_tokenizer
+from worker.model.tokenizer import load_tokenizer
 
 
 def test_a_gguf_tokenizer_is_converted_once_and_cached_unchanged(tmp_path, monkeypatch, smol_path):

@@ -18,8 +18,8 @@ from jobs.models import JobStatus, RequestRow, Result
 from jobs.tasks import finalize_later, make_app
 from tests.jobs_support import kill_if_running, stop_gracefully, AMQP_URL, TINY_NAME, tiny_env, tiny_settings, write_requests
 from tests.test_jobs_end_to_end import _spawn
-from worker.broker import REASON_HEADER
-from worker.queues import Topology
+from worker.consumer.broker import REASON_HEADER
+from worker.consumer.queues import Topology
 
 
 def _wait(settings, job_ids, proc, timeout=120):

@@ -7,7 +7,7 @@ import pytest
 from jobs import workers
 from jobs.db import open_database
 from jobs.models import WorkerSample
-from worker.ledger import Heartbeat
+from worker.consumer.ledger import Heartbeat
 
 
 def _beat(at: float, worker: str = "host:1", tps: float = 10.0, used: int = 5) -> Heartbeat:

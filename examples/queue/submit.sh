@@ -4,7 +4,7 @@
 #
 #   RABBIT_USER=alice RABBIT_PASS=... ./submit.sh message.json order-42
 #
-# message.json is a job-submit message (jobs/schemas/job-submit.v1.json); the second argument its
+# message.json is a job-submit message (jobs/queue_door/schemas/job-submit.v1.json); the second argument its
 # message_id (the idempotency key). RabbitMQ checks user_id against the HTTP API's user, as on AMQP.
 # Prints {"routed":true} when the message reached <prefix>.jobs. Needs jq.
 set -eu

@@ -1,0 +1,249 @@
+"""``berth serve``'s HTTP API: OpenAI's Files and Batches API over berth's jobs, for the unmodified
+openai client (``base_url="http://HOST:PORT/v1"``).
+
+    app = create_app(settings)              # uvicorn jobs.http.app:app serves one from the environment
+
+Every route but the OpenAPI document needs ``Authorization: Bearer <key>`` (``berth key create``);
+the key's tenant sees only its own files and batches, and another tenant's id is a 404. An app made
+``open_access`` serves requests without a valid key as tenant ``default`` (``berth serve --open``, on
+this machine only). The routes are thin: the work is in ``jobs.http.batches``, ``jobs.http.files``,
+``jobs.http.idempotency`` and the rest of ``jobs``. Extensions beyond OpenAI: ``GET
+/v1/batches/{id}/results`` (the lines finished so far) and ``POST /v1/batches/{id}/retry``.
+"""
+
+
+import json
+import logging
+import re
+from contextlib import contextmanager
+from typing import Annotated, Iterator
+
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from jobs.http import files as api_files
+
+from jobs.db import Database, open_database
+from jobs.files import JobFiles
+from jobs.finalize import finished_lines
+from jobs.http import batches
+from jobs.http.dashboard import dashboard_router
+from jobs.http.errors import ApiError, install
+from jobs.http.idempotency import fingerprint, idempotent
+from jobs.http.keys import tenant_of_key
+from jobs.http.pagination import list_object
+from jobs.http.schemas import (
+    Batch,
+    BatchList,
+    CreateBatch,
+    ErrorBody,
+    FileDeleted,
+    FileList,
+    FileObject,
+    Model,
+    ModelList,
+)
+from jobs.http.tasks import Tasks
+from jobs.http.upload import read_upload
+from jobs.lifecycle import JobNotFound
+from jobs.models import now
+from jobs.retry import retry_job
+from jobs.tasks import FINALIZE, INGEST
+from worker.config import Settings
+
+log = logging.getLogger("berth.http")
+
+OPEN_TENANT = "default"
+ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 429)}
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+
+
+def create_app(settings: Settings | None = None, open_access: bool = False, tasks: Tasks | None = None) -> FastAPI:
+    settings = settings or Settings()
+    db = open_database(settings.database_url)
+    files = JobFiles(settings.storage_url)
+    tasks = tasks or Tasks(settings)
+    model_name, started = settings.served_model_name(), int(now())
+    app = FastAPI(title="berth", version="0.1.0", summary="OpenAI's Files and Batches API over berth's jobs",
+                  responses=ERRORS)
+    app.state.tasks = tasks
+    install(app)
+    bearer = HTTPBearer(auto_error=False, description="an API key from `berth key create --tenant T`")
+
+    def tenant(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+        if credentials is not None and (found := tenant_of_key(db, credentials.credentials)) is not None:
+            return found
+        if open_access:
+            return OPEN_TENANT
+        what = "No API key provided" if credentials is None else "Incorrect API key provided"
+        raise ApiError(401, f"{what}: send 'Authorization: Bearer <key>' with a key from `berth key create "
+                       "--tenant NAME`", None, "invalid_api_key")
+
+    TenantName = Annotated[str, Depends(tenant)]
+    app.include_router(dashboard_router(db, files, lambda key: tenant_of_key(db, key), open_access))
+    IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
+
+    def batch_of(tenant_name: str, batch_id: str) -> dict:
+        return batch_object(db, files, tenant_name, batch_id)
+
+    # ---- files
+    @app.post("/v1/files", response_model=FileObject, openapi_extra=_UPLOAD_BODY)
+    async def upload_file(request: Request, tenant: TenantName, idempotency_key: IdempotencyKey = None) -> dict:
+        upload = await read_upload(request, settings.max_file_bytes)
+        try:
+            purpose = upload.fields.get("purpose")
+            if purpose != api_files.UPLOAD_PURPOSE:
+                given = "no purpose" if purpose is None else f"purpose {purpose[:40]!r}"
+                raise ApiError(400, f"berth takes files for the Batch API: give purpose 'batch', not {given}",
+                               "purpose")
+            if upload.file is None:
+                raise ApiError(400, "no file: send the requests as the form field 'file'", "file")
+
+            def save() -> str:
+                return api_files.save_upload(db, files.store, tenant, upload.file, upload.filename or "upload.jsonl",
+                                             settings).id
+
+            asked = fingerprint(purpose, upload.filename or "", upload.sha256)
+            file_id = await run_in_threadpool(idempotent, db, tenant, "files.create", idempotency_key, asked, save)
+        finally:
+            upload.close()
+        return (await run_in_threadpool(api_files.get_file, db, tenant, file_id)).to_openai()
+
+    @app.get("/v1/files", response_model=FileList)
+    def list_files(tenant: TenantName, after: Annotated[str | None, Query(max_length=64)] = None,
+                   limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+                   order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+                   purpose: Annotated[str | None, Query(max_length=32)] = None) -> dict:
+        with _cursor(after, batches.FILE_ID):
+            views = api_files.list_files(db, tenant, after, limit, order == "desc", purpose)
+        return list_object([v.to_openai() for v in views], limit)
+
+    @app.get("/v1/files/{file_id}", response_model=FileObject)
+    def retrieve_file(tenant: TenantName, file_id: Annotated[str, Path(max_length=64)]) -> dict:
+        return _file(db, tenant, file_id).to_openai()
+
+    @app.get("/v1/files/{file_id}/content", response_class=StreamingResponse,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    def file_content(tenant: TenantName, file_id: Annotated[str, Path(max_length=64)]) -> StreamingResponse:
+        f = api_files.open_content(files.store, _file(db, tenant, file_id))
+        return StreamingResponse(_chunks(f), media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}", response_model=FileDeleted)
+    def delete_file(tenant: TenantName, file_id: Annotated[str, Path(max_length=64)]) -> dict:
+        view = _file(db, tenant, file_id)
+        api_files.delete_file(db, files.store, tenant, view.id)
+        return {"id": view.id, "object": "file", "deleted": True}
+
+    # ---- batches
+    @app.post("/v1/batches", response_model=Batch)
+    def create_batch(body: CreateBatch, tenant: TenantName, idempotency_key: IdempotencyKey = None) -> dict:
+        def make() -> str:
+            try:
+                job_id = batches.create_batch(db, files, settings, tenant, body.input_file_id, body.endpoint,
+                                              body.completion_window, body.metadata)
+            except batches.InputFileMissing as exc:
+                raise ApiError(400, str(exc), "input_file_id", "invalid_input_file") from None
+            except ValueError as exc:  # the window, a file of another purpose, the tenant name
+                raise ApiError(400, str(exc), None, "invalid_value") from None
+            tasks.run(INGEST, job_id)
+            return job_id
+
+        asked = fingerprint(body.model_dump_json())
+        return batch_of(tenant, idempotent(db, tenant, "batches.create", idempotency_key, asked, make))
+
+    @app.get("/v1/batches", response_model=BatchList)
+    def list_batches(tenant: TenantName, after: Annotated[str | None, Query(max_length=64)] = None,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict:
+        with _cursor(after, batches.BATCH_ID):
+            views = batches.list_batches(db, files, tenant, after, limit)
+        return list_object([batches.batch_object(v) for v in views], limit)
+
+    @app.get("/v1/batches/{batch_id}", response_model=Batch)
+    def retrieve_batch(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)]) -> dict:
+        return batch_of(tenant, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel", response_model=Batch)
+    def cancel_batch(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)],
+                     idempotency_key: IdempotencyKey = None) -> dict:
+        shown = {}
+
+        def cancel() -> str:
+            batches.cancel_batch(db, tenant, batch_id)
+            shown["batch"] = batch_of(tenant, batch_id)  # cancelling: the finalize may close it at once
+            tasks.run(FINALIZE, batch_id)
+            return batch_id
+
+        idempotent(db, tenant, "batches.cancel", idempotency_key, fingerprint(batch_id), cancel)
+        return shown.get("batch") or batch_of(tenant, batch_id)
+
+    @app.get("/v1/batches/{batch_id}/results", response_class=StreamingResponse,
+             responses={200: {"content": {"application/jsonl": {}}}},
+             summary="berth's extension: the lines finished so far, in input order (JSONL)")
+    def batch_results(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)]) -> StreamingResponse:
+        view = batches.tenant_job(db, tenant, batch_id)
+        lines = (json.dumps(line, ensure_ascii=False).encode() + b"\n" for line in finished_lines(db, view.id))
+        return StreamingResponse(lines, media_type="application/jsonl")
+
+    @app.post("/v1/batches/{batch_id}/retry", response_model=Batch,
+              summary="berth's extension: a new batch of the failed lines of a finished batch")
+    def retry_batch(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)],
+                    idempotency_key: IdempotencyKey = None) -> dict:
+        def retry() -> str:
+            job_id = retry_job(db, files, settings, batches.tenant_job(db, tenant, batch_id))
+            tasks.run(INGEST, job_id)
+            return job_id
+
+        return batch_of(tenant, idempotent(db, tenant, "batches.retry", idempotency_key, fingerprint(batch_id),
+                                           retry))
+
+    # ---- models
+    def model_object() -> dict:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "berth"}
+
+    @app.get("/v1/models", response_model=ModelList)
+    def list_models(tenant: TenantName) -> dict:
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id}", response_model=Model)
+    def retrieve_model(tenant: TenantName, model_id: Annotated[str, Path(max_length=200)]) -> dict:
+        if model_id != model_name:
+            raise ApiError(404, f"The model '{model_id[:200]}' does not exist: this server runs {model_name!r}",
+                           "model", "model_not_found")
+        return model_object()
+
+    return app
+
+
+def batch_object(db: Database, files: JobFiles, tenant: str, batch_id: str) -> dict:
+    return batches.batch_object(batches.get_batch(db, files, tenant, batch_id))
+
+
+def _file(db: Database, tenant: str, file_id: str) -> api_files.FileView:
+    if not batches.FILE_ID.fullmatch(file_id):
+        raise api_files.FileNotFound(file_id)
+    return api_files.get_file(db, tenant, file_id)
+
+
+@contextmanager
+def _cursor(after: str | None, pattern: re.Pattern):
+    """A list's ``after`` must be an id of that list: anything else is a 400 naming it."""
+    problem = ApiError(400, f"after {(after or '')[:64]!r} is not an id of this list: give the last id of the page "
+                       "before", "after")
+    if after is not None and not pattern.fullmatch(after):
+        raise problem
+    try:
+        yield
+    except (api_files.FileNotFound, JobNotFound):
+        raise problem from None
+
+
+def _chunks(f) -> Iterator[bytes]:
+    with f:
+        while chunk := f.read(1 << 20):
+            yield chunk
+

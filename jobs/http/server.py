@@ -1,0 +1,131 @@
+"""``berth serve``: the HTTP API under uvicorn, and on the embedded defaults an engine worker too.
+
+With no broker (``BERTH_BROKER_URL`` empty) nothing else runs the queue, so the server runs an
+engine worker on a thread of its own (with the embedded housekeeping chores) and a laptop gets a
+local OpenAI Batch endpoint from one command. With a broker, ``berth serve`` only serves: engine
+workers and the Celery worker run elsewhere.
+
+    with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import uvicorn
+
+from jobs.http.app import create_app
+from jobs.http.tasks import Tasks
+from worker.config import Settings
+from worker.consumer.queues import is_embedded
+
+log = logging.getLogger("berth.serve")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+START_TIMEOUT = 30.0
+
+
+class Server:
+    def __init__(self, settings: Settings, host: str = "127.0.0.1", port: int = 8000, open_access: bool = False,
+                 worker: bool | None = None, engine=None, log_level: str = "info"):
+        """``worker``: run an engine worker in this process (default: on the embedded queue);
+        ``engine``: the engine it runs (default: one loaded from ``settings``)."""
+        if open_access and host not in LOOPBACK:
+            raise ValueError(f"--open serves without API keys, so only on this machine: use --host 127.0.0.1, not "
+                             f"{host}, or create keys with `berth key create --tenant NAME`")
+        self.settings, self.host, self.open_access = settings, host, open_access
+        self.port = port or _free_port(host)
+        self.tasks = Tasks(settings)
+        self.app = create_app(settings, open_access=open_access, tasks=self.tasks)
+        self.run_worker = is_embedded(settings) if worker is None else worker
+        self._engine = engine
+        self._stop = threading.Event()
+        self._worker_thread: threading.Thread | None = None
+        self._server = _Uvicorn(uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level,
+                                                     lifespan="off"))
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        """Serve until SIGINT or SIGTERM, then stop the worker (a second signal: at once) and return."""
+        def stop(*_) -> None:
+            if self._server.should_exit:
+                self._server.force_exit = True
+            self._server.should_exit = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._start_worker()
+        try:
+            self._server.run()
+        finally:
+            self._stop_worker()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextmanager
+    def running(self) -> Iterator[Server]:
+        """Serve on a thread while the block runs."""
+        self._start_worker()
+        thread = threading.Thread(target=self._server.run, name="berth-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                self._stop_worker()
+                raise RuntimeError(f"the HTTP server did not start on {self.url}")
+            time.sleep(0.02)
+        try:
+            yield self
+        finally:
+            self._server.should_exit = True
+            thread.join(timeout=30)
+            self._stop_worker()
+
+    def _start_worker(self) -> None:
+        if not self.run_worker:
+            return
+        from jobs.engine_worker import engine_worker
+
+        worker = engine_worker(self.settings, self._engine)  # the model loads before the first request
+
+        def work() -> None:
+            try:
+                worker.run(until=self._stop.is_set)
+            except Exception:  # noqa: BLE001 (the server goes on; batches wait for a worker)
+                log.exception("the engine worker of this server stopped: batches wait until `berth serve` is "
+                              "restarted or a `berth worker` runs on the same settings")
+
+        self._worker_thread = threading.Thread(target=work, name="berth-engine-worker", daemon=True)
+        self._worker_thread.start()
+
+    def _stop_worker(self) -> None:
+        self._stop.set()
+        if self._worker_thread is not None:
+            self._worker_thread.join(timeout=self.settings.drain_timeout + 30)
+        self.tasks.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: it re-raises the signal once it has shut down, which
+    would end the process before the engine worker hands its requests back. ``serve_forever``
+    handles the signals instead."""
+
+    @contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,192 @@
+"""Job events: every change of a job's status, published on the topic exchange ``<prefix>.events``
+(routing key ``job.<status>``, the tenant in the ``tenant`` header, persistent) and POSTed to the
+job's webhook (``jobs.queue_door.webhooks``). The body is ``jobs/queue_door/schemas/job-event.v1.json``.
+
+Why an outbox written by triggers. A job changes state in seven places (submit, ingest's close,
+cancel, expiry, a worker's last outcome, finalize, a refused submit), in processes that may not
+reach the broker when it happens, and an engine worker must never wait on anything but its own
+rows. So the database writes the event: triggers on ``jobs`` (migration 0004) add a ``job_events``
+row for each inserted job and each update that changes ``status``, in the same transaction, with
+the job's counts, usage and files as they were then. A change that commits has its event; one that
+rolls back has none; no code path can forget it, and an engine worker's counter updates, which
+leave ``status`` alone, do not fire the trigger at all.
+
+The relay (``EventRelay``, run by ``berth submit-consumer`` or ``berth events``) publishes the rows
+not yet published, in id order, with publisher confirms, and then marks them. When the broker is
+down the rows wait; nothing is lost. A crash between the confirm and the mark publishes an event
+again: delivery is at least once, and consumers deduplicate by ``event_id`` (also the AMQP
+``message_id``). On PostgreSQL one relay drains at a time (an advisory lock), so a job's events go
+out in the order they happened even with several relays running; on SQLite run one.
+
+Rows are deleted ``Settings.event_keep_seconds`` after they happened (``jobs.outbox.prune_events``,
+with the reconcile task), published or not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+from sqlalchemy import select, text, update
+from sqlalchemy.orm import Session
+
+from jobs.db import Database, open_database
+from jobs.models import Job, JobEvent, Tenant, now
+from jobs.queue import Outgoing, Publisher
+from jobs.queue_door.contract import CONTRACT_VERSION
+from storage import open_store
+from worker.config import Settings
+from worker.consumer.queues import Topology, is_embedded
+
+log = logging.getLogger("berth.events")
+
+BATCH = 500
+POLL_SECONDS = 0.5
+RELAY_LOCK = 0x62657274_01  # pg_try_advisory_xact_lock keys: one relay, one webhook sender at a time
+WEBHOOK_LOCK = 0x62657274_02
+
+
+def job_event_body(event: JobEvent, job: Job, tenant: str, store_url: str) -> dict:
+    """The event as ``job-event.v1`` says."""
+    def url(key: str | None) -> str | None:
+        return None if key is None else f"{store_url.rstrip('/')}/{key}"
+
+    status = event.status.value
+    return {
+        "version": CONTRACT_VERSION, "type": f"job.{status}", "event_id": f"evt_{event.id}",
+        "occurred_at": event.created_at, "job_id": job.id, "status": status, "tenant": tenant, "model": job.model,
+        "message_id": job.submit_message_id, "metadata": dict(job.metadata_ or {}),
+        "request_counts": {"total": event.total, "completed": event.completed, "failed": event.failed},
+        "usage": {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens},
+        "output_file": event.output_key, "error_file": event.errors_key,
+        "output_url": url(event.output_key), "error_url": url(event.errors_key), "error": event.error,
+    }
+
+
+def rejection_body(message_id: str | None, broker_user: str | None, reason: str, dead_letter_queue: str) -> dict:
+    """The event of a submit message that made no job (it went to the dead-letter queue)."""
+    return {"version": CONTRACT_VERSION, "type": "submit.rejected", "event_id": f"rej_{uuid.uuid4().hex}",
+            "occurred_at": now(), "message_id": message_id, "broker_user": broker_user, "reason": reason,
+            "dead_letter_queue": dead_letter_queue}
+
+
+def encode(body: dict) -> bytes:
+    """An event's bytes: the AMQP body and the webhook body (which its signature covers)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def outgoing(topology: Topology, body: dict, tenant: str | None) -> Outgoing:
+    headers = {"tenant": tenant} if tenant is not None else {}
+    options = {"headers": headers, "content_type": "application/json", "content_encoding": "utf-8",
+               "message_id": body["event_id"], "type": body["type"], "timestamp": int(body["occurred_at"])}
+    if body.get("message_id"):
+        options["correlation_id"] = body["message_id"]
+    return Outgoing(topology.events_exchange, body["type"], encode(body), (topology.events_exchange,), options)
+
+
+def pending_events(session, limit: int, where) -> list[tuple[JobEvent, Job, Tenant]]:
+    return list(session.execute(
+        select(JobEvent, Job, Tenant).join(Job, Job.id == JobEvent.job_id).join(Tenant, Tenant.id == Job.tenant_id)
+        .where(where).order_by(JobEvent.id).limit(limit)).all())
+
+
+@contextmanager
+def claimed(db: Database, key: int) -> Iterator[Session | None]:
+    """A session to read the outbox in and send what it holds, or None while another process has it.
+
+    On PostgreSQL, one transaction holding the advisory lock ``key`` to the end: what was read, sent
+    and marked, one relay at a time. On SQLite a plain session: a transaction kept open there while
+    the broker or a webhook answers would, in WAL mode, fail to write afterwards once any other
+    writer (an engine worker) committed, so ``mark`` writes in a transaction of its own."""
+    with db.session() as s:
+        if db.engine.dialect.name != "postgresql":
+            yield s
+            return
+        with s.begin():
+            yield s if s.scalar(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": key}) else None
+
+
+def mark(session: Session, db: Database, statement, params: list[dict] | None = None, needed: bool = True) -> None:
+    """Write what was sent: in the claimed transaction on PostgreSQL, in one of its own on SQLite."""
+    if not needed:
+        return
+    if db.engine.dialect.name == "postgresql":
+        session.execute(statement, params)
+        return
+    session.rollback()  # end the read
+    with session.begin():
+        session.execute(statement, params)
+
+
+class EventRelay:
+    """Publishes the outbox to ``<prefix>.events``. On the embedded queue, which has no exchange
+    another process could bind, the events are only marked (their webhooks still go out)."""
+
+    def __init__(self, settings: Settings, db: Database | None = None):
+        self.settings = settings
+        self.db = db or open_database(settings.database_url)
+        self.topology = Topology(settings.queue_prefix)
+        self.store_url = open_store(settings.storage_url).url
+        self.embedded = is_embedded(settings)
+        self._publisher: Publisher | None = None
+
+    def drain(self, limit: int = BATCH) -> int:
+        """Publish up to ``limit`` unpublished events, oldest first; how many."""
+        with claimed(self.db, RELAY_LOCK) as s:
+            if s is None:
+                return 0
+            rows = pending_events(s, limit, JobEvent.published_at.is_(None))
+            if rows and not self.embedded:
+                self._publish([outgoing(self.topology, job_event_body(e, job, tenant.name, self.store_url),
+                                        tenant.name) for e, job, tenant in rows])
+            mark(s, self.db, update(JobEvent).where(JobEvent.id.in_([e.id for e, _, _ in rows]))
+                 .values(published_at=now()), needed=bool(rows))
+        return len(rows)
+
+    def _publish(self, batch: list[Outgoing]) -> None:
+        if self._publisher is None:
+            self._publisher = Publisher(self.settings)
+        try:
+            self._publisher.send(batch)
+        except BaseException:
+            self.close()  # a fresh connection next time
+            raise
+
+    def run(self, stop: threading.Event) -> None:
+        """Drain until ``stop`` is set (errors are logged once and retried with backoff)."""
+        poll(stop, "event relay", self.drain, BATCH)
+        self.close()
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            try:
+                self._publisher.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._publisher = None
+
+
+def poll(stop: threading.Event, name: str, work, full: int) -> None:
+    """Call ``work()`` until ``stop`` is set: at once again while it did ``full`` things, after
+    ``POLL_SECONDS`` when less; after a failure (the broker or the database down), with backoff
+    from 0.5 s doubling to 10 s, logged once until it works again."""
+    backoff, failing = 0.0, False
+    while not stop.is_set():
+        try:
+            done = work()
+        except Exception:  # noqa: BLE001 (what it had to do waits in the outbox)
+            if not failing:
+                log.exception("%s: failed; retrying, logged once until it works", name)
+            failing = True
+            backoff = min(max(backoff * 2, 0.5), 10.0)
+            stop.wait(backoff)
+            continue
+        if failing:
+            log.info("%s: works again", name)
+        failing, backoff = False, 0.0
+        if done < full:
+            stop.wait(POLL_SECONDS)

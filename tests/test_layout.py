@@ -1,0 +1,63 @@
+"""The folders' import rules (pyproject.toml's import-linter contracts, docs/layout.md) hold, and
+each one fails `lint-imports` with the offending import chain named when a change breaks it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("worker", "jobs", "kernels", "storage", "migrations")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree)}  # the copy's packages, not the installed checkout's
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_layout_contracts_hold():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 kept, 0 broken" in result.stdout
+
+
+# (file, import added to it, the contract it breaks, the chain lint-imports must name)
+BREAKS = [
+    ("kernels/reference.py", "from worker.config import cache_dir", "kernels and storage are leaves",
+     "kernels.reference -> worker.config"),
+    ("worker/engine/scheduler.py", "from jobs.models import Job", "worker imports nothing of jobs",
+     "worker.engine.scheduler -> jobs.models"),
+    ("worker/engine/scheduler.py", "from worker.consumer.loop import EngineWorker", "worker's wings in layers",
+     "worker.engine.scheduler -> worker.consumer.loop"),
+    ("worker/model/tokenizer.py", "from worker.engine.grammar import compiler_for", "worker's wings in layers",
+     "worker.model.tokenizer -> worker.engine.grammar"),
+    ("jobs/http/app.py", "from jobs.queue_door.events import EventRelay", "jobs: the CLI over three independent doors",
+     "jobs.http.app -> jobs.queue_door.events"),
+    ("jobs/tasks.py", "from jobs.queue_door.events import EventRelay", "jobs: the CLI over three independent doors",
+     "jobs.tasks -> jobs.queue_door.events"),
+    ("jobs/tenants.py", "from jobs.submit import JobSpec", "no import circle",
+     "No cycles are allowed in jobs.\nIt could be made acyclic by removing 1 dependency:\n\n- .tenants -> .submit"),
+]
+
+
+@pytest.mark.parametrize("path,line,contract,chain", BREAKS, ids=[b[0] + ":" + b[1].split()[1] for b in BREAKS])
+def test_a_forbidden_import_fails_lint_imports_with_its_chain(tmp_path, path, line, contract, chain):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    target = tmp_path / path
+    target.write_text(target.read_text() + f"\n{line}  # noqa: E402\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0, result.stdout
+    broken = result.stdout.partition("Broken contracts")[2]
+    assert contract in broken, result.stdout
+    if "->" in chain and "cycles" not in chain:
+        chain += " (l."  # the chain with its line number
+    assert chain in broken, result.stdout

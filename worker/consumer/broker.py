@@ -1,0 +1,240 @@
+"""The engine worker's link to the broker: deliveries in, acks, hand-backs and dead letters out.
+
+Every broker call goes through one guard: a connection or channel error marks the link broken
+instead of raising into the loop, and ``maintain`` reconnects with the worker's one backoff while
+the engine keeps stepping (kombu's own retries would sleep in the loop). Deliveries are taken raw
+(``on_message``), never decoded by kombu inside ``drain_events``: a body berth cannot read is the
+admission's to refuse, not an exception that would end the worker on every redelivery.
+
+A delivery is valid only on the channel it came on: after a reconnection the broker has requeued
+it, and ``is_current`` says so (its redelivery is then adopted by the request still running here).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import kombu
+from kombu import Producer
+from kombu.exceptions import OperationalError
+
+from worker.config import Settings
+from worker.consumer.backoff import Backoff
+from worker.consumer.queues import Topology, connect, queue_depth
+from worker.metrics import WorkerMetrics
+
+log = logging.getLogger("berth.worker")
+
+RECONNECT = (1.0, 5.0)  # seconds between tries to reach a broker that went away: first, most
+REASON_HEADER = "x-berth-reason"
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One message handed to this worker."""
+
+    body: bytes | str
+    content_type: str | None
+    content_encoding: str | None
+    redelivered: bool
+    tenant: str | None  # of the queue it came from, where known
+    decode: Callable[[], object]  # the body as JSON; raises on anything else
+    message: object = field(default=None, repr=False)  # the broker's handle, for acks
+
+
+class BrokerLink:
+    def __init__(self, settings: Settings, model: str, metrics: WorkerMetrics, name: str):
+        self.settings = settings
+        self.model = model
+        self.metrics = metrics
+        self.name = name
+        self.topology = Topology(settings.queue_prefix)
+        self.queues: dict[str, kombu.Queue] = {}  # tenant -> its request queue for this model
+        self.connection: kombu.Connection | None = None
+        self.consumer: kombu.Consumer | None = None
+        self.broken = False
+        self.window = 1
+        self.backoff = Backoff(*RECONNECT)
+        self._received: list[Delivery] = []
+        self._dead: kombu.Connection | None = None  # publishes dead letters, with confirms
+
+    # ---- the one guard
+    def _errors(self) -> tuple:
+        conn = self.connection
+        extra = (OperationalError, OSError)
+        return (conn.connection_errors + conn.channel_errors + extra) if conn is not None else extra
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Broker errors inside mark the link broken (what follows in the block is skipped)."""
+        try:
+            yield
+        except self._errors() as exc:
+            if not self.broken:
+                self.broken = True
+                self.metrics.broker_up.set(0)
+                log.warning("worker %s: broker connection lost (%s); reconnecting, the engine keeps running",
+                            self.name, exc)
+
+    # ---- connecting
+    def connect(self, max_retries: int | None = None) -> None:
+        """Connect and consume the queues followed so far (waiting for the broker if ``max_retries`` is None)."""
+        self.connection = connect(self.settings)
+        self.connection.ensure_connection(max_retries=max_retries, interval_max=10)
+        self.consumer = kombu.Consumer(self.connection.channel(), queues=list(self.queues.values()),
+                                       on_message=self._on_message, accept=["json"], no_ack=False)
+        self._qos(self.window)
+        self.consumer.consume()
+        self._received.clear()
+        self.broken = False
+        self.metrics.broker_up.set(1)
+
+    def maintain(self) -> bool:
+        """While broken, one try to reconnect when due; True once connected."""
+        if not self.broken:
+            return True
+        if not self.backoff.ready():
+            return False
+        self.backoff.failed()
+        self._release(self.connection)
+        try:
+            self.connect(max_retries=0)
+        except self._errors() as exc:
+            log.debug("worker %s: broker still unreachable: %s", self.name, exc)
+            return False
+        self.backoff.succeeded()
+        self.metrics.broker_reconnects.inc()
+        log.warning("worker %s: reconnected to the broker", self.name)
+        return True
+
+    # ---- deliveries in
+    def follow(self, tenants: Iterable[str]) -> None:
+        """Consume exactly the queues of ``tenants`` (those with live jobs): new ones added, gone ones left."""
+        tenants = set(tenants)
+        new = {t: self.topology.request_queue(self.model, t) for t in tenants - self.queues.keys()}
+        gone = [t for t in self.queues if t not in tenants]
+        if self.broken or not (new or gone):
+            return
+        with self._guard():
+            for tenant in gone:
+                self.consumer.cancel_by_queue(self.queues.pop(tenant).name)
+            for queue in new.values():
+                self.consumer.add_queue(queue)
+            if new:
+                self.consumer.consume()  # starts consuming the queues added
+            self.queues.update(new)
+
+    def receive(self, limit: int, timeout: float) -> list[Delivery]:
+        """Up to ``limit`` deliveries, waiting up to ``timeout`` seconds for the first."""
+        with self._guard():
+            while len(self._received) < limit and not self.broken:
+                try:
+                    self.connection.drain_events(timeout=timeout)
+                except socket.timeout:
+                    break
+                timeout = 0
+        out, self._received = self._received, []
+        return out
+
+    def _on_message(self, message) -> None:
+        info = message.delivery_info or {}
+        self._received.append(Delivery(message.body, message.content_type, message.content_encoding,
+                                       bool(info.get("redelivered")), self._tenant_of(info), message.decode,
+                                       message))
+
+    def _tenant_of(self, info: dict) -> str | None:
+        key = str(info.get("routing_key") or "")
+        for tenant, queue in self.queues.items():
+            if key in (queue.routing_key, queue.name):
+                return tenant
+        return None
+
+    # ---- acks
+    def is_current(self, delivery: Delivery | None) -> bool:
+        """Whether ``delivery`` can still be acked: not acked yet, and on the channel of now."""
+        m = delivery.message if delivery is not None else None
+        return (m is not None and not self.broken and self.consumer is not None
+                and m.channel is self.consumer.channel and not m.acknowledged)
+
+    def ack(self, delivery: Delivery | None) -> None:
+        if self.is_current(delivery):
+            with self._guard():
+                delivery.message.ack()
+
+    def requeue(self, delivery: Delivery | None) -> None:
+        if self.is_current(delivery):
+            with self._guard():
+                delivery.message.reject(requeue=True)
+
+    def dead_letter(self, delivery: Delivery, reason: str, strikes: int = 0) -> bool:
+        """Publish the delivery's body, as it came, to ``<prefix>.dead`` with the reason, confirmed;
+        then ack it. False (and nothing acked) when the broker did not take it: it comes back later."""
+        try:
+            if self._dead is None:
+                self._dead = connect(self.settings, confirm=True)
+            Producer(self._dead.default_channel).publish(
+                delivery.body, exchange=self.topology.dead_exchange, routing_key=self.topology.dead_queue.routing_key,
+                declare=[self.topology.dead_queue], delivery_mode=2,
+                content_type=delivery.content_type or "application/data",
+                content_encoding=delivery.content_encoding or "binary",
+                headers={REASON_HEADER: reason[:1000], "x-berth-strikes": strikes})
+        except Exception as exc:  # noqa: BLE001 (any failure to publish: keep the message, try again later)
+            log.warning("worker %s: could not dead-letter a message (%s); it stays queued", self.name, exc)
+            self._release(self._dead)
+            self._dead = None
+            return False
+        log.warning("worker %s: dead-lettered a message: %s", self.name, reason)
+        self.ack(delivery)
+        return True
+
+    # ---- the window, depth, liveness
+    def set_window(self, window: int) -> None:
+        with self._guard():
+            self._qos(window)
+            self.window = window
+
+    def _qos(self, window: int) -> None:
+        """``window`` unacked deliveries per tenant queue, and twice that for all of them together.
+
+        RabbitMQ applies a per-consumer limit to the consumers started after it is set (a tenant
+        queue followed later, a reconnection), and a channel-wide one at once: so a resize takes
+        effect through the channel-wide cap, and many tenants cannot make a worker hoard the queue.
+        (The embedded transport keeps one channel-wide limit: the last one set.)
+        """
+        self.consumer.qos(prefetch_count=window)
+        self.consumer.qos(prefetch_count=2 * window, apply_global=True)
+
+    def depth(self) -> int | None:
+        """Messages ready in the followed queues (None while broken)."""
+        if self.broken or not self.queues:
+            return None if self.broken else 0
+        with self._guard():
+            return queue_depth(self.connection, self.queues.values())
+        return None
+
+    def heartbeat(self) -> None:
+        if not self.broken:  # on a lost connection kombu would try to connect, sleeping 2s
+            with self._guard():
+                self.connection.heartbeat_check()
+
+    def cancel(self) -> None:
+        """Stop taking deliveries (those in hand can still be acked)."""
+        if not self.broken and self.consumer is not None:
+            with self._guard():
+                self.consumer.cancel()
+
+    def close(self) -> None:
+        self._release(self.connection)
+        self._release(self._dead)
+
+    @staticmethod
+    def _release(connection) -> None:
+        if connection is not None:
+            try:
+                connection.release()
+            except Exception:  # noqa: BLE001 (a broken connection may fail to close)
+                pass

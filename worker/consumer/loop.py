@@ -1,0 +1,454 @@
+"""The engine worker (``berth worker``): queue deliveries in, one engine running across jobs and
+tenants, results out. This module is the loop; its parts each have a module of their own:
+
+- ``worker.consumer.broker``: the broker link (deliveries, acks, dead letters, reconnecting);
+- ``worker.consumer.admission``: what to do with a delivery, from its message and its row (pure);
+- ``worker.consumer.outcomes``: commit outcomes, then ack; buffered while the database is down;
+- ``worker.consumer.ledger``: the one narrow interface to the jobs database (``jobs.ledger`` implements it);
+- ``worker.consumer.housekeeper``: periodic chores on a thread (the embedded defaults' reconcile, expiry, GC).
+
+One loop, never blocked while the engine has work:
+
+1. receive deliveries (without waiting while the engine has work, up to ``IDLE_WAIT`` when idle);
+2. admit them: claim each request in the database (its row says what it is), ack and skip one that
+   has its result or whose job closed, dead-letter a message that is unreadable or disagrees with
+   its row, fail a request that is poison, add the rest to the engine;
+3. one engine step; the requests it finished (or failed alone) get their outcomes committed, and
+   only then are their messages acked;
+4. about every second: abort the requests of closed jobs, follow the tenants with live jobs
+   (consume their queues, give the engine their weights), resize the prefetch window, metrics.
+
+Tenants: each tenant has its own queue for the model (``worker.consumer.queues``), consumed with its own
+prefetch window, so the engine sees every tenant's waiting requests and its scheduler shares the
+seats by the tenants' weights; priorities order the requests within a tenant's queue.
+
+Prefetch: the window of unacked deliveries of each tenant queue is what the engine can hold
+running (``max_num_seqs``, or fewer when the KV cache cannot fit that many of the requests seen so
+far) plus a quarter more waiting (``admission.prefetch_window``); all tenant queues together are
+capped at twice that. ``Settings.prefetch`` fixes it instead.
+
+Idempotency: a result's ``request_id`` is unique and written once; a delivery of a request that has
+a result is acked and skipped; a second delivery of a request this worker is already running is
+acked (or, if the first delivery's channel is gone, adopted).
+
+Poison (``worker.consumer.admission``): a delivery counts against its request only when its worker died while
+an engine step ran the request (the engine tells the ledger before the step, ``Engine.on_start``)
+and its checkpoint did not advance since the delivery before. An exception while stepping never
+ends the worker: the engine fails the one request that caused it (``Engine.step``).
+
+RabbitMQ's ``consumer_timeout`` (30 minutes by default) closes the channel of a delivery unacked
+that long and requeues every message it held. We ack only after the result is committed, so a
+request running longer than that would be redelivered. We chose: (1) ``compose.yaml`` raises
+``consumer_timeout`` to 24 hours, the longest completion window in normal use; (2) the worker
+survives the channel closing: it keeps its requests running, reconnects, and on finishing writes
+the result without acking the void delivery; the redelivered copy is adopted if it comes back here,
+or acked as done (or computed twice at worst, one result kept) if it went elsewhere.
+
+SIGTERM (or Ctrl-C): stop consuming, hand back at once the requests not started, let the running
+ones finish for up to ``Settings.drain_timeout`` seconds, checkpoint and hand back the rest (reject
+with requeue), exit. A second signal stops at once, handing everything back.
+
+Checkpoints (``Settings.checkpoint_interval`` > 0): after each step the ``Checkpointer`` snapshots
+the running requests that are due and threads write them to ``Settings.storage_url``. A request
+delivered before is first looked up there by the ``Restorer`` in the background and added to the
+engine with its generated tokens (and KV blocks, when reading them is faster than computing them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from storage import open_store
+from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.resume import Restorer
+from worker.config import Settings
+from worker.consumer import admission
+from worker.consumer.admission import Action
+from worker.consumer.broker import BrokerLink, Delivery
+from worker.consumer.database_health import DOWN, DatabaseHealth
+from worker.consumer.housekeeper import Chore, Housekeeper
+from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
+from worker.consumer.outcomes import OutcomeBook, Pending
+from worker.consumer.queues import BadMessage, RequestRef, parse_request_body
+from worker.engine.engine import Engine, RequestRejected
+from worker.engine.request import Request
+from worker.metrics import WorkerMetrics
+from worker.process_clock import seconds_since_start
+
+log = logging.getLogger("berth.worker")
+
+IDLE_WAIT = 0.5  # seconds to wait for deliveries when the engine has nothing to do
+RESTORE_WAIT = 0.02  # ... when it has nothing to do but requests are being restored from checkpoints
+CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoints to be written
+CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
+QUEUE_DEPTH_INTERVAL = 5.0
+HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
+
+
+def worker_name() -> str:
+    """How a worker is named in the database (``requests.holder``): host and process id."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class Inflight:
+    claim: Claim
+    request: Request  # as the engine runs it
+    delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
+
+    @property
+    def started(self) -> bool:
+        return any(s.num_computed_tokens for s in self.request.sequences)
+
+
+class EngineWorker:
+    def __init__(self, settings: Settings, engine: Engine, ledger: Ledger, *, broker: BrokerLink | None = None,
+                 chores: list[Chore] = ()):
+        self.settings = settings
+        self.engine = engine
+        self.ledger = ledger
+        self.name = worker_name()
+        self.metrics = WorkerMetrics()
+        self.broker = broker or BrokerLink(settings, engine.model_name, self.metrics, self.name)
+        self.database = DatabaseHealth(self.name, self.metrics)
+        self.outcomes = OutcomeBook(ledger, self.database, self.metrics, self.name)
+        self.housekeeper = Housekeeper(list(chores))
+        self.checkpoints: Checkpointer | None = None
+        self.restorer: Restorer | None = None
+        if settings.checkpoint_interval:
+            store = open_store(settings.storage_url)
+            self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics)
+            self.restorer = Restorer(self.engine, store, self.checkpoints, self.metrics)
+        self.kv_capacity = self.engine.kv_usage()["blocks_total"] * self.engine.settings.block_size
+        self.inflight: dict[str, Inflight] = {}
+        self.incoming: list[Delivery] = []
+        self.mean_kv_tokens: float | None = None
+        self.broker.window = settings.prefetch or admission.prefetch_window(
+            self.engine.settings.max_num_seqs, self.kv_capacity, None)
+        self.stop_requested = 0  # signals received
+        self.started_at = time.time()
+        self._next_beat = 0.0
+        engine.on_start = self._on_start
+
+    @property
+    def window(self) -> int:
+        return self.broker.window
+
+    # ---- the loop
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Work until stopped by a signal, or until ``until()`` is true (checked about every second)."""
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+        previous_handlers = self._install_signal_handlers()
+        self.broker.connect()
+        self._follow_tenants()
+        self.housekeeper.start()
+        log.info("worker %s consuming %s.requests.%s.* (prefetch %d): ready, %.1fs since the process started",
+                 self.name, self.settings.queue_prefix, self.engine.model_name, self.window, seconds_since_start())
+        drain_deadline = None
+        next_control = next_depth = 0.0
+        graceful = False
+        try:
+            while True:
+                busy = self.engine.has_unfinished()
+                if not self.stop_requested and not self.broker.maintain() and not busy:
+                    time.sleep(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
+                if not self.database.ready() and not busy:
+                    time.sleep(IDLE_WAIT)  # no database and nothing to run: the same
+                wait = 0 if busy else RESTORE_WAIT if self._restoring() else IDLE_WAIT
+                self.incoming += self.broker.receive(self.window - len(self.incoming), wait)
+                self._record([])  # outcomes kept while the database was down, when a try is due
+                self._admit()
+                self._add_restored()
+                if self.engine.has_unfinished():
+                    self._step()
+                t = time.monotonic()
+                if t >= next_control:
+                    next_control = t + CONTROL_INTERVAL
+                    self._control(t >= next_depth)
+                    next_depth = next_depth if t < next_depth else t + QUEUE_DEPTH_INTERVAL
+                    if until is not None and until():
+                        graceful = True
+                        break
+                if self.stop_requested:
+                    if drain_deadline is None:
+                        drain_deadline = self._begin_drain()
+                    finished = not self.engine.has_unfinished() and not self.outcomes.waiting
+                    if self.stop_requested > 1 or finished or t > drain_deadline:
+                        graceful = True
+                        break
+        finally:
+            self.housekeeper.stop()
+            if graceful and self.checkpoints is not None:  # what is handed back continues from here elsewhere
+                self.checkpoints.save_all(CHECKPOINT_FLUSH)
+            self._hand_back(count_attempt=not graceful)
+            self._close()
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+
+    def stop(self) -> None:
+        self.stop_requested += 1
+
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM and SIGINT ask the loop to stop; the handlers replaced, to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _ledger(self, call, *args):
+        """A ledger call, or ``DOWN`` while the database does not answer (the loop carries on)."""
+        return self.database.call(call, *args, running=len(self.inflight))
+
+    # ---- admission
+    def _admit(self) -> None:
+        if not self.database.ready() or not self.incoming:
+            return  # deliveries wait in ``incoming`` (the window keeps more from coming)
+        batch, self.incoming = self.incoming, []
+        fresh: list[tuple[RequestRef, Delivery]] = []
+        for delivery in batch:
+            try:
+                ref = parse_request_body(delivery.decode())
+            except Exception as exc:  # noqa: BLE001 (BadMessage, or the decoder's own: not JSON, a content type)
+                why = str(exc) if isinstance(exc, BadMessage) else f"{type(exc).__name__}: {exc}"
+                self.broker.dead_letter(delivery, f"unreadable message: {why}"[:1000])
+                continue
+            running = self.inflight.get(str(ref.request_id))
+            if running is None:
+                fresh.append((ref, delivery))
+            elif (verdict := admission.judge(ref, running.claim, self.engine.model_name, delivery.tenant)).reason:
+                self.broker.dead_letter(delivery, verdict.reason)  # names a request this worker runs, wrongly
+            elif not self.broker.is_current(running.delivery):
+                running.delivery = delivery  # the redelivery of what this worker runs: ack it when done
+            else:
+                self.broker.ack(delivery)  # a duplicate of what this worker runs
+        if not fresh:
+            return
+        claims = self._ledger(self.ledger.claim, list(dict.fromkeys(r.request_id for r, _ in fresh)), self.name)
+        if claims is DOWN:
+            self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
+            return
+        failures: list[Pending] = []
+        starting: list[Inflight] = []
+        for ref, delivery in fresh:
+            claim = claims.get(ref.request_id)
+            verdict = admission.judge(ref, claim, self.engine.model_name, delivery.tenant)
+            if verdict.action is Action.RUN and str(ref.request_id) in self.inflight:  # twice in this batch
+                verdict = admission.Verdict(Action.SKIP)
+            if verdict.action is Action.REFUSE:
+                self.broker.dead_letter(delivery, verdict.reason)
+            elif verdict.action is Action.SKIP:
+                self.broker.ack(delivery)
+            elif verdict.action is Action.FAIL:
+                failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "request_unreadable",
+                                                        verdict.reason), claim.tenant, delivery))
+            else:
+                item = Inflight(claim, Request(str(claim.request_id), list(claim.prompt_token_ids), claim.params,
+                                               priority=claim.priority, tenant=claim.tenant), delivery)
+                self.inflight[item.request.request_id] = item
+                delivered_before = claim.attempts > 1 or claim.crashed or delivery.redelivered
+                if delivered_before and self.restorer is not None and self.checkpoints.store_up:
+                    self.restorer.submit(item.request)  # begins once its checkpoint is read (``_add_restored``)
+                else:
+                    starting.append(item)
+        self._record(failures)
+        self._begin(starting)
+
+    def _restoring(self) -> bool:
+        return self.restorer is not None and self.restorer.pending > 0
+
+    def _add_restored(self) -> None:
+        if not self._restoring():
+            return
+        ready = []
+        for request in self.restorer.ready():
+            item = self.inflight.get(request.request_id)
+            if item is not None and item.request is request:  # not dropped or handed back meanwhile
+                ready.append(item)
+        self._begin(ready)
+
+    def _begin(self, items: list[Inflight]) -> None:
+        """Judge poison from what the checkpoint says, note each one's starting point, add to the engine."""
+        failures: list[Pending] = []
+        baselines: dict[int, tuple[int, int]] = {}
+        runnable = []
+        for item in items:
+            claim = item.claim
+            tokens = sum(len(out) for out in item.request.resume_output_ids)
+            strikes = admission.strikes_after(claim, tokens)
+            reason = admission.poison_reason(claim, strikes, self.settings.max_delivery_attempts)
+            if reason is not None:
+                del self.inflight[item.request.request_id]
+                failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "delivery_limit", reason),
+                                        claim.tenant, item.delivery, dead_reason=reason))
+                continue
+            baselines[claim.request_id] = (tokens, strikes)
+            runnable.append(item)
+        if baselines:  # without the database they run all the same; a crash is judged by the older baseline
+            self._ledger(self.ledger.begin, baselines)
+        for item in runnable:
+            self._add(item, failures)
+        self._record(failures)
+
+    def _add(self, item: Inflight, failures: list[Pending]) -> None:
+        claim = item.claim
+        try:
+            self.engine.add_request(item.request)
+        except RequestRejected as exc:  # never runnable here: fail it now
+            del self.inflight[item.request.request_id]
+            failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "request_rejected", str(exc)),
+                                    claim.tenant, item.delivery))
+            return
+        except Exception as exc:  # noqa: BLE001 (anything else: fail it alone, with the reason)
+            log.exception("request %s could not be admitted", claim.request_id)
+            del self.inflight[item.request.request_id]
+            failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "engine_error",
+                                                    f"{type(exc).__name__}: {exc}"), claim.tenant, item.delivery))
+            return
+        size = claim.kv_tokens
+        self.mean_kv_tokens = size if self.mean_kv_tokens is None else 0.9 * self.mean_kv_tokens + 0.1 * size
+
+    def _on_start(self, request_ids: list[str]) -> None:
+        """Before the engine's step that first runs these: say so, so that a crash in it counts."""
+        ids = [int(r) for r in request_ids if r in self.inflight]
+        if ids and self.database.ready():
+            self._ledger(self.ledger.started, ids)
+
+    # ---- results out
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 (the engine could not tell whose fault: hand everything back)
+            log.exception("worker %s: an engine step failed outside any one request; handing its requests back",
+                          self.name)
+            self._hand_back(count_attempt=True)
+            return
+        self.metrics.observe_step(self.engine, time.perf_counter() - t0)
+        if self.checkpoints is not None:
+            self.checkpoints.after_step()
+            self.restorer.observe_step()
+        done = []
+        for output in outputs:
+            item = self.inflight.get(output.request_id)
+            if item is None:
+                continue
+            claim = item.claim
+            if output.error is not None:
+                log.warning("request %s failed: %s", claim.request_id, output.error)
+                outcome = Outcome.failure(claim.request_id, claim.job_id, "engine_error", output.error)
+            else:
+                outcome = Outcome(claim.request_id, claim.job_id, output)
+            done.append(Pending(outcome, claim.tenant, item.delivery))
+        self._record(done)
+
+    def _record(self, items: list[Pending]) -> None:
+        """Commit the outcomes (and those waiting), then dead-letter what must be and ack the rest."""
+        if not items and not self.outcomes.waiting:
+            return
+        for p in self.outcomes.commit(items, len(self.inflight)):
+            item = self.inflight.pop(p.engine_id, None)
+            delivery = item.delivery if item is not None else p.delivery  # it may have been redelivered since
+            if p.dead_reason is not None and delivery is not None:
+                if not self.broker.dead_letter(delivery, p.dead_reason, self.settings.max_delivery_attempts):
+                    self.broker.ack(delivery)  # its outcome is committed: the message has done its work
+            else:
+                self.broker.ack(delivery)
+            if self.checkpoints is not None:
+                self.checkpoints.finished(p.engine_id)
+
+    # ---- every second
+    def _control(self, measure_queue: bool) -> None:
+        self.broker.heartbeat()
+        if self.database.ready():
+            self._drop_closed_jobs()
+            self._follow_tenants()
+        self._resize_window()
+        self.metrics.observe_kv(self.engine)
+        if time.monotonic() >= self._next_beat and self.database.ready():
+            self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+            self._ledger(self.ledger.heartbeat, self._heartbeat())
+        if measure_queue:
+            depth = self.broker.depth()
+            if depth is not None:
+                self.metrics.queue_depth.set(depth)
+
+    def _heartbeat(self) -> Heartbeat:
+        kv = self.engine.kv_usage()
+        return Heartbeat(self.name, socket.gethostname(), self.engine.model_name,
+                         self.engine.settings.resolved_device(), self.engine.num_running, self.engine.num_waiting,
+                         kv["blocks_used"], kv["blocks_free"], round(self.metrics.recent_output_rate(), 2),
+                         self.started_at, time.time())
+
+    def _drop_closed_jobs(self) -> None:
+        """Abort the requests of jobs cancelled, expired or otherwise closed; ack their messages."""
+        job_ids = {item.claim.job_id for item in self.inflight.values()}
+        if not job_ids:
+            return
+        closed = self._ledger(self.ledger.closed_jobs, job_ids)
+        if closed is DOWN:
+            return
+        for engine_id, item in list(self.inflight.items()):
+            if item.claim.job_id in closed:
+                self.engine.abort(engine_id)
+                self.broker.ack(item.delivery)
+                del self.inflight[engine_id]
+                if self.checkpoints is not None:
+                    self.checkpoints.finished(engine_id)
+
+    def _follow_tenants(self) -> None:
+        """Consume the queue of every tenant with live jobs for this model; set their weights."""
+        tenants = self._ledger(self.ledger.live_tenants, self.engine.model_name)
+        if tenants is DOWN:  # the queues already followed stay; new tenants once it is back
+            return
+        for tenant, weight in tenants.items():
+            self.engine.set_tenant_share(tenant, weight)
+        held = {item.claim.tenant for item in self.inflight.values()}
+        self.broker.follow(set(tenants) | held)
+
+    def _resize_window(self) -> None:
+        if self.settings.prefetch:
+            return
+        want = admission.prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens)
+        if abs(want - self.window) * 8 > self.window and not self.broker.broken:  # not for every small change
+            self.broker.set_window(want)
+
+    # ---- stopping
+    def _begin_drain(self) -> float:
+        log.info("worker %s stopping: %d requests running, up to %.0fs to finish", self.name,
+                 len(self.inflight), self.settings.drain_timeout)
+        self.broker.cancel()
+        self._hand_back(count_attempt=False, only_unstarted=True)
+        return time.monotonic() + self.settings.drain_timeout
+
+    def _hand_back(self, count_attempt: bool, only_unstarted: bool = False) -> None:
+        """Abort requests and requeue their messages; a graceful hand-back is no failed attempt."""
+        items = [(k, i) for k, i in self.inflight.items() if not (only_unstarted and i.started)]
+        if not count_attempt and items:
+            try:
+                self.ledger.release([i.claim.request_id for _, i in items])
+            except Exception:  # noqa: BLE001 (stopping anyway; at worst the delivery counts)
+                log.exception("could not release attempts")
+        for engine_id, item in items:
+            self.engine.abort(engine_id)
+            self.broker.requeue(item.delivery)
+            del self.inflight[engine_id]
+            if self.checkpoints is not None:
+                self.checkpoints.released(engine_id)
+        if not only_unstarted:
+            for delivery in self.incoming:
+                self.broker.requeue(delivery)
+            self.incoming.clear()
+
+    def _close(self) -> None:
+        self.engine.on_start = None
+        if self.checkpoints is not None:
+            self.restorer.close()
+            self.checkpoints.close(CHECKPOINT_FLUSH)
+        self.broker.close()

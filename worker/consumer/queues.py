@@ -1,0 +1,213 @@
+"""The request queue as both sides see it: its topology, the broker connection, the embedded
+transport and the request message contract. Publishing with confirms is ``jobs.queue``.
+
+Topology (names start with ``Settings.queue_prefix``):
+
+- ``<prefix>.requests`` — a durable direct exchange; the routing key is ``<model>.<tenant>``.
+- ``<prefix>.requests.<model>.<tenant>`` — one durable queue per model and tenant, every message
+  persistent, published with confirms, its priority the job's priority. An engine worker consumes
+  the queues of every tenant with live jobs for its model, each with its own prefetch window, so
+  its engine always sees every tenant's waiting work and shares its seats between them (a queue
+  per model alone would be first-come first-served: a tenant's 100,000-line job would hold the
+  head of the queue and every other tenant would wait behind it, whatever its share).
+- ``<prefix>.jobs`` and ``<prefix>.events`` — jobs submitted through the queue and job events, the
+  public contract of ``docs/queue.md`` (``jobs.queue_door.consumer``, ``jobs.queue_door.events``).
+- ``<prefix>.dead`` — the dead-letter exchange and queue: a request that was delivered
+  ``max_delivery_attempts`` times without finishing, or a message berth cannot read, is published
+  there (with an ``x-berth-reason`` header) and its delivery acked.
+
+Why a classic queue with ``x-max-priority`` and not a quorum queue: jobs carry a priority and the
+broker must hand higher-priority work out first, across jobs, before it reaches any engine. Quorum
+queues had no priorities before RabbitMQ 4.0 (3.x is still what most installations run; this
+machine has 3.10), and 4.x gives them only two levels; a classic queue has up to 255 and we use
+10 (0-9; each level costs the broker memory and CPU). What a quorum queue would have given us
+instead, and how we make up for it:
+
+- the delivery count (``x-delivery-count``, ``x-delivery-limit``): the worker counts deliveries in
+  the database (``requests.attempts``) and dead-letters past the limit itself — which also works on
+  the embedded transport, where no broker counts anything;
+- replication across nodes: the database holds every request, and the reconciler republishes any
+  that lost its message, so a lost broker node loses queue contents, not work.
+
+The dead-lettering is explicit (publish to ``<prefix>.dead``, then ack) rather than a queue's
+``x-dead-letter-exchange``, so that it carries its reason and works the same on both transports.
+
+An empty ``Settings.broker_url`` means the embedded queue: kombu's SQLAlchemy transport on a SQLite
+file beside the jobs database, no server. It keeps messages across restarts but has no priorities
+and holds a delivered message invisible until acked: if a worker dies, the reconciler's stale-
+delivery rule (``jobs.reconcile``) brings its requests back.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import dataclass
+from json import dumps
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from kombu import Connection, Exchange, Queue
+from kombu.transport import sqlalchemy as kombu_sqla
+from sqlalchemy import insert
+from sqlalchemy.engine import make_url
+
+from worker.config import ConfigError, Settings
+
+MAX_PRIORITY = 9  # job priorities 0..9 become message priorities 0..9
+DEAD_ROUTING_KEY = "dead"
+
+
+def is_embedded(settings: Settings) -> bool:
+    return not settings.broker_url
+
+
+def broker_url(settings: Settings) -> str:
+    """The broker: ``Settings.broker_url``, or the embedded SQLite queue beside a SQLite database."""
+    if settings.broker_url:
+        return settings.broker_url
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        raise ConfigError("an empty broker_url means the embedded queue, which lives beside a SQLite database "
+                          f"file; with database_url {url.render_as_string(hide_password=True)} set "
+                          "BERTH_BROKER_URL=amqp://USER:PASSWORD@HOST:5672// (RabbitMQ)")
+    db_file = Path(url.database).resolve()
+    return f"sqla+sqlite:///{db_file.with_name(db_file.stem + '-queue.db')}"
+
+
+def connect(settings: Settings, confirm: bool = False) -> Connection:
+    """A connection to the broker; ``confirm``: each publish waits for RabbitMQ's confirm (the
+    embedded queue's publish is a committed insert anyway)."""
+    if is_embedded(settings):
+        path = broker_url(settings).removeprefix("sqla+sqlite:///")
+        # kombu hands transport options to create_engine: a creator that turns on WAL, so that a
+        # publish (one committed insert) is not an fsync and readers never block the writer
+        return Connection(f"sqlite:///{path}", transport=EmbeddedTransport,
+                          transport_options={"creator": lambda: _sqlite_wal(path)})
+    return Connection(settings.broker_url, heartbeat=30, connect_timeout=10,
+                      transport_options={"confirm_publish": True} if confirm else {})
+
+
+def _sqlite_wal(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=60, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+class EmbeddedChannel(kombu_sqla.Channel):
+    """kombu's SQLAlchemy channel, able to store a batch of publishes in one transaction.
+
+    kombu commits each message on its own (a query for the queue's row, an ORM insert, a commit:
+    about 2 ms), which made the embedded queue the bottleneck of a large submission. Inside
+    ``one_transaction()`` messages are collected and written with one bulk insert and one commit
+    at the end; outside it, a publish is kombu's own.
+    """
+
+    _pending: list[dict] | None = None
+    _queue_ids: dict[str, int] | None = None
+
+    def _put(self, queue, payload, **kwargs):
+        if self._pending is None:
+            return super()._put(queue, payload, **kwargs)
+        if queue not in self._queue_ids:
+            self._queue_ids[queue] = self._get_or_create(queue).id
+        self._pending.append({"queue_id": self._queue_ids[queue], "payload": dumps(payload), "visible": True,
+                              "version": 1})
+
+    @contextmanager
+    def one_transaction(self) -> Iterator[None]:
+        """Publishes inside are committed together on leaving (and none of them on an error)."""
+        self._pending, self._queue_ids = [], {}
+        try:
+            yield
+            if self._pending:
+                self.session.execute(insert(self.message_cls.__table__), self._pending)
+            self.session.commit()
+        except BaseException:
+            self.session.rollback()
+            raise
+        finally:
+            self._pending = self._queue_ids = None
+
+
+class EmbeddedTransport(kombu_sqla.Transport):
+    Channel = EmbeddedChannel
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefix: str
+
+    @property
+    def exchange(self) -> Exchange:
+        return Exchange(f"{self.prefix}.requests", "direct", durable=True)
+
+    def request_queue(self, model: str, tenant: str) -> Queue:
+        key = f"{model}.{tenant}"
+        return Queue(f"{self.prefix}.requests.{key}", self.exchange, routing_key=key, durable=True,
+                     queue_arguments={"x-queue-type": "classic", "x-max-priority": MAX_PRIORITY + 1})
+
+    @property
+    def dead_exchange(self) -> Exchange:
+        return Exchange(f"{self.prefix}.dead", "direct", durable=True)
+
+    @property
+    def dead_queue(self) -> Queue:
+        return Queue(f"{self.prefix}.dead", self.dead_exchange, routing_key=DEAD_ROUTING_KEY, durable=True)
+
+    @property
+    def celery_queue(self) -> str:
+        return f"{self.prefix}.tasks"
+
+    @property
+    def jobs_queue(self) -> Queue:
+        """Where any producer submits jobs (docs/queue.md): a durable classic queue without arguments,
+        published to through the default exchange, so that a producer declaring it with plain
+        ``durable=True`` declares the same queue."""
+        return Queue(f"{self.prefix}.jobs", Exchange(""), routing_key=f"{self.prefix}.jobs", durable=True)
+
+    @property
+    def events_exchange(self) -> Exchange:
+        """Job events, routing key ``job.<status>`` (and ``submit.rejected``): a durable topic exchange."""
+        return Exchange(f"{self.prefix}.events", "topic", durable=True)
+
+
+def queue_depth(connection: Connection, queues: Iterable[Queue]) -> int:
+    """Messages ready in ``queues`` (not counting those delivered and not yet acked)."""
+    channel = connection.default_channel
+    return sum(q.bind(channel).queue_declare(passive=True).message_count for q in queues)
+
+
+
+
+# ---- the request message: it only points at its request row, which says what the request is
+MESSAGE_VERSION = 1
+MAX_JOB_ID = 40  # the jobs.id column
+
+
+class BadMessage(ValueError):
+    """A delivery on a request queue that is not a berth request message; the reason says why."""
+
+
+@dataclass(frozen=True)
+class RequestRef:
+    request_id: int
+    job_id: str
+
+
+def request_body(request_id: int, job_id: str) -> dict:
+    return {"v": MESSAGE_VERSION, "request_id": request_id, "job_id": job_id}
+
+
+def parse_request_body(payload: object) -> RequestRef:
+    """The request a decoded message body names. Any producer with broker access can publish, so
+    everything is checked; what the request is comes from its database row, never from here."""
+    if not isinstance(payload, dict):
+        raise BadMessage(f"the body is a JSON {type(payload).__name__}, not an object with request_id and job_id")
+    request_id, job_id = payload.get("request_id"), payload.get("job_id")
+    if type(request_id) is not int or not 0 < request_id < 1 << 63:
+        raise BadMessage(f"request_id must be a positive integer, not {str(request_id)[:40]!r}")
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_JOB_ID:
+        raise BadMessage(f"job_id must be a string of 1 to {MAX_JOB_ID} characters, not {str(job_id)[:60]!r}")
+    return RequestRef(request_id, job_id)

@@ -1,0 +1,204 @@
+"""Fixed-size KV blocks: a free list, reference counts, a prefix cache and copy-on-write.
+
+A block holds ``block_size`` consecutive tokens of one sequence. A full block is named by a hash
+chained over every token before it and its own, so two sequences with the same first k blocks of
+tokens find the same k blocks. Freed blocks keep their hash and content and stay findable until
+the free list hands them out again (least recently freed first). Blocks that nothing can find
+(never used, or freed without a hash) go first, lowest id first and the last freed before them, so
+a worker touches as little of its KV cache's memory as its work needs (the cache is reserved, not
+written: see ``worker.engine.model_runner``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from worker.engine.request import Sequence
+
+
+LONG_ROPE_ROOT = b"berth:longrope"
+
+
+def hash_root(long_rope: bool) -> bytes:
+    """The parent of a sequence's first block: a long-rope sequence's blocks hold other keys than a
+    short one's of the same tokens (``worker.model.rotary``), so they are named apart."""
+    return LONG_ROPE_ROOT if long_rope else b""
+
+
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """The content address of a full block: its tokens and the hash of the block before it."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no blocks: give it more memory")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash of a full, computed block -> block id
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
+
+    # ---- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks that hold the first tokens of a sequence with nothing computed yet.
+
+        At least one token is always left to compute: the last one yields the next token's logits.
+        """
+        if not self.enable_prefix_cache:
+            return []
+        self.hash_full_blocks(seq, seq.num_tokens - 1)
+        hits = []
+        for h in seq.block_hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- allocation
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``hits`` (from ``prefix_hits``) are taken first and count as computed. Returns False and
+        changes nothing when the free list cannot cover it.
+        """
+        computed = seq.num_computed_tokens + len(hits) * self.block_size
+        have = len(seq.block_table) + len(hits)
+        fresh = max(0, self.blocks_needed(computed + num_new_tokens) - have)
+        cow = self._needs_copy(seq) and num_new_tokens > 0
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        if fresh + cow + revived > len(self.free):
+            return False
+        for b in hits:
+            self._take(b)
+        seq.block_table.extend(hits)
+        seq.num_computed_tokens = computed
+        if cow:
+            old = seq.block_table[-1]
+            new = self._pop_free()
+            self.pending_copies.append((old, new))
+            self.ref_counts[old] -= 1
+            seq.block_table[-1] = new
+        for _ in range(fresh):
+            seq.block_table.append(self._pop_free())
+        self._cache_full_blocks(seq, computed // self.block_size, computed + num_new_tokens)
+        return True
+
+    def swap_in(self, seq: Sequence, num_computed_tokens: int) -> list[int] | None:
+        """Fresh blocks for a swapped-out sequence's computed tokens (the caller copies them back)."""
+        count = self.blocks_needed(num_computed_tokens)
+        if count > len(self.free):
+            return None
+        seq.block_table = [self._pop_free() for _ in range(count)]
+        seq.num_computed_tokens = num_computed_tokens
+        self._cache_full_blocks(seq, 0, num_computed_tokens)
+        return list(seq.block_table)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody holds go back to the free list, tail first."""
+        for b in reversed(seq.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:  # nothing can find it: reused first, while its memory is warm
+                    self.free.move_to_end(b, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Un-name the blocks a step was to fill (named when scheduled: ``_cache_full_blocks``) when
+        that step failed: their content is not what their hash says."""
+        for b in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent``; the first write to a shared block copies it."""
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        for b in child.block_table:
+            self.ref_counts[b] += 1
+
+    def insert_cached(self, block_hash: bytes) -> int | None:
+        """A free block named ``block_hash`` for the caller to fill (restoring a checkpoint).
+
+        It stays free (evictable, most recently freed) and findable by ``prefix_hits``. None when the
+        hash is cached already or no block is free.
+        """
+        if not self.enable_prefix_cache or block_hash in self.cached or not self.free:
+            return None
+        block = self._pop_free()
+        self.ref_counts[block] = 0
+        self.free[block] = None
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+        return block
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- internals
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """The next token goes into a partly filled block that another sequence also holds."""
+        return (bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0
+                and self.ref_counts[seq.block_table[-1]] > 1)
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:
+            if self.cached.get(old) == block:
+                del self.cached[old]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else hash_root(seq.long_rope)
+            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def _cache_full_blocks(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
+        """Name the blocks that are full once this step's tokens are written.
+
+        A block is findable as soon as its tokens are scheduled: within one step every layer
+        writes the new keys and values before any attention reads them.
+        """
+        if not self.enable_prefix_cache:
+            return
+        self.hash_full_blocks(seq, num_tokens)
+        for i in range(first_block, num_tokens // self.block_size):
+            block = seq.block_table[i]
+            if self.block_hash[block] is None:
+                h = seq.block_hashes[i]
+                self.block_hash[block] = h
+                self.cached.setdefault(h, block)

@@ -1,0 +1,601 @@
+"""The engine: requests in at any moment, one scheduled step at a time, finished requests out.
+
+    engine = Engine(Settings(dtype="bfloat16"))
+    engine.add_request(Request("a", prompt_token_ids, SamplingParams(max_tokens=64)))
+    while engine.has_unfinished():
+        for output in engine.step():
+            ...
+
+A request's life: ``add_request`` queues its first sequence; ``step`` asks the scheduler for a
+token budget's worth of work, moves KV blocks it asked for (copy-on-write, swap), runs the model
+on one flattened batch, samples every sequence that reached the end of its tokens, and hands back
+the requests whose every sample has finished. ``abort`` drops a request at once.
+
+A request with a structured output (``SamplingParams.structured``) first waits, outside the
+scheduler (no running slot, no KV blocks), for its grammar to compile on worker/engine/grammar.py's thread
+pool; then each of its samples gets a matcher, the step masks the constrained rows' logits, and a
+sample whose grammar is complete finishes with "stop". A spec that does not compile, or resumed
+tokens its grammar refuses, fails that request alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from worker.config import Settings
+from worker.engine import grammar
+from worker.engine.block_manager import BlockManager
+from worker.engine.model_runner import ModelRunner
+from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
+from worker.engine.sampler import SampleRow, sample
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.model.architectures import context_length
+from worker.model.base import LoadedModel
+from worker.model.loader import load_model
+from worker.model.rotary import long_rope, long_rope_from
+from worker.process_clock import seconds_since_start
+
+log = logging.getLogger("berth.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SampleState:
+    """One sample of a running request, as a checkpoint needs it."""
+
+    sample_index: int
+    output_token_ids: list[int]
+    block_hashes: list[bytes]  # content addresses of its computed full blocks, in order
+    block_ids: list[int]  # where those blocks are now (valid until the next step)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]  # empty until the prompt is computed (and n samples exist)
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (too long for the model or the KV cache)."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model
+    prompt_tokens_cached: int = 0  # prompt tokens taken from the prefix cache instead
+    recomputed_tokens: int = 0  # generated tokens computed again after a preemption
+    output_tokens: int = 0
+    output_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
+    requests_finished: int = 0
+    preemptions: int = 0
+    forward_seconds: float = 0.0
+    slot_utilization_sum: float = 0.0  # of the samples taken every 8 steps (a sum: a worker runs for months)
+    slot_utilization_count: int = 0
+
+    def observe_slot_utilization(self, value: float) -> None:
+        self.slot_utilization_sum += value
+        self.slot_utilization_count += 1
+
+    @property
+    def mean_slot_utilization(self) -> float:
+        n = self.slot_utilization_count
+        return self.slot_utilization_sum / n if n else 0.0
+
+
+class Engine:
+    def __init__(self, settings: Settings | None = None, *, loaded: LoadedModel | None = None, **overrides):
+        """``loaded`` reuses a model already read from disk (its weights are copied, not shared)."""
+        if overrides:
+            settings = Settings(**{**(settings.model_dump() if settings else {}), **overrides})
+        self.settings = settings = settings or Settings()
+        self.device = torch.device(settings.resolved_device())
+        if self.device.type == "cpu":
+            torch.set_num_threads(settings.resolved_threads())
+        dtype = DTYPES[settings.dtype]
+        if loaded is None:
+            log.info("loading model %s (%s, %s)", settings.model_path(), settings.dtype, self.device)
+            t0 = time.perf_counter()
+            loaded = load_model(settings.model_path(), dtype)
+            log.info("weights loaded in %.1fs: %s", time.perf_counter() - t0, describe_model(loaded.config))
+        self.model_config = loaded.config
+        self.model_path = loaded.path  # what was loaded, also when ``loaded`` was handed in
+        self.tokenizer = loaded.tokenizer
+        self.model_name = settings.served_model_name()
+        context = context_length(loaded.config)  # the whole context: sliding windows do not cap it
+        self.max_model_len = min(settings.max_model_len or context, context)
+        self.long_rope_from = long_rope_from(loaded.config)  # None but for a longrope model
+        self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
+                                  kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
+                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
+                                          settings.enable_prefix_cache)
+        mode = settings.preemption_mode
+        if mode == "auto":  # swapping pays where the cache lives apart from host memory
+            mode = "swap" if self.device.type == "cuda" else "recompute"
+        self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
+                                   settings.aging_steps, mode)
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
+        self.vocab_size = loaded.config.vocab_size
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._swapped_kv: dict[int, torch.Tensor] = {}
+        self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
+        self._compiling: list[Request] = []  # waiting for their grammar, outside the scheduler
+        # Told the ids of requests about to run for the first time, before the step that runs them: a
+        # worker that dies in that step has said which requests it was running (poison counts them).
+        self.on_start: Callable[[list[str]], None] | None = None
+        log.info("engine ready (%.1fs since the process started)", seconds_since_start())
+
+    # ---- requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in the engine")
+        p = request.params
+        total = len(request.prompt_token_ids) + p.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) "
+                                  f"exceeds the model's context of {self.max_model_len} tokens")
+        capacity = self.runner.num_blocks * self.block_manager.block_size
+        if total > capacity:
+            raise RequestRejected(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
+                                  f"({capacity} tokens): raise --kv-memory")
+        self._check_tokens(request)
+        request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
+        request.stop_set = frozenset(request.stop_ids)
+        request.arrival_step = self.scheduler.step_count
+        request.sequences = []
+        if request.resume_output_ids:
+            if len(request.resume_output_ids) != p.n:
+                raise RequestRejected(f"request {request.request_id}: resume state has "
+                                      f"{len(request.resume_output_ids)} samples, n is {p.n}")
+            for i, out in enumerate(request.resume_output_ids):
+                self._new_sequence(request, i, list(request.prompt_token_ids) + list(out))
+        else:
+            self._new_sequence(request, 0, list(request.prompt_token_ids))
+        self.requests[request.request_id] = request
+        if p.structured is not None:
+            request.grammar_future = self.grammars.submit(p.structured)
+            request.grammar_deadline = time.monotonic() + self.settings.structured_compile_seconds
+            self._compiling.append(request)
+            return
+        for seq in request.sequences:
+            self.scheduler.add(seq)
+
+    @functools.cached_property
+    def grammars(self) -> grammar.Compiler:
+        """Structured outputs' compiler for this model's tokenizer, logits width and EOS (built on first use)."""
+        return grammar.compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled join the scheduler, a matcher per sample (past the tokens a
+        resumed sample has); those whose grammar failed are failed with the reason."""
+        if self._compiling and not self.scheduler.has_work() and not self._probation:
+            wait([r.grammar_future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs, pending, self._compiling = [], self._compiling, []
+        for request in pending:
+            if not request.grammar_future.done():
+                if time.monotonic() < request.grammar_deadline:
+                    self._compiling.append(request)
+                else:
+                    outputs.append(self._fail(request, grammar.too_slow(request.params.structured,
+                                                                        self.settings.structured_compile_seconds)))
+                continue
+            try:
+                request.grammar = request.grammar_future.result()
+                for seq in request.sequences:
+                    seq.matcher = grammar.new_matcher(request.grammar, seq.output_token_ids)
+            except Exception as exc:  # noqa: BLE001 (this request's spec: it fails alone)
+                outputs.append(self._fail(request, exc))
+                continue
+            for seq in request.sequences:
+                self.scheduler.add(seq)
+        return outputs
+
+    def _check_tokens(self, request: Request) -> None:
+        """What the model cannot run is refused here, whoever let it through: token ids out of the
+        vocabulary (a negative one would index from its end), resumed outputs longer than allowed."""
+        p, vocab = request.params, self.vocab_size
+        for what, ids in (("prompt", request.prompt_token_ids), ("stop_token_ids", p.stop_token_ids),
+                          *((f"resumed sample {i}", out) for i, out in enumerate(request.resume_output_ids))):
+            if ids and not (0 <= min(ids) and max(ids) < vocab):
+                raise RequestRejected(f"request {request.request_id}: {what} has token ids outside [0, {vocab})")
+        for i, out in enumerate(request.resume_output_ids):
+            if len(out) >= p.max_tokens:
+                raise RequestRejected(f"request {request.request_id}: resumed sample {i} has {len(out)} tokens, "
+                                      f"max_tokens is {p.max_tokens}")
+        if p.top_k > vocab:
+            raise RequestRejected(f"request {request.request_id}: top_k {p.top_k} exceeds the vocabulary ({vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self._compiling:
+            self._compiling.remove(request)
+            return True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+            self._swapped_kv.pop(seq.seq_id, None)
+        return True
+
+    def set_tenant_share(self, tenant: str, share: float) -> None:
+        """Weight of ``tenant`` in admissions: with shares 2 and 1, twice the running sequences."""
+        if share <= 0:
+            raise ValueError("a tenant's share must be positive")
+        self.scheduler.waiting.shares[tenant] = share
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- checkpoints
+    def request_state(self, request_id: str) -> RequestState | None:
+        """What a checkpoint of a request holds: its tokens so far and its computed full blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        samples = []
+        if len(request.sequences) == request.params.n:
+            bs = self.block_manager.block_size
+            for seq in request.sequences:
+                full = seq.num_computed_tokens // bs if seq.block_table else 0
+                self.block_manager.hash_full_blocks(seq, full * bs)
+                samples.append(SampleState(seq.sample_index, list(seq.output_token_ids),
+                                           list(seq.block_hashes[:full]), list(seq.block_table[:full])))
+        return RequestState(request_id, list(request.prompt_token_ids), request.params, samples)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A CPU copy ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
+        return self.runner.read_blocks(block_ids)
+
+    def load_kv_blocks(self, block_hashes: list[bytes], data: torch.Tensor) -> int:
+        """Put restored blocks into the prefix cache, where a resumed request finds them instead of
+        recomputing; returns how many were loaded (cached ones and those without room are skipped)."""
+        targets = [(i, self.block_manager.insert_cached(h)) for i, h in enumerate(block_hashes)]
+        targets = [(i, b) for i, b in targets if b is not None]
+        if targets:
+            self.runner.write_blocks([b for _, b in targets], data[:, :, [i for i, _ in targets]])
+        return len(targets)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Names the KV cache's meaning: model files, dtype and block size. Checkpointed blocks are
+        reused only under the same fingerprint."""
+        h = hashlib.sha256()
+        path = Path(self.model_path)
+        for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:  # the head and tail of each file: cheap, and different per model
+                h.update(fh.read(1 << 20))
+                fh.seek(max(0, size - (1 << 20)))
+                h.update(fh.read(1 << 20))
+        h.update(f"{self.settings.dtype}:{self.settings.block_size}".encode())
+        return h.hexdigest()[:32]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running: never admitted, preempted, swapped out, or suspects of a failed step."""
+        suspects = sum(1 for group in self._probation for r in group for seq in r.sequences if not seq.is_finished)
+        compiling = sum(len(r.sequences) for r in self._compiling)
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + suspects + compiling
+
+    # ---- the step
+    def step(self) -> list[RequestOutput]:
+        """One scheduled step; the requests it finished (or failed, with ``RequestOutput.error``).
+
+        Blast radius of one: when running a step raises, the step's requests are suspects. They are
+        set back to recompute (their tokens, logprobs and draws kept, so their text is unchanged) and
+        tried again in halves, each half in a step of its own (``_probation``) before the rest of
+        the engine steps again; a suspect that fails a step alone is the culprit, failed with the
+        error. An error while finishing one row (stop strings, detokenising) fails that request.
+        """
+        outputs = self._admit_compiled() if self._compiling else []
+        if self._probation:
+            return outputs + self._probe_step()
+        return outputs + self._run(self.scheduler.schedule(), self.scheduler)
+
+    def _run(self, plan: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
+        self.stats.preemptions += len(plan.preempted)
+        self.stats.prompt_tokens_cached += plan.num_cached_tokens
+        for seq, blocks in plan.swap_out:
+            self._swapped_kv[seq.seq_id] = self.runner.read_blocks(blocks)
+        self.runner.copy_blocks(plan.copies)
+        for seq, blocks in plan.swap_in:
+            self.runner.write_blocks(blocks, self._swapped_kv.pop(seq.seq_id))
+        if not plan.scheduled:
+            return []
+        fresh = [seq.request for seq, _ in plan.scheduled if not seq.request.started]
+        if fresh:
+            for request in fresh:
+                request.started = True
+            if self.on_start is not None:
+                self.on_start(list(dict.fromkeys(r.request_id for r in fresh)))
+        scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
+        try:
+            step_input, samplers = self.runner.prepare(scheduled)
+            t0 = time.perf_counter()
+            logits = self.runner.execute(step_input)
+            self.stats.forward_seconds += time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 (whatever a request made the step raise: find it, fail it alone)
+            return self._step_failed(scheduled, scheduler, exc)
+        self.stats.steps += 1
+        for seq, n in scheduled:  # their keys and values are in the cache now
+            self._count_computed(seq, n)
+            seq.num_computed_tokens += n
+        if self.stats.steps % 8 == 1:
+            self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
+        try:
+            rows, logits = self._sampling_rows(logits, samplers, scheduler)
+            constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+            mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
+                                                      self.grammars.vocab_size)) if constrained else None
+            sampled = sample(logits, [self._sample_row(s) for s in rows], mask)
+        except Exception as exc:  # noqa: BLE001
+            return self._step_failed(scheduled, scheduler, exc)
+        return self._finish_rows(rows, sampled, scheduler)
+
+    def _sampling_rows(self, logits: torch.Tensor, samplers: list[Sequence],
+                       scheduler: Scheduler) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences to sample, in row order (an n > 1 request forks once its prompt is computed)."""
+        rows: list[Sequence] = []
+        row_of: list[int] = []
+        for i, seq in enumerate(samplers):
+            family = [seq] + self._fork_if_due(seq, scheduler)
+            rows += family
+            row_of += [i] * len(family)
+        if len(row_of) != len(samplers):
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        return rows, logits
+
+    def _finish_rows(self, rows: list[Sequence], sampled, scheduler: Scheduler) -> list[RequestOutput]:
+        outputs = []
+        for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
+            request = seq.request
+            if request.request_id not in self.requests:  # failed by an earlier row of this step
+                continue
+            try:
+                seq.token_ids.append(token)
+                if seq.matcher is not None:
+                    grammar.accept(seq.matcher, token)
+                if logprob is not None:
+                    seq.logprobs.append({"token_id": token, **logprob})
+                self.stats.output_tokens += 1
+                self.stats.output_tokens_by_tenant[request.tenant] += 1
+                seq.finish_reason = self._finish_reason(seq, token)
+                if seq.finish_reason:
+                    scheduler.finish(seq)
+                    if request.is_finished:
+                        outputs.append(self._output(request))
+                elif not seq.long_rope and long_rope(self.long_rope_from, seq.num_tokens):
+                    self._rotate_long(seq, scheduler)
+            except Exception as exc:  # noqa: BLE001 (this row's own: it fails alone)
+                log.exception("request %s failed while finishing its token", request.request_id)
+                outputs.append(self._fail(request, exc))
+        return outputs
+
+    def _step_failed(self, scheduled: list[tuple[Sequence, int]], scheduler: Scheduler,
+                     exc: Exception) -> list[RequestOutput]:
+        """Set the failed step's requests back to recompute; fail a lone one, else try them in halves."""
+        suspects = list({seq.request.request_id: seq.request for seq, _ in scheduled}.values())
+        for request in suspects:
+            self._set_back(request, scheduler)
+        if len(suspects) == 1:
+            log.warning("request %s failed a step of its own: %s: %s", suspects[0].request_id, type(exc).__name__, exc)
+            return [self._fail(suspects[0], exc)]
+        log.warning("a step of %d requests failed (%s: %s); trying them again in halves to find the cause",
+                    len(suspects), type(exc).__name__, exc)
+        half = len(suspects) // 2
+        self._probation[:0] = [suspects[:half], suspects[half:]]
+        return []
+
+    def _set_back(self, request: Request, scheduler: Scheduler) -> None:
+        """Out of ``scheduler``, blocks freed, as if preempted for recompute; blocks that the failed step
+        was to fill are no longer findable in the prefix cache."""
+        for seq in request.sequences:
+            if seq.is_finished:
+                continue
+            self.block_manager.forget_uncomputed(seq)
+            scheduler.remove(seq)
+            self._swapped_kv.pop(seq.seq_id, None)
+            seq.status = SeqStatus.WAITING
+
+    def _probe_step(self) -> list[RequestOutput]:
+        """A step of one group of suspects alone; those it ran rejoin the engine, the rest wait their turn."""
+        group = [r for r in self._probation.pop(0) if r.request_id in self.requests]
+        if not group:
+            return []
+        probe = Scheduler(self.block_manager, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
+                          self.settings.aging_steps, "recompute")
+        for request in group:
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    probe.add(seq)
+        plan = probe.schedule()
+        outputs = self._run(plan, probe)
+        for seq in list(probe.running):  # ran: back among the others
+            probe.running.remove(seq)
+            self.scheduler.add_running(seq)
+        untried = list({seq.request.request_id: seq.request for seq in probe.waiting}.values())
+        if untried:
+            if plan.scheduled:
+                self._probation.insert(0, untried)
+            else:  # no room to try them alone: back among the others
+                for request in untried:
+                    for seq in request.sequences:
+                        if seq.status is SeqStatus.WAITING:
+                            self.scheduler.add(seq)
+        return outputs
+
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+        self.abort(request.request_id)
+        return RequestOutput(request.request_id, request.prompt_token_ids, [],
+                             error=f"{type(exc).__name__}: {exc}"[:2000])
+
+    def _fork_if_due(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
+        """When an n > 1 request's prompt is computed, its other samples share the prompt's blocks."""
+        request = seq.request
+        if request.params.n == 1 or len(request.sequences) > 1:
+            return []
+        children = []
+        for i in range(1, request.params.n):
+            child = self._new_sequence(request, i, list(seq.token_ids))
+            if request.grammar is not None:
+                child.matcher = grammar.new_matcher(request.grammar, child.output_token_ids)
+            self.block_manager.fork(seq, child)
+            scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _rotate_long(self, seq: Sequence, scheduler: Scheduler) -> None:
+        """A longrope sequence that has just passed the threshold is computed again, all of it, with the
+        long factors: transformers' Phi-3 drops its cache and does the same (``worker.model.rotary``)."""
+        scheduler.remove(seq)
+        seq.long_rope, seq.block_hashes = True, []
+        scheduler.add(seq)
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(request=request, sample_index=index, token_ids=token_ids,
+                       num_prompt_tokens=len(request.prompt_token_ids),
+                       long_rope=long_rope(self.long_rope_from, len(token_ids)))
+        request.sequences.append(seq)
+        return seq
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        """A constrained row's EOS is never suppressed for ``min_tokens``: its grammar says where it ends."""
+        return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens, seq.num_output_tokens,
+                         seq.request.stop_ids if seq.matcher is None else ())
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.request.params
+        if token in seq.request.stop_set and seq.num_output_tokens > p.min_tokens:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"
+        if p.stop and self._cut_at_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        """Whether the output now holds a stop string (and where the text ends). Checked after
+        every token: only the last tokens are decoded (a new match ends in the newest token, and a
+        character takes at most 4 byte tokens), and the whole output only to place a match, which
+        ends the sequence; decoding it all every step would be quadratic in its length."""
+        stops = seq.request.params.stop
+        ids = seq.output_token_ids
+        window = 4 * max(map(len, stops)) + 8
+        if len(ids) > window:
+            tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            if not any(s in tail for s in stops):
+                return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            seq.stop_text_end = min(hits)
+        return bool(hits)
+
+    def _output(self, request: Request) -> RequestOutput:
+        del self.requests[request.request_id]
+        self.stats.requests_finished += 1
+        completions = []
+        for seq in request.sequences:
+            ids = seq.output_token_ids
+            shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in request.stop_set else ids
+            text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            if seq.stop_text_end is not None:
+                text = text[:seq.stop_text_end]
+            completions.append(Completion(seq.sample_index, ids, text, seq.finish_reason,
+                                          seq.logprobs if request.params.logprobs is not None else None))
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions)
+
+    def _count_computed(self, seq: Sequence, n: int) -> None:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        prompt = max(0, min(end, seq.num_prompt_tokens) - start)
+        self.stats.prompt_tokens_computed += prompt
+        self.stats.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
+
+    # ---- whole batches
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs in input order."""
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
+            self.add_request(Request(str(i), list(ids), p))
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), unit="req", dynamic_ncols=True)
+        while self.has_unfinished():
+            done = self.step()
+            for out in done:
+                results[out.request_id] = out
+            if bar is not None:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [results[str(i)] for i in range(len(prompts))]
+
+    # ---- observability
+    def kv_usage(self) -> dict:
+        """Blocks used and free, and the share of used blocks' slots that hold a computed token."""
+        bs = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, b in enumerate(seq.block_table):
+                filled[b] = max(filled.get(b, 0), min(bs, seq.num_computed_tokens - i * bs))
+        used = self.block_manager.num_used_blocks
+        return {"blocks_used": used, "blocks_free": self.block_manager.num_free_blocks,
+                "blocks_total": self.block_manager.num_blocks, "kv_bytes": self.runner.kv_bytes,
+                "slot_utilization": sum(filled.values()) / (len(filled) * bs) if filled else 1.0}
+
+
+def describe_model(config) -> str:
+    """'llama, 30 layers, hidden 576, context 8192 tokens': what a log line says of a model."""
+    return (f"{getattr(config, 'model_type', '?')}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"context {context_length(config)} tokens")
+
+
+def _eos_ids(config, tokenizer, path: str) -> tuple[int, ...]:
+    """Every id that ends a completion: the config's, the tokenizer's, and generation_config.json's
+    where the model folder has one (Llama 3 and Qwen list their end-of-turn tokens there)."""
+    generation = Path(path) / "generation_config.json"
+    try:
+        from_generation = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("ignoring %s: %s", generation, exc)
+        from_generation = None
+    ids = set()
+    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None), from_generation):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))

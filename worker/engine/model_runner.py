@@ -1,0 +1,199 @@
+"""Owns the model and its KV cache; turns a scheduled step into tensors and runs it.
+
+The KV cache is one preallocated K and one V tensor per layer, ``[num_blocks, block_size,
+kv_heads, head_dim]``, sized once and never grown: by default to what ``max_num_seqs`` requests of
+the longest length the engine allows can hold, at most a share of the free memory
+(``worker.config.KV_AUTO_SHARE``); ``kv_memory`` sets it instead.
+
+On the CPU the cache is reserved, not written: it lives in an anonymous memory mapping, whose
+pages the kernel hands out zero-filled on their first touch. Writing zeros over a cache of a
+quarter of the memory took longer than everything else a start does, for memory a job mostly never
+touches; now a worker holds in memory only the blocks it has used, and a never-written slot still
+reads as zero (the attention paths read padding slots and weigh them 0, which would turn a NaN of
+uninitialised memory into a NaN output). The block manager hands out low block ids first, so what
+a worker touches stays together. On a GPU the cache is ``torch.zeros``: device memory is
+committed at allocation anyway and zeroing it costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from kernels.attention import select_ops
+from worker.config import KV_AUTO_SHARE, cache_dir
+from worker.engine.request import Sequence
+from worker.model.architectures import context_length
+from worker.model.decoder import DecoderModel, StepInput
+from worker.model.rotary import long_table_row
+from worker.model.torch_threads import one_thread
+
+log = logging.getLogger("berth.engine")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache on ``device`` right now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_blocks(kv_memory: float, block_bytes: int, block_size: int, max_seqs: int, max_model_len: int,
+                    free_bytes) -> int:
+    """How many KV blocks to reserve. ``kv_memory``: 0 (auto) = blocks for ``max_seqs`` sequences of
+    ``max_model_len`` tokens each, at most ``KV_AUTO_SHARE`` of the free memory; a fraction (<= 1) =
+    that share of the free memory; more = that many bytes. ``free_bytes()`` is asked only when needed."""
+    if kv_memory == 0:
+        wanted = max_seqs * -(-max_model_len // block_size)
+        return min(wanted, int(KV_AUTO_SHARE * free_bytes() // block_bytes))
+    budget = kv_memory * free_bytes() if kv_memory <= 1 else kv_memory
+    return int(budget // block_bytes)
+
+
+def reserve_kv_cache(num_layers: int, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A K and a V tensor ``[num_blocks, *block_shape]`` per layer, reading as zeros."""
+    shape = (num_layers, 2, num_blocks, *block_shape)
+    if device.type != "cpu":
+        whole = torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        nbytes = math.prod(shape) * dtype.itemsize
+        try:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise ValueError(f"cannot reserve {nbytes / 2**20:.0f} MiB for the KV cache ({exc}): "
+                             "lower --kv-memory (BERTH_KV_MEMORY)") from None
+        whole = torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps ``region`` mapped
+    return [(whole[layer, 0], whole[layer, 1]) for layer in range(num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, loaded, *, dtype: torch.dtype, device: torch.device, block_size: int,
+                 kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0):
+        """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0."""
+        self.device = device
+        self.block_size = block_size
+        self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
+        with one_thread():  # thousands of short operations (worker.model.torch_threads)
+            self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
+        self.long_table_row = long_table_row(loaded.config)
+        m = self.model
+        self.num_layers = len(m.layers)
+        self.block_shape = (block_size, m.num_kv_heads, m.head_dim)
+        self.block_bytes = 2 * self.num_layers * block_size * m.num_kv_heads * m.head_dim * dtype.itemsize
+        self.num_blocks = kv_cache_blocks(kv_memory, self.block_bytes, block_size, max_seqs,
+                                          max_model_len or context_length(loaded.config),
+                                          lambda: available_memory(device))
+        if self.num_blocks < 1:
+            raise ValueError(f"the KV cache's memory ({kv_memory:g}: {_describe(kv_memory)}) holds no block of "
+                             f"{self.block_bytes} bytes: raise --kv-memory (BERTH_KV_MEMORY)")
+        self.kv_bytes = self.num_blocks * self.block_bytes
+        self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks, self.block_shape, dtype, device)
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB reserved, %s)", self.num_blocks, block_size,
+                 self.kv_bytes / 2**20, "touched as used" if device.type == "cpu" else f"on {device}")
+
+    # ---- the step
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence]]:
+        """Tensors for one forward pass, and the sequences whose next token it yields (in row order).
+
+        ``scheduled`` must list single-token sequences first (the engine sorts it so).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        samplers: list[Sequence] = []
+        logits_rows: list[int] = []
+        num_decode = 0
+        prefill_starts = [0]
+        decode_tables, decode_lens, prefill_tables, prefill_lens = [], [], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            if n == 1 and not prefill_tables:
+                num_decode += 1
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+                pos.append(start + self.long_table_row if seq.long_rope else start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                prefill_tables.append(seq.block_table)
+                prefill_lens.append(end)
+                prefill_starts.append(prefill_starts[-1] + n)
+                p = np.arange(start, end)
+                pos.extend((p + self.long_table_row if seq.long_rope else p).tolist())
+                slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
+            if end == seq.num_tokens:
+                samplers.append(seq)
+                logits_rows.append(len(ids) - 1)
+        dev = self.device
+        t = lambda a, dtype: torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        step = StepInput(
+            input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), slot_mapping=t(slots, torch.int64),
+            num_decode=num_decode,
+            decode_block_tables=t(_pad(decode_tables), torch.int32), decode_context_lens=t(decode_lens, torch.int32),
+            prefill_query_start_loc=t(prefill_starts, torch.int32),
+            prefill_block_tables=t(_pad(prefill_tables), torch.int32),
+            prefill_context_lens=t(prefill_lens, torch.int32), logits_rows=t(logits_rows, torch.int64))
+        return step, samplers
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """float32 logits ``[len(step.logits_rows), vocab]``."""
+        hidden = self.model.forward(step, self.kv_caches)
+        return self.model.logits(hidden)
+
+    # ---- block moves
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def read_blocks(self, blocks: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+        """``[layers, 2, len(blocks), block_size, kv_heads, head_dim]`` copied out of the cache, straight
+        into the result (gathering each layer, then stacking, took 5 times as long: checkpoints read
+        their blocks in the engine loop)."""
+        idx = torch.tensor(blocks, device=self.device)
+        k0 = self.kv_caches[0][0]
+        out = torch.empty((len(self.kv_caches), 2, len(blocks), *k0.shape[1:]), dtype=k0.dtype, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            torch.index_select(k, 0, idx, out=out[layer, 0])
+            torch.index_select(v, 0, idx, out=out[layer, 1])
+        return out.to(device)
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(blocks, device=self.device)
+        data = data.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[idx] = data[layer, 0]
+            v[idx] = data[layer, 1]
+
+
+def _pad(tables: list[list[int]]) -> np.ndarray:
+    width = max((len(t) for t in tables), default=0) or 1
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def _describe(kv_memory: float) -> str:
+    if kv_memory == 0:
+        return f"auto, at most {KV_AUTO_SHARE:g} of the free memory"
+    return "a share of the free memory" if kv_memory <= 1 else "bytes"

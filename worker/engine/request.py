@@ -1,0 +1,177 @@
+"""A request's state inside the engine: its sampling parameters, its sequences and its result.
+
+A request asks for ``n`` samples of one prompt. Each sample is a ``Sequence``: the prompt's token
+ids followed by the tokens generated so far, how many of them are in the KV cache, and the blocks
+that hold them. A request with ``n > 1`` starts as one sequence; when its prompt is computed the
+engine forks it into ``n`` sequences that share the prompt's blocks (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint every sampled token must keep: the output is then a JSON value matching a schema,
+    any JSON object, a match of a regular expression, one of a list of strings, or a sentence of a
+    grammar. The door (jobs/) builds it from ``response_format`` or vLLM's ``guided_*`` /
+    ``structured_outputs`` fields and has checked that it compiles; ``worker/engine/grammar.py`` compiles it
+    for the engine, cached by a hash of ``(kind, value)`` and the tokenizer."""
+
+    kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar"
+    value: str = ""  # json_schema: the schema as canonical JSON text; regex: the pattern;
+    # choice: a JSON list of the strings; grammar: EBNF (GBNF) text; json_object: ""
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"structured output kind must be one of {self.KINDS}, not {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    logprobs: int | None = None  # None = no logprobs; k = the sampled token's and the top k
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # None = unconstrained
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 turns it off)")
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample stream: tokens, how many are computed into the KV cache, and its block table."""
+
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
+    status: SeqStatus = SeqStatus.WAITING
+    admitted_order: int = -1  # when it last became running (preemption takes the latest first)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where a stop string cut the text
+    logprobs: list[dict] = field(default_factory=list)
+    matcher: object | None = None  # a structured output's grammar matcher, past every output token
+    long_rope: bool = False  # past a longrope model's threshold: rotated with the long factors (worker.model.rotary)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """What a caller hands the engine. ``output_token_ids`` resumes a request from a checkpoint."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # higher runs first
+    tenant: str = "default"
+    arrival_step: int = 0  # set by the engine
+    resume_output_ids: list[list[int]] = field(default_factory=list)  # per sample, from a checkpoint
+    sequences: list[Sequence] = field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids, set once by the engine (not per row per step)
+    stop_set: frozenset[int] = frozenset()
+    started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
+    grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
+    grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
+    grammar_deadline: float = 0.0  # time.monotonic() by which the compile must be done, else the request fails
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+
+
+@dataclass
+class Completion:
+    """One finished sample."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as ``Engine.step`` hands it back; ``error`` (no completions) when the engine
+    failed it: running it raised, and it alone (see ``Engine.step``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    num_cached_prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)

@@ -1,0 +1,107 @@
+"""Pick the next token of every sampling sequence of a step, the whole batch at once.
+
+Randomness is a pure function of (request seed, sample index, token position): each row draws one
+uniform number from a counter-based hash and inverts the cumulative distribution with it. The same
+request therefore gives the same text whatever shares its batch, and after a restart.
+
+Structured outputs: the rows a grammar constrains come with a bitmask of their allowed tokens
+(worker/engine/grammar.py), applied to their logits first, before min_tokens, temperature, top-k and top-p;
+the draw is unchanged, so a constrained row is as deterministic as any. Rows without a grammar take
+the same path as when no row has one. Logprobs are of the raw distribution, before any mask or
+suppression (vLLM's default), so a constrained token's logprob says how likely the model found it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.grammar import apply_bitmask
+from worker.engine.request import SamplingParams
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, sample_index: int, position: int) -> float:
+    """A number in [0, 1) that depends on its three arguments alone."""
+    x = _splitmix64(_splitmix64(_splitmix64(seed & _MASK) ^ sample_index) ^ position)
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    sample_index: int
+    position: int  # where the sampled token will stand in the sequence
+    num_output_tokens: int  # generated so far
+    suppress_ids: tuple[int, ...]  # token ids forbidden before min_tokens (EOS and stop ids)
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[dict | None]  # per row: {"logprob": float, "top": [(token_id, logprob), ...]}
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> Sampled:
+    """``logits``: float32 ``[len(rows), vocab]``; ``grammar_mask``: the constrained rows' indices and
+    their bitmask (``worker.engine.grammar.fill_bitmask``), or None when no row is constrained."""
+    n = len(rows)
+    tokens = torch.empty(n, dtype=torch.long)
+    want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+    if grammar_mask is not None:
+        apply_bitmask(logits, *grammar_mask)
+    for i, r in enumerate(rows):
+        if r.num_output_tokens < r.params.min_tokens and r.suppress_ids:
+            logits[i, list(r.suppress_ids)] = float("-inf")
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if len(greedy) == n:  # the common bulk case: no copy of the logits
+        tokens = logits.argmax(dim=-1).cpu()
+    elif greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows]).cpu()
+    token_list = tokens.tolist()
+    logprobs: list[dict | None] = [None] * n
+    for j, i in enumerate(want_logprobs):
+        lp = raw_logprobs[j]
+        k = rows[i].params.logprobs
+        top = torch.topk(lp, k) if k else None
+        logprobs[i] = {"logprob": float(lp[token_list[i]]),
+                       "top": list(zip(top.indices.tolist(), top.values.tolist())) if k else []}
+    return Sampled(token_list, logprobs)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    x = logits / temps[:, None]
+    top_k = [r.params.top_k for r in rows]
+    if any(top_k):
+        top_k = [min(k, x.shape[-1]) for k in top_k]  # the door refuses more; never let torch.topk raise
+        kth = torch.topk(x, max(top_k), dim=-1).values
+        for i, k in enumerate(top_k):
+            if k:
+                x[i][x[i] < kth[i, k - 1]] = float("-inf")
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype, device=x.device)
+    if (top_p < 1).any():
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+        sorted_x[before > top_p[:, None]] = float("-inf")  # the top token always stays
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1)
+    u = torch.tensor([uniform(r.params.seed, r.sample_index, r.position) for r in rows],
+                     dtype=cdf.dtype, device=cdf.device)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return picked.clamp_(max=cdf.shape[-1] - 1)

@@ -1,0 +1,162 @@
+"""The decoder of every family berth runs (Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3): RMSNorm, rotary
+embeddings, grouped-query attention and SwiGLU, with the few switches of ``worker.model.architectures``
+(biases, per-head q/k norms, partial rotary, per-layer sliding windows), reading and writing a
+paged KV cache.
+
+One step is one flattened batch: the new tokens of every scheduled sequence, decode tokens first,
+then prefill chunks, go through each linear layer as a single ``[tokens, hidden]`` matrix. Q, K and
+V share one weight, as do the gate and up projections, so a layer is four matrix multiplies,
+whether the checkpoint stores them fused (Phi-3) or apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionOps
+from worker.model.architectures import architecture, gate_up_modules, layer_windows, qkv_modules
+from worker.model.base import ModelLoadError
+from worker.model.linear import Linear, make_linear
+from worker.model.rotary import rotary_tables
+
+
+@dataclass
+class StepInput:
+    """What one forward pass needs, built once per step by the model runner."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 rows of the rotary tables: the position (+ the table's length: long rope)
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode: int  # rows [0, num_decode) are single-token queries
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefill + 1] int32, relative to row num_decode
+    prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
+    prefill_context_lens: torch.Tensor  # [num_prefill] int32
+    logits_rows: torch.Tensor  # rows whose next-token logits are needed
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
+    q_norm: torch.Tensor | None = None  # [head_dim], over each head (Qwen3)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding attention window (worker.model.architectures.layer_windows)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face's LlamaRMSNorm: normalise in float32, scale in the model dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dimensions of each head (all of them, but for partial rotary)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot = x[..., :dim]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., dim:]), dim=-1)
+
+
+def _projection(w: dict[str, torch.Tensor], prefix: str, modules: list[str], bias: bool) -> Linear:
+    """One linear for the checkpoint's ``modules`` that the step runs together: a fused tensor used
+    as it lies (Phi-3's), or the parts concatenated (the one copy fusing costs)."""
+    def joined(kind: str) -> torch.Tensor:
+        tensors = [w.pop(f"{prefix}{m}.{kind}") for m in modules]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    return make_linear(joined("weight"), joined("bias") if bias else None)
+
+
+class DecoderModel:
+    def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 ops: AttentionOps):
+        """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``)."""
+        arch = architecture(config)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"this {config.model_type} model's activation is {config.hidden_act!r}; berth's "
+                                 "MLP is SwiGLU (silu)")
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}  # no copy if already there
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w.pop("lm_head.weight"))
+        self.layers = []
+        windows = layer_windows(config)
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(Layer(
+                input_norm=w[p + "input_layernorm.weight"],
+                qkv=_projection(w, p, qkv_modules(arch), arch.qkv_bias),
+                o=_projection(w, p, ["self_attn.o_proj"], arch.o_bias),
+                post_norm=w[p + "post_attention_layernorm.weight"],
+                gate_up=_projection(w, p, gate_up_modules(arch), arch.mlp_bias),
+                down=_projection(w, p, ["mlp.down_proj"], arch.mlp_bias),
+                q_norm=w[p + "self_attn.q_norm.weight"] if arch.qk_norm else None,
+                k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None,
+                window=windows[i]))
+        self.cos, self.sin = rotary_tables(config, self.head_dim, device, dtype)  # [positions, rotary dim]
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states after the final norm for ``step.logits_rows``; writes every new token's K/V."""
+        T = step.input_ids.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        cos = self.cos[step.positions].unsqueeze(1)
+        sin = self.sin[step.positions].unsqueeze(1)
+        h = self.embed[step.input_ids]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, self.eps)
+            q, k, v = layer.qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+            q = q.view(T, H, D)
+            k = k.view(T, KVH, D)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, self.eps)
+                k = rms_norm(k, layer.k_norm, self.eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            self.ops.write_kv(k, v.view(T, KVH, D), k_cache, v_cache, step.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, step, layer.window)
+            h = h + layer.o(attn.view(T, H * D))
+            x = rms_norm(h, layer.post_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return rms_norm(h[step.logits_rows], self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _attention(self, q, k_cache, v_cache, step: StepInput, window: int | None) -> torch.Tensor:
+        nd = step.num_decode
+        if nd == q.shape[0]:
+            return self.ops.decode(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
+                                   self.scale, window)
+        prefill = self.ops.prefill(q[nd:], k_cache, v_cache, step.prefill_block_tables,
+                                   step.prefill_query_start_loc, step.prefill_context_lens, self.scale, window)
+        if nd == 0:
+            return prefill
+        decode = self.ops.decode(q[:nd], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
+                                 self.scale, window)
+        return torch.cat([decode, prefill])
