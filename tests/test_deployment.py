@@ -52,7 +52,7 @@ def test_compose_publishes_only_on_loopback_and_not_the_database_or_broker():
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond this machine"
     assert not published["postgres"] and not published["migrate"], "the database needs no published port"
     assert all(not str(p).endswith(":5672") for p in published["rabbitmq"]), "AMQP needs no published port"
-    assert published["engine-worker"] == ["127.0.0.1:9100:9100"]
+    assert published["engine-worker"] == ["127.0.0.1:9100-9115:9100"]
     command = services["engine-worker"]["command"]
     assert command[command.index("--metrics-host") + 1] == "0.0.0.0", \
         "inside its container the worker must listen where the published port reaches it"
@@ -134,3 +134,35 @@ def test_the_images_warm_up_leaves_a_checked_tokenizer_and_the_kernel_in_the_cac
     assert list((tmp_path / "kernels").glob("cpu_decode-*.so"))
     assert any(line.startswith("ENV ") and "BERTH_CACHE_DIR=" in line for line in dockerfile.splitlines()), \
         "the image must keep the cache it built where every container reads it"
+
+
+def test_compose_runs_a_fleet_on_minio_over_s3():
+    """Every berth container stores job files and checkpoints in MinIO's bucket over S3 (no shared
+    volume), engine workers scale (one published metrics port each), and a GPU worker runs under a
+    profile with the device reserved."""
+    compose = _compose()
+    services, env = compose["services"], compose["x-berth-env"]
+    assert env["BERTH_STORAGE_URL"].startswith("s3://berth/") and env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+    init = " ".join(services["minio-init"]["entrypoint"])
+    assert "mc mb --ignore-existing local/berth" in init, "the bucket the storage URL names is made"
+    berth_services = [name for name, s in services.items() if s.get("environment") is env
+                      or (isinstance(s.get("environment"), dict) and "BERTH_STORAGE_URL" in s["environment"])]
+    assert {"engine-worker", "engine-worker-gpu", "celery-worker", "submit-consumer", "cli"} <= set(berth_services)
+    for name in berth_services:
+        assert not services[name].get("volumes"), f"{name} keeps state on a volume instead of the object store"
+        if name != "migrate":
+            assert services[name]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+    assert "berth-store" not in compose["volumes"]
+    # scaling: no fixed host port that a second replica would collide on
+    low, high = services["engine-worker"]["ports"][0].split(":")[1].split("-")
+    assert int(high) - int(low) >= 7
+    gpu = services["engine-worker-gpu"]
+    assert gpu["profiles"] == ["gpu"] and gpu["environment"]["BERTH_DEVICE"] == "cuda"
+    device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    dockerfile = ROOT.joinpath(gpu["build"]["dockerfile"]).read_text()
+    assert re.search(r"^FROM nvidia/cuda:\S+", dockerfile, re.M), "the GPU image starts from CUDA's runtime"
+    pinned = re.search(r'"torch==([\d.]+)"', ROOT.joinpath("pyproject.toml").read_text()).group(1)
+    assert f"pip install torch=={pinned}" in dockerfile and "'.[gpu]'" in dockerfile
+    low_gpu = int(gpu["ports"][0].split(":")[1].split("-")[0])
+    assert low_gpu > int(high), "the GPU workers' metrics ports do not overlap the CPU workers'"
