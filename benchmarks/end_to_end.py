@@ -161,7 +161,7 @@ def run_whole_path(loaded: LoadedModel, settings: Settings, request_file: Path, 
     result = timing(out, workload, job.completed_at - t0)
     result["phases"] = {"queued": round(job.in_progress_at - t0, 3), "last_result": round(job.finalizing_at - t0, 3),
                         "results_written": round(job.completed_at - t0, 3), "results_copied": round(copied - t0, 3)}
-    result["engine"] = engine_figures(worker.engine.engine)
+    result["engine"] = engine_figures(worker.engine)
     result["status_queries"] = probe.latencies
     return result
 

@@ -65,7 +65,7 @@ def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(t
 
     def cut_once_running() -> bool:
         if worker.inflight and not cut:
-            worker.consumer.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
+            worker.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
             cut.append(set(worker.inflight))
         return api.status(job.id, settings).status.is_final
 

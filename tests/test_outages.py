@@ -145,7 +145,7 @@ def test_outcomes_wait_while_the_database_fails(tmp_path, tiny_llama_dir, monkey
         return maybe
 
     for name in ("claim", "record", "live_tenants"):
-        monkeypatch.setattr(worker.consumer.ledger, name, failing(getattr(worker.consumer.ledger, name)))
+        monkeypatch.setattr(worker.ledger, name, failing(getattr(worker.ledger, name)))
 
     metric = worker.metrics.registry.get_sample_value
 
