@@ -60,6 +60,21 @@ def publish(prefix: str, body: bytes, message_id: str | None, user_id: str | Non
             conn.close()
 
 
+def publish_all(prefix: str, messages: list[tuple[bytes, str]], user_id: str = "guest") -> None:
+    """Many messages (body, message_id) on one connection, as a busy producer sends them, confirmed."""
+    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+    try:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        for body, message_id in messages:
+            channel.basic_publish("", f"{prefix}.jobs", body, pika.BasicProperties(
+                message_id=message_id, user_id=user_id, content_type="application/json", delivery_mode=2),
+                mandatory=True)
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
 def submit_body(**fields) -> bytes:
     return json.dumps({"version": 1, "model": TINY_NAME, **fields}).encode()
 
