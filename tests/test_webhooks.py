@@ -6,6 +6,8 @@ and a signature over a timestamp that a receiver can refuse replays by. SQLite, 
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 
 import pytest
@@ -199,3 +201,38 @@ def test_only_due_events_are_read_and_the_tenants_take_turns(tmp_path):
         assert {e.job_id for e, _, _ in rows} & set(flood[:100]) == set()  # not due: not read
         assert [t.name for _, _, t in rows] == ["flood", "calm", "flood", "flood", "flood"]  # in turn, 4 of one at most
         assert len(due_webhooks(s, time.time(), per_tenant=100, limit=1000)) == 51  # every due one, when asked
+
+
+def test_tenants_whose_name_servers_hang_hold_only_their_own_slots(tmp_path, monkeypatch):
+    """Three tenants' webhook names never resolve: their name servers hang, and a lookup cannot be
+    stopped (its thread runs on past the POST's deadline). A fourth tenant's webhook goes out meanwhile."""
+    release, real = threading.Event(), socket.getaddrinfo
+
+    def hanging(host, *args, **kwargs):
+        if isinstance(host, str) and host.endswith(".slow.test"):
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    settings = _settings(tmp_path, webhook_allow="127.0.0.1")  # the calm receiver is on loopback
+    db = open_database(settings.database_url)
+    for tenant in ("hang-a", "hang-b", "hang-c"):
+        for i in range(6):
+            create_failed_job(db, tenant, "refused", webhook_url=f"http://hook{i}.{tenant}.slow.test/")
+    receiver = WebhookReceiver()
+    create_failed_job(db, "calm", "refused", webhook_url=f"http://localhost:{receiver.port}/calm")
+    stop = threading.Event()
+    sender = threading.Thread(target=WebhookSender(settings, db).run, args=(stop,), daemon=True)
+    sender.start()
+    try:
+        deadline = time.monotonic() + 30  # generous for waiting: on time it comes in well under a second
+        while not receiver.got:
+            assert time.monotonic() < deadline, "calm's webhook waited behind the lookups that hang"
+            time.sleep(0.1)
+    finally:
+        release.set()
+        stop.set()
+        sender.join(30)
+        receiver.close()
+    assert receiver.bodies()[0]["tenant"] == "calm" and not sender.is_alive()

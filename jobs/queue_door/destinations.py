@@ -27,6 +27,7 @@ import ipaddress
 import re
 import socket
 import string
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 from urllib.parse import quote, urlsplit
@@ -149,16 +150,27 @@ def check_url(url: str, allowed: Allowed = PUBLIC_ONLY) -> Destination:
     return destination
 
 
-async def resolve(destination: Destination, url: str, allowed: Allowed = PUBLIC_ONLY) -> list[str]:
+def lookup(host: str, port: int) -> list:
+    """The system resolver's answer for a name (blocking: run on a thread of the sender's)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+async def resolve(destination: Destination, url: str, allowed: Allowed, executor: Executor,
+                  lookups: list[Future]) -> list[str]:
     """The addresses to connect to for this destination: resolved once, each one checked
-    (``DestinationRefused`` if any is refused: a name that also points inside is not trusted)."""
+    (``DestinationRefused`` if any is refused: a name that also points inside is not trusted).
+
+    The lookup runs on ``executor`` and is added to ``lookups``: a deadline that cancels this
+    cannot stop the C resolver, so its thread runs on, and the caller waits for it before it
+    counts the POST's slot free (a tenant's slow name server holds that tenant's slots only)."""
     if destination.address is not None:
         if destination.host not in allowed.hosts:
             _check_address(url, destination.address, allowed)
         return [str(destination.address)]
-    loop = asyncio.get_running_loop()
+    job = executor.submit(lookup, destination.host, destination.port)
+    lookups.append(job)
     try:
-        infos = await loop.getaddrinfo(destination.host, destination.port, type=socket.SOCK_STREAM)
+        infos = await asyncio.wrap_future(job)
     except socket.gaierror as exc:
         raise OSError(f"{destination.host} could not be resolved ({exc.strerror})") from None
     addresses = list(dict.fromkeys(info[4][0] for info in infos))  # as connect takes them (a scope id kept)

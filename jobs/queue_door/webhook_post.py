@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from concurrent.futures import Executor, Future
 
 import h11
 
@@ -23,12 +24,13 @@ READ_BYTES = 16 << 10
 
 
 async def post(destination: Destination, url: str, body: bytes, headers: dict[str, str], timeout: float,
-               allowed: Allowed) -> str | None:
+               allowed: Allowed, executor: Executor, lookups: list[Future]) -> str | None:
     """POST ``body``; None when the receiver answered 2xx in time, else what went wrong.
-    ``DestinationRefused`` (the name resolved to an address berth does not POST to) is raised."""
+    ``DestinationRefused`` (the name resolved to an address berth does not POST to) is raised.
+    The name is looked up on ``executor``, the lookup added to ``lookups`` (``destinations.resolve``)."""
     try:
         async with asyncio.timeout(timeout):
-            status, reason = await _exchange(destination, url, body, headers, allowed)
+            status, reason = await _exchange(destination, url, body, headers, allowed, executor, lookups)
     except TimeoutError:
         return (f"no answer within {timeout:g} s (BERTH_WEBHOOK_TIMEOUT bounds the whole POST: resolving, "
                 "connecting, sending and the answer)")
@@ -37,9 +39,9 @@ async def post(destination: Destination, url: str, body: bytes, headers: dict[st
     return None if 200 <= status < 300 else f"HTTP {status} {reason}"[:500]
 
 
-async def _exchange(destination: Destination, url: str, body: bytes, headers: dict[str, str],
-                    allowed: Allowed) -> tuple[int, str]:
-    addresses = await resolve(destination, url, allowed)
+async def _exchange(destination: Destination, url: str, body: bytes, headers: dict[str, str], allowed: Allowed,
+                    executor: Executor, lookups: list[Future]) -> tuple[int, str]:
+    addresses = await resolve(destination, url, allowed, executor, lookups)
     context = ssl.create_default_context() if destination.scheme == "https" else None
     reader = writer = None
     failure: OSError | None = None

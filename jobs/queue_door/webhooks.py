@@ -44,6 +44,7 @@ import random
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from sqlalchemy import update
@@ -126,12 +127,16 @@ class WebhookSender:
         self.store_url = open_store(settings.storage_url).url
         self.in_flight: Counter[int] = Counter()  # tenant id -> its POSTs running now, in this process
         self.finished: list[dict] = []  # what became of the POSTs that ended, not yet written
+        # Threads of its own: the database's work never queues behind a slow name server, and a lookup
+        # always has a thread (no more run at once than POSTs, as each holds its POST's slot to the end).
+        self.database_thread = ThreadPoolExecutor(1, thread_name_prefix="berth-webhooks-db")
+        self.lookup_threads = ThreadPoolExecutor(settings.webhook_senders, thread_name_prefix="berth-webhooks-dns")
 
     def retry_delay(self, attempts: int) -> float:
         s = self.settings
         return min(s.webhook_backoff * 2 ** (attempts - 1), s.webhook_backoff_max) * random.uniform(0.8, 1.0)
 
-    # ---- the database side (run on a worker thread: the loop keeps timing the POSTs meanwhile)
+    # ---- the database side (on ``database_thread``: the loop keeps timing the POSTs meanwhile)
     def claim(self, free: int, busy: dict[int, int]) -> list[Delivery]:
         """Up to ``free`` due events, no tenant over ``webhook_tenant_in_flight`` with ``busy`` (its
         POSTs running), claimed: their ``webhook_due_at`` moved past the POST's deadline, by an update
@@ -167,27 +172,42 @@ class WebhookSender:
 
     # ---- one POST
     async def deliver(self, d: Delivery) -> None:
-        """POST one event and note what became of it (``finished``, written by the next pass)."""
-        self.in_flight[d.tenant_id] += 1
+        """POST one event and note what became of it (``finished``, written by the next pass). Ends
+        once the name's lookup has too: one the deadline cut short still holds a thread, and so this
+        POST's slot, its tenant's."""
+        lookups: list[Future] = []
         try:
-            try:
-                body_headers = signed_headers(d.secret, d.body, d.event_type, f"evt_{d.event_id}")
-                error = await post(parse_url(d.url), d.url, d.body, body_headers, self.settings.webhook_timeout,
-                                   self.allowed)
-                refused = False
-            except DestinationRefused as exc:
-                error, refused = str(exc), True
-            except asyncio.CancelledError:  # the sender stops: the event is due again at once, this try uncounted
-                self.finished.append({"id": d.event_id, "webhook_due_at": now()})
-                raise
-            except Exception as exc:  # noqa: BLE001 (berth's own failure: noted as the try's error, tried again)
-                log.exception("webhook of job %s (event %d): could not be sent", d.job_id, d.event_id)
-                error, refused = f"berth could not send it ({type(exc).__name__}: {str(exc)[:300]})", False
-            self.finished.append(self._outcome(d, error, refused))
-        finally:
+            body_headers = signed_headers(d.secret, d.body, d.event_type, f"evt_{d.event_id}")
+            error = await post(parse_url(d.url), d.url, d.body, body_headers, self.settings.webhook_timeout,
+                               self.allowed, self.lookup_threads, lookups)
+            refused = False
+        except DestinationRefused as exc:
+            error, refused = str(exc), True
+        except asyncio.CancelledError:  # the sender stops: the event is due again at once, this try uncounted
+            self.finished.append({"id": d.event_id, "webhook_due_at": now()})
+            raise
+        except Exception as exc:  # noqa: BLE001 (berth's own failure: noted as the try's error, tried again)
+            log.exception("webhook of job %s (event %d): could not be sent", d.job_id, d.event_id)
+            error, refused = f"berth could not send it ({type(exc).__name__}: {str(exc)[:300]})", False
+        self.finished.append(self._outcome(d, error, refused))
+        lingering = [asyncio.wrap_future(job) for job in lookups if not job.done()]
+        if lingering:
+            await asyncio.wait(lingering)
+
+    def _start(self, d: Delivery, running: set[asyncio.Task], ended: asyncio.Event) -> None:
+        """``deliver`` as a task, counted against its tenant until it ends."""
+        self.in_flight[d.tenant_id] += 1
+
+        def done(_):
             self.in_flight[d.tenant_id] -= 1
             if not self.in_flight[d.tenant_id]:
                 del self.in_flight[d.tenant_id]
+            running.discard(task)
+            ended.set()
+
+        task = asyncio.create_task(self.deliver(d))
+        running.add(task)
+        task.add_done_callback(done)
 
     def _outcome(self, d: Delivery, error: str | None, refused: bool) -> dict:
         attempts = d.attempts + 1
@@ -218,6 +238,7 @@ class WebhookSender:
 
     async def _serve(self, stop: threading.Event) -> None:
         ended = asyncio.Event()  # set when a POST ends: a slot is free, and its job's next event may be due
+        loop = asyncio.get_running_loop()
         running: set[asyncio.Task] = set()
         backoff, failing = 0.0, False
         try:
@@ -226,21 +247,21 @@ class WebhookSender:
                 try:
                     await self._write_finished()
                     free = self.settings.webhook_senders - len(running)
-                    deliveries = await asyncio.to_thread(self.claim, free, dict(self.in_flight)) if free > 0 else []
+                    deliveries = (await loop.run_in_executor(self.database_thread, self.claim, free,
+                                                             dict(self.in_flight)) if free > 0 else [])
                 except Exception:  # noqa: BLE001 (the database is down: what is due waits in the outbox)
                     if not failing:
                         log.exception("webhooks: failed; retrying, logged once until it works")
                     failing, backoff = True, min(max(backoff * 2, 0.5), 10.0)
-                    await asyncio.sleep(backoff)
+                    for _ in range(int(backoff / POLL_SECONDS)):
+                        if not stop.is_set():
+                            await asyncio.sleep(POLL_SECONDS)
                     continue
                 if failing:
                     log.info("webhooks: work again")
                 failing, backoff = False, 0.0
                 for d in deliveries:
-                    task = asyncio.create_task(self.deliver(d))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                    task.add_done_callback(lambda _: ended.set())
+                    self._start(d, running, ended)
                 try:
                     await asyncio.wait_for(ended.wait(), POLL_SECONDS)
                 except TimeoutError:
@@ -256,10 +277,10 @@ class WebhookSender:
                 log.exception("webhooks: could not write what became of the last POSTs")
 
     async def _write_finished(self) -> None:
-        """``record`` on a worker thread, of what is taken here on the loop's (where POSTs add to it)."""
+        """``record`` on ``database_thread``, of what is taken here on the loop's (where POSTs add to it)."""
         changes, self.finished = self.finished, []
         try:
-            await asyncio.to_thread(self.record, changes)
+            await asyncio.get_running_loop().run_in_executor(self.database_thread, self.record, changes)
         except BaseException:
             self.finished = changes + self.finished  # written next time
             raise
