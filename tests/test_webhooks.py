@@ -195,7 +195,7 @@ def test_only_due_events_are_read_and_the_tenants_take_turns(tmp_path):
     flood = [create_failed_job(db, "flood", "refused", webhook_url=f"http://hooks.example.com/{i}") for i in range(150)]
     with db.session() as s, s.begin():  # 100 of them wait for a retry an hour away
         s.execute(update(JobEvent).where(JobEvent.job_id.in_(flood[:100])).values(webhook_due_at=time.time() + 3600))
-    calm = create_failed_job(db, "calm", "refused", webhook_url="http://hooks.example.com/calm")
+    create_failed_job(db, "calm", "refused", webhook_url="http://hooks.example.com/calm")
     with db.session() as s:
         rows = due_webhooks(s, time.time(), per_tenant=4, limit=5)
         assert {e.job_id for e, _, _ in rows} & set(flood[:100]) == set()  # not due: not read
@@ -236,3 +236,29 @@ def test_tenants_whose_name_servers_hang_hold_only_their_own_slots(tmp_path, mon
         sender.join(30)
         receiver.close()
     assert receiver.bodies()[0]["tenant"] == "calm" and not sender.is_alive()
+
+
+def test_the_post_connects_to_the_address_that_was_checked_without_a_second_lookup(tmp_path, monkeypatch):
+    """A name that rebinds (its next answer another address) gets one lookup per POST: the address
+    checked is the address connected to."""
+    answers, real = ["127.0.0.1", "127.0.0.2"], socket.getaddrinfo
+    asked = []
+
+    def rebinding(host, port, *args, **kwargs):
+        if host == "rebind.test":
+            asked.append(host)
+            return real(answers[min(len(asked), 2) - 1], port, *args, **kwargs)
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    receiver = WebhookReceiver()  # on 127.0.0.1 only: 127.0.0.2 would refuse the connection
+    settings = _settings(tmp_path, webhook_allow="127.0.0.1/32")
+    db = open_database(settings.database_url)
+    job_id = create_failed_job(db, "carol", "refused", webhook_url=f"http://rebind.test:{receiver.port}/hook")
+    try:
+        assert WebhookSender(settings, db).send_due() == 1
+    finally:
+        receiver.close()
+    assert asked == ["rebind.test"] and len(receiver.got) == 1 and receiver.got[0][0]["Host"] == (
+        f"rebind.test:{receiver.port}")
+    assert _events(db, job_id)[0].webhook_sent_at is not None

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
 from jobs.lifecycle import window_seconds
 from jobs.queue_door.destinations import PUBLIC_ONLY, Allowed, DestinationRefused, check_url
 

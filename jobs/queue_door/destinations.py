@@ -38,7 +38,8 @@ Address = IPv4Address | IPv6Address
 METADATA = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254", "169.254.170.2", "fd00:ec2::254", "100.100.100.200", "168.63.129.16"))
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
-HOST_NAME = re.compile(r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*")
+LABEL = r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?"
+HOST_NAME = re.compile(rf"(?=.{{1,253}}$){LABEL}(\.{LABEL})*")
 NUMERIC_LABEL = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
 SETTING = "BERTH_WEBHOOK_ALLOW"
 

@@ -148,9 +148,9 @@ class WebhookSender:
             for event, job, tenant in rows:
                 if len(chosen) < free and counts[tenant.id] < cap:
                     counts[tenant.id] += 1
-                    chosen.append((Delivery(event.id, event.job_id, tenant.id, event.webhook_url, event.webhook_attempts,
-                                            tenant.webhook_secret or "",
-                                            encode(job_event_body(event, job, tenant.name, self.store_url)),
+                    body = encode(job_event_body(event, job, tenant.name, self.store_url))
+                    chosen.append((Delivery(event.id, event.job_id, tenant.id, event.webhook_url,
+                                            event.webhook_attempts, tenant.webhook_secret or "", body,
                                             f"job.{event.status.value}"), tenant.name))
             if not chosen:
                 return []
