@@ -4,8 +4,9 @@ value, and the schema of job events.
 The JSON Schemas in ``jobs/queue_door/schemas/`` are the contract, versioned in their names
 (``job-submit.v1.json``, ``job-event.v1.json``); a submit message is checked against the schema a
 producer reads, then for what a schema cannot say (a completion window of zero, a webhook URL
-without a host, or one that names an address berth does not POST to: ``destinations``). Whatever is wrong comes back as one ``SubmitRefused`` whose text says what and
-where, and which becomes the failed job's ``error``.
+without a host or to an address berth does not POST to: ``destinations``). Whatever is wrong comes
+back as one ``SubmitRefused`` whose text says what and where, and which becomes the failed job's
+``error``.
 """
 
 from __future__ import annotations
