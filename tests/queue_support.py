@@ -60,6 +60,21 @@ def publish(prefix: str, body: bytes, message_id: str | None, user_id: str | Non
             conn.close()
 
 
+def publish_all(prefix: str, messages: list[tuple[bytes, str]], user_id: str = "guest") -> None:
+    """Many messages (body, message_id) on one connection, as a busy producer sends them, confirmed."""
+    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+    try:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        for body, message_id in messages:
+            channel.basic_publish("", f"{prefix}.jobs", body, pika.BasicProperties(
+                message_id=message_id, user_id=user_id, content_type="application/json", delivery_mode=2),
+                mandatory=True)
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
 def submit_body(**fields) -> bytes:
     return json.dumps({"version": 1, "model": TINY_NAME, **fields}).encode()
 
@@ -114,3 +129,84 @@ def dead_letters(prefix: str) -> list[tuple[bytes, dict]]:
             out.append((body, properties.headers or {}))
     finally:
         conn.close()
+
+
+class WebhookReceiver:
+    """A webhook receiver on loopback that answers 204 at once and keeps what it got:
+    (headers, body, time it came), in order."""
+
+    def __init__(self, port: int = 0):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        got = self.got = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                got.append((dict(self.headers), body, time.time()))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_port
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def bodies(self) -> list[dict]:
+        return [json.loads(body) for _, body, _ in list(self.got)]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class TricklingReceiver:
+    """A receiver that reads the POST and answers ``200 OK``, one byte every ``gap`` seconds: slow,
+    or hostile (a socket timeout never trips on it). ``connections`` counts the POSTs it got."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+    def __init__(self, gap: float):
+        import socket
+        import threading
+
+        self.gap, self.connections, self.closed = gap, 0, threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        try:
+            conn.settimeout(30)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            for byte in self.ANSWER:
+                if self.closed.wait(self.gap):
+                    return
+                conn.sendall(bytes([byte]))
+        except OSError:  # the sender gave up on it
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()

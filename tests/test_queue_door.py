@@ -20,8 +20,8 @@ from jobs.models import Job, JobEvent, JobStatus
 from jobs.queue_door.contract import EVENT_SCHEMA, schema
 from jobs.queue_door.webhooks import SIGNATURE_HEADER, verify
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, work_until_over, write_requests
-from tests.queue_support import (PIKA_URL, EventTap, dead_letters, door_settings, jobs_queue_depth, publish,
-                                 start_door, submit_body)
+from tests.queue_support import (PIKA_URL, EventTap, TricklingReceiver, WebhookReceiver, dead_letters, door_settings,
+                                 jobs_queue_depth, publish, publish_all, start_door, submit_body)
 from tests.test_jobs_end_to_end import _free_port
 
 
@@ -170,7 +170,8 @@ class _Receiver(BaseHTTPRequestHandler):
 def test_a_webhook_waits_for_its_receiver_without_holding_the_job_up(
         tmp_path, tiny_llama_dir, tiny_engine, pg_url, queue_prefix):
     settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix, webhook_backoff=0.2,
-                             webhook_backoff_max=1.0, webhook_max_attempts=1000)
+                             webhook_backoff_max=1.0, webhook_max_attempts=1000,
+                             webhook_allow="127.0.0.1")  # the receiver is on loopback: an operator names it
     api.allow_broker_user("guest", "carol", settings)
     port = _free_port()  # nothing listens there yet
     door = start_door(settings)
@@ -214,6 +215,53 @@ def test_a_webhook_waits_for_its_receiver_without_holding_the_job_up(
         assert all(e.webhook_sent_at is not None and e.webhook_due_at is None
                    for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)))
     assert attempts[JobStatus.VALIDATING] > 1  # it was tried while the receiver was down
+
+
+def test_a_tenants_flood_of_refused_messages_and_slow_receiver_do_not_hold_up_another_tenants_webhook(
+        tmp_path, tiny_llama_dir, tiny_engine, pg_url, queue_prefix):
+    """Tenant flood sends 200 messages that are refused (each makes a failed job, and so an event)
+    with a webhook to a closed port, and 20 with a receiver that answers one byte every 2 s. Tenant
+    calm's job completes meanwhile: its completed webhook arrives within 10 s, with the defaults."""
+    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix,
+                             webhook_allow="127.0.0.1")  # the receivers are on loopback: an operator names it
+    closed, trickle, calm = _free_port(), TricklingReceiver(gap=2.0), WebhookReceiver()
+    api.allow_broker_user("guest", "flood", settings)
+    door = start_door(settings)
+    try:
+        refused = [(submit_body(model="not-served-here", requests=[request_line(0)],
+                                webhook_url=f"http://127.0.0.1:{trickle.port if i % 11 == 5 else closed}/hook"),
+                    f"m-flood-{i}") for i in range(220)]
+        publish_all(queue_prefix, refused)
+        db = open_database(pg_url)
+        deadline = time.monotonic() + 180
+        while True:  # every refused message made its failed job, and the slow receiver holds POSTs
+            with db.session() as s:
+                made = s.scalar(select(func.count()).select_from(Job).where(Job.status == JobStatus.FAILED))
+            if made == 220 and trickle.connections:
+                break
+            assert time.monotonic() < deadline, f"{made} of 220 refused messages handled"
+            time.sleep(0.2)
+        api.allow_broker_user("guest", "calm", settings)  # the producer now submits for another tenant
+        publish(queue_prefix, submit_body(requests=[request_line(i) for i in range(2)],
+                                          webhook_url=f"http://127.0.0.1:{calm.port}/calm"), "m-calm")
+        job = work_until_over(settings, tiny_engine, _job_of(settings, "m-calm"))
+        assert job.status is JobStatus.COMPLETED
+        deadline = time.monotonic() + 60  # generous for waiting; the assertion is on when it came
+        while not any(b["type"] == "job.completed" for b in calm.bodies()):
+            assert time.monotonic() < deadline, f"calm's completed webhook never came: {calm.bodies()}"
+            time.sleep(0.1)
+    finally:
+        door.stop()
+        trickle.close()
+        calm.close()
+    (arrived,) = [came for _, body, came in calm.got if json.loads(body)["type"] == "job.completed"]
+    assert arrived - job.completed_at < 10.0, f"calm's webhook came {arrived - job.completed_at:.1f} s after"
+    assert [b["type"] for b in calm.bodies()] == ["job.validating", "job.in_progress", "job.finalizing",
+                                                   "job.completed"]
+    with db.session() as s:  # and the flood is still being tried: held back, not dropped
+        tried = s.scalar(select(func.count()).select_from(JobEvent).where(JobEvent.webhook_attempts > 0,
+                                                                          JobEvent.webhook_sent_at.is_(None)))
+    assert tried > 0
 
 
 def test_an_input_named_by_an_s3_url_is_read_only_from_an_allowed_prefix(

@@ -131,10 +131,18 @@ class Settings(BaseSettings):
     # what these hold, so name folders or prefixes meant for it, never the job store or a whole bucket.
     submit_input_stores: str = ""
     max_submit_bytes: int = 8 << 20  # a submit message's body at most (its inline requests included)
-    webhook_timeout: float = 10.0  # seconds for one webhook POST
     webhook_max_attempts: int = 12  # POSTs of one event before it is given up
     webhook_backoff: float = 2.0  # seconds before the first retry; doubled each time ...
     webhook_backoff_max: float = 600.0  # ... up to this
+    # Webhooks fair across tenants, and only where they may go (jobs/queue_door/webhooks.py, destinations.py):
+    # one deadline for the whole POST (resolving, connecting, sending, the answer: a receiver that trickles
+    # is cut off), several POSTs at once taken from the tenants in turn, few of them one tenant's, and
+    # destinations public unicast addresses only unless named here: comma-separated CIDRs, addresses or host
+    # names (10.1.0.0/16, 127.0.0.1, ::1, hooks.internal) that may be reached although not public.
+    webhook_timeout: float = 10.0  # seconds for one whole webhook POST
+    webhook_senders: int = 16  # webhook POSTs in flight at once, all tenants together
+    webhook_tenant_in_flight: int = 4  # of which one tenant's at most (a dead or slow receiver holds only these)
+    webhook_allow: str = ""  # empty: no loopback, private, link-local, multicast, reserved or metadata address
     event_keep_seconds: float = 7 * 86400.0  # job events (the outbox) are deleted this long after they happened
 
     @field_validator("kv_memory", mode="before")
@@ -196,6 +204,13 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, v):
         if not v > 0:
             raise ValueError("must be a positive number of seconds")
+        return v
+
+    @field_validator("webhook_senders", "webhook_tenant_in_flight")
+    @classmethod
+    def _webhook_slots(cls, v):
+        if v < 1:
+            raise ValueError("must be at least 1")
         return v
 
     def input_stores(self) -> list[str]:

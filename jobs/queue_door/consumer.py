@@ -45,6 +45,7 @@ from jobs.files import JobFiles
 from jobs.models import Job, JobStatus
 from jobs.queue import Outgoing, Publisher
 from jobs.queue_door.contract import SubmitMessage, SubmitRefused, read_submit, salvage
+from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import EventRelay, outgoing, rejection_body
 from jobs.queue_door.webhooks import WebhookSender
 from jobs.submit import DuplicateSubmit, JobRefused, JobSpec, create_failed_job, create_job_from, submitted_job
@@ -72,6 +73,10 @@ class SubmitConsumer:
                               "BERTH_BROKER_URL=amqp://USER:PASSWORD@HOST:5672//")
         for store in settings.input_stores():
             open_store(store)  # a bad BERTH_SUBMIT_INPUT_STORES fails now, not on a message
+        try:
+            self.webhook_allow = Allowed.parse(settings.webhook_allow)  # and a bad BERTH_WEBHOOK_ALLOW
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.settings = settings
         self.db = open_database(settings.database_url)
         self.files = JobFiles(settings.storage_url)
@@ -177,7 +182,7 @@ class SubmitConsumer:
         return job_id
 
     def _create(self, body: bytes, content_type: str | None, tenant: str, message_id: str) -> str:
-        message = read_submit(body, content_type, self.settings.max_submit_bytes)
+        message = read_submit(body, content_type, self.settings.max_submit_bytes, self.webhook_allow)
         if message.model != self.model:
             raise SubmitRefused(f"model {message.model[:200]!r} is not served here: this berth runs {self.model!r}")
         spec = JobSpec(tenant, message.priority, message.completion_window, message.metadata)
@@ -213,7 +218,7 @@ class SubmitConsumer:
                             "(BERTH_SUBMIT_INPUT_STORES, set by its operator)")
 
     def _fail(self, body: bytes, tenant: str, message_id: str, reason: str) -> str:
-        kept = salvage(body, self.settings.max_submit_bytes)
+        kept = salvage(body, self.settings.max_submit_bytes, self.webhook_allow)
         try:
             job_id = create_failed_job(self.db, tenant, reason, model=kept.get("model", ""),
                                        priority=kept.get("priority", 0),

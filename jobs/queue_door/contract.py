@@ -4,8 +4,9 @@ value, and the schema of job events.
 The JSON Schemas in ``jobs/queue_door/schemas/`` are the contract, versioned in their names
 (``job-submit.v1.json``, ``job-event.v1.json``); a submit message is checked against the schema a
 producer reads, then for what a schema cannot say (a completion window of zero, a webhook URL
-without a host). Whatever is wrong comes back as one ``SubmitRefused`` whose text says what and
-where, and which becomes the failed job's ``error``.
+without a host or to an address berth does not POST to: ``destinations``). Whatever is wrong comes
+back as one ``SubmitRefused`` whose text says what and where, and which becomes the failed job's
+``error``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from jobs.lifecycle import window_seconds
+from jobs.queue_door.destinations import PUBLIC_ONLY, Allowed, DestinationRefused, check_url
 
 if TYPE_CHECKING:  # jsonschema is imported where a message is checked: an engine worker never does
     from jsonschema import Draft202012Validator
@@ -62,8 +63,10 @@ class SubmitMessage:
     webhook_url: str | None = None
 
 
-def read_submit(body: bytes, content_type: str | None, max_bytes: int) -> SubmitMessage:
-    """The message a body holds; ``SubmitRefused`` with the reason when it is not a valid one."""
+def read_submit(body: bytes, content_type: str | None, max_bytes: int,
+                webhook_allow: Allowed = PUBLIC_ONLY) -> SubmitMessage:
+    """The message a body holds; ``SubmitRefused`` with the reason when it is not a valid one
+    (``webhook_allow``: the operator's allow-list of webhook destinations, BERTH_WEBHOOK_ALLOW)."""
     data = decode(body, content_type, max_bytes)
     if isinstance(data, dict) and ("input_url" in data) == ("requests" in data):
         raise SubmitRefused("give the input as input_url (an object in a store berth reads submit inputs from) or "
@@ -79,8 +82,11 @@ def read_submit(body: bytes, content_type: str | None, max_bytes: int) -> Submit
     except ValueError as exc:
         raise SubmitRefused(f"completion_window: {exc}") from None
     webhook = data.get("webhook_url")
-    if webhook is not None and not _is_http_url(webhook):
-        raise SubmitRefused(f"webhook_url {webhook[:200]!r}: give an http:// or https:// URL with a host")
+    if webhook is not None:
+        try:
+            check_url(webhook, webhook_allow)
+        except DestinationRefused as exc:
+            raise SubmitRefused(str(exc)) from None
     return SubmitMessage(data["model"], data.get("input_url"), data.get("requests"), data.get("priority", 0),
                          data.get("completion_window", "24h"), dict(data.get("metadata", {})), webhook)
 
@@ -103,7 +109,7 @@ def decode(body: bytes, content_type: str | None, max_bytes: int) -> object:
                             "(docs/queue.md)") from None
 
 
-def salvage(body: bytes, max_bytes: int) -> dict:
+def salvage(body: bytes, max_bytes: int, webhook_allow: Allowed = PUBLIC_ONLY) -> dict:
     """What can be kept of a refused message for its failed job (and the job's events): each of
     model, priority, completion_window, metadata and webhook_url that is valid on its own."""
     try:
@@ -121,14 +127,9 @@ def salvage(body: bytes, max_bytes: int) -> dict:
         window_seconds(kept.get("completion_window", "24h"))
     except ValueError:
         kept.pop("completion_window")
-    if "webhook_url" in kept and not _is_http_url(kept["webhook_url"]):
-        kept.pop("webhook_url")
+    if "webhook_url" in kept:
+        try:
+            check_url(kept["webhook_url"], webhook_allow)
+        except DestinationRefused:
+            kept.pop("webhook_url")
     return kept
-
-
-def _is_http_url(url: str) -> bool:
-    try:
-        parts = urlsplit(url)
-        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-    except ValueError:  # a port that is not a number
-        return False

@@ -31,8 +31,8 @@ import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
-from sqlalchemy import select, text, update
-from sqlalchemy.orm import Session
+from sqlalchemy import exists, func, select, text, update
+from sqlalchemy.orm import Session, aliased
 
 from jobs.db import Database, open_database
 from jobs.models import Job, JobEvent, Tenant, now
@@ -46,8 +46,7 @@ log = logging.getLogger("berth.events")
 
 BATCH = 500
 POLL_SECONDS = 0.5
-RELAY_LOCK = 0x62657274_01  # pg_try_advisory_xact_lock keys: one relay, one webhook sender at a time
-WEBHOOK_LOCK = 0x62657274_02
+RELAY_LOCK = 0x62657274_01  # pg_try_advisory_xact_lock key: one relay at a time
 
 
 def job_event_body(event: JobEvent, job: Job, tenant: str, store_url: str) -> dict:
@@ -92,6 +91,23 @@ def pending_events(session, limit: int, where) -> list[tuple[JobEvent, Job, Tena
     return list(session.execute(
         select(JobEvent, Job, Tenant).join(Job, Job.id == JobEvent.job_id).join(Tenant, Tenant.id == Job.tenant_id)
         .where(where).order_by(JobEvent.id).limit(limit)).all())
+
+
+def due_webhooks(session, at: float, per_tenant: int, limit: int) -> list[tuple[JobEvent, Job, Tenant]]:
+    """The events whose webhook is due at ``at`` (not later), each the first of its job still to be
+    delivered (a job's events go out in order), taken from the tenants in turn: every tenant's
+    oldest, then every tenant's second, ..., at most ``per_tenant`` of one tenant, ``limit`` in all.
+    A tenant with a thousand events due waits behind its own events, never another tenant's."""
+    earlier = aliased(JobEvent)
+    first_of_job = ~exists().where(earlier.job_id == JobEvent.job_id, earlier.id < JobEvent.id,
+                                   earlier.webhook_due_at.is_not(None))
+    turn = func.row_number().over(partition_by=Job.tenant_id, order_by=JobEvent.id).label("turn")
+    due = (select(JobEvent.id.label("id"), turn).join(Job, Job.id == JobEvent.job_id)
+           .where(JobEvent.webhook_due_at <= at, first_of_job).subquery())
+    return list(session.execute(
+        select(JobEvent, Job, Tenant).join(due, due.c.id == JobEvent.id).join(Job, Job.id == JobEvent.job_id)
+        .join(Tenant, Tenant.id == Job.tenant_id).where(due.c.turn <= per_tenant)
+        .order_by(due.c.turn, JobEvent.id).limit(limit)).all())
 
 
 @contextmanager

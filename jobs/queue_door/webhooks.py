@@ -1,49 +1,75 @@
 """Webhooks: each event of a job that has a ``webhook_url`` (a submit message's field) is POSTed
 there, the same JSON as on the events exchange, signed with its tenant's secret:
 
-    X-Berth-Signature: sha256=<hex of HMAC-SHA256(secret, the request body's bytes)>
+    X-Berth-Timestamp: 1796112003            (when this POST was made, Unix seconds)
+    X-Berth-Signature-V2: sha256=<hex of HMAC-SHA256(secret, b"1796112003." + the body's bytes)>
+    X-Berth-Signature: sha256=<hex of HMAC-SHA256(secret, the body's bytes)>   (v1, no timestamp)
     X-Berth-Event: job.completed          X-Berth-Event-Id: evt_42
 
-``berth webhook-secret TENANT`` shows the secret (made on first use). A receiver checks the
-signature over the raw body before parsing it (``verify``) and deduplicates by the event id: a
-POST whose answer was lost is sent again.
+``berth webhook-secret TENANT`` shows the secret (made on first use). A receiver checks the v2
+signature over the timestamp and the raw body before parsing it, refuses a timestamp outside its
+window (``verify_v2``: a POST recorded and played again later is refused), and deduplicates by the
+event id: a POST whose answer was lost is sent again. The v1 header, the body alone, is still sent
+for receivers written before the timestamp: it cannot tell a replay.
 
-A job never waits for its webhook: the sender reads the outbox (``jobs.queue_door.events``) on a thread of its
-own. A POST that fails (no answer in ``webhook_timeout``, a refused connection, any status but
-2xx) is tried again after ``webhook_backoff`` seconds, doubling up to ``webhook_backoff_max``, at
-most ``webhook_max_attempts`` times; then it is given up (``job_events.webhook_error`` says why).
-A job's events go out in order: while one waits for a retry, the later ones wait behind it.
+A job never waits for its webhook: the sender reads the outbox (``jobs.queue_door.events``) on a
+thread of its own, running the POSTs as asyncio tasks, ``webhook_senders`` at once. Fair across
+tenants, because a tenant decides how many events it makes (a refused message makes one too) and
+how slowly its receiver answers:
+
+- only events due now are read (``due_webhooks``), taken from the tenants in turn, and at most
+  ``webhook_tenant_in_flight`` of one tenant's POSTs run at once: a tenant's flood or its slow
+  receiver holds its own slots, never the others';
+- each POST has one deadline, ``webhook_timeout``, for all of it (``webhook_post``): a receiver
+  that trickles its answer is cut off there;
+- an event is claimed before it is sent (its ``webhook_due_at`` moved past the deadline, by a
+  conditional update: two senders never take the same one); a sender that dies leaves it to come
+  due again.
+
+A POST that fails (no answer in time, a refused connection, any status but 2xx) is tried again
+after ``webhook_backoff`` seconds, doubling up to ``webhook_backoff_max``, at most
+``webhook_max_attempts`` times; then it is given up (``job_events.webhook_error`` says why). A
+destination that resolves to an address berth does not POST to (``destinations``) is given up at
+once. A job's events go out in order: while one waits for a retry, the later ones wait behind it.
 Redirects are not followed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
-import http.client
 import logging
 import random
 import threading
 import time
-from urllib.parse import urlsplit
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from sqlalchemy import update
 
 from jobs.db import Database, open_database
 from jobs.models import JobEvent, now
-from jobs.queue_door.events import (WEBHOOK_LOCK, claimed, encode, job_event_body, mark, pending_events, poll)
+from jobs.queue_door.destinations import Allowed, DestinationRefused, parse_url
+from jobs.queue_door.events import POLL_SECONDS, due_webhooks, encode, job_event_body
+from jobs.queue_door.webhook_post import post
 from jobs.tenants import webhook_secret
 from storage import open_store
-from worker.config import Settings
+from worker.config import ConfigError, Settings
 
 log = logging.getLogger("berth.webhooks")
 
-SIGNATURE_HEADER = "X-Berth-Signature"
-BATCH = 100
-PASS_SECONDS = 10.0  # a pass stops taking new POSTs after this long (a slow receiver holds no one for long)
+SIGNATURE_HEADER = "X-Berth-Signature"  # v1: the body alone
+SIGNATURE_V2_HEADER = "X-Berth-Signature-V2"  # the timestamp and the body
+TIMESTAMP_HEADER = "X-Berth-Timestamp"
+REPLAY_WINDOW = 300  # seconds a receiver accepts a timestamp off its clock, by default (verify_v2)
+LEASE_MARGIN = 60.0  # seconds past the POST's deadline that a claimed event stays claimed
+PASS_GAP = 0.05  # seconds between passes at the most: POSTs that end together are followed by one read
 
 
 def sign(secret: str, body: bytes) -> str:
+    """The v1 signature: the body alone (no timestamp, so it cannot tell a replay)."""
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
@@ -52,68 +78,209 @@ def verify(secret: str, body: bytes, signature: str | None) -> bool:
     return signature is not None and hmac.compare_digest(sign(secret, body), signature)
 
 
-def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> str | None:
-    """POST ``body``; None when the receiver answered 2xx, else what went wrong."""
-    parts = urlsplit(url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    try:
-        conn = kind(parts.hostname, parts.port, timeout=timeout)
-        try:
-            conn.request("POST", path, body, {"Content-Type": "application/json", "User-Agent": "berth-webhook/1",
-                                              **headers})
-            response = conn.getresponse()
-            response.read(1 << 16)
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"[:500]
-    return None if 200 <= response.status < 300 else f"HTTP {response.status} {response.reason}"[:500]
+def sign_v2(secret: str, timestamp: int, body: bytes) -> str:
+    """The v2 signature: HMAC-SHA256 over ``b"<timestamp>." + body``, so the time is signed too."""
+    return "sha256=" + hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+
+
+def verify_v2(secret: str, body: bytes, timestamp: str | None, signature: str | None,
+              window: float = REPLAY_WINDOW, at: float | None = None) -> bool:
+    """Whether a POST is the tenant's and fresh: ``signature`` (X-Berth-Signature-V2) signs
+    ``timestamp`` (X-Berth-Timestamp) and these bytes, and the timestamp is within ``window``
+    seconds of ``at`` (now). A recorded POST played again later fails the window."""
+    if not timestamp or not signature or not timestamp.isdigit() or len(timestamp) > 12:
+        return False
+    if abs((time.time() if at is None else at) - int(timestamp)) > window:
+        return False
+    return hmac.compare_digest(sign_v2(secret, int(timestamp), body), signature)
+
+
+def signed_headers(secret: str, body: bytes, event_type: str, event_id: str, at: float | None = None) -> dict[str, str]:
+    """The headers of a webhook POST made at ``at`` (now)."""
+    timestamp = int(time.time() if at is None else at)
+    return {TIMESTAMP_HEADER: str(timestamp), SIGNATURE_V2_HEADER: sign_v2(secret, timestamp, body),
+            SIGNATURE_HEADER: sign(secret, body), "X-Berth-Event": event_type, "X-Berth-Event-Id": event_id}
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A claimed event on its way: what the POST needs, read while the event was claimed."""
+
+    event_id: int
+    job_id: str
+    tenant_id: int
+    url: str
+    attempts: int  # made before this one
+    secret: str
+    body: bytes
+    event_type: str
 
 
 class WebhookSender:
     def __init__(self, settings: Settings, db: Database | None = None):
         self.settings = settings
+        try:
+            self.allowed = Allowed.parse(settings.webhook_allow)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.db = db or open_database(settings.database_url)
         self.store_url = open_store(settings.storage_url).url
+        self.in_flight: Counter[int] = Counter()  # tenant id -> its POSTs running now, in this process
+        self.finished: list[dict] = []  # what became of the POSTs that ended, not yet written
+        # Threads of its own: the database's work never queues behind a slow name server, and a lookup
+        # always has a thread (no more run at once than POSTs, as each holds its POST's slot to the end).
+        self.database_thread = ThreadPoolExecutor(1, thread_name_prefix="berth-webhooks-db")
+        self.lookup_threads = ThreadPoolExecutor(settings.webhook_senders, thread_name_prefix="berth-webhooks-dns")
 
     def retry_delay(self, attempts: int) -> float:
         s = self.settings
         return min(s.webhook_backoff * 2 ** (attempts - 1), s.webhook_backoff_max) * random.uniform(0.8, 1.0)
 
-    def send_due(self, limit: int = BATCH) -> int:
-        """POST the events whose time has come, each job's in order; how many were tried."""
-        started, tried, changes = time.monotonic(), 0, []
-        with claimed(self.db, WEBHOOK_LOCK) as s:
-            if s is None:
-                return 0
-            blocked: set[str] = set()  # jobs with an earlier event still to deliver
-            for event, job, tenant in pending_events(s, limit, JobEvent.webhook_due_at.is_not(None)):
-                if event.job_id in blocked or time.monotonic() - started > PASS_SECONDS:
-                    continue
-                if event.webhook_due_at > now():
-                    blocked.add(event.job_id)
-                    continue
-                secret = tenant.webhook_secret or webhook_secret(self.db, tenant.name)
-                body = encode(job_event_body(event, job, tenant.name, self.store_url))
-                error = post(event.webhook_url, body, {SIGNATURE_HEADER: sign(secret, body),
-                                                       "X-Berth-Event": f"job.{event.status.value}",
-                                                       "X-Berth-Event-Id": f"evt_{event.id}"},
-                             self.settings.webhook_timeout)
-                tried += 1
-                attempts = event.webhook_attempts + 1
-                if error is None:
-                    changes.append({"id": event.id, "webhook_attempts": attempts, "webhook_due_at": None,
-                                    "webhook_sent_at": now(), "webhook_error": None})
-                    continue
-                blocked.add(event.job_id)
-                give_up = attempts >= self.settings.webhook_max_attempts
-                changes.append({"id": event.id, "webhook_attempts": attempts, "webhook_error": error,
-                                "webhook_due_at": None if give_up else now() + self.retry_delay(attempts)})
-                log.warning("webhook of job %s (event %d) to %s: %s; %s", event.job_id, event.id, event.webhook_url,
-                            error, "given up" if give_up else f"attempt {attempts}, trying again")
-            mark(s, self.db, update(JobEvent), changes, needed=bool(changes))
-        return tried
+    # ---- the database side (on ``database_thread``: the loop keeps timing the POSTs meanwhile)
+    def claim(self, free: int, busy: dict[int, int]) -> list[Delivery]:
+        """Up to ``free`` due events, no tenant over ``webhook_tenant_in_flight`` with ``busy`` (its
+        POSTs running), claimed: their ``webhook_due_at`` moved past the POST's deadline, by an update
+        that takes only those still due, so that no other sender takes them meanwhile."""
+        cap, at = self.settings.webhook_tenant_in_flight, now()
+        with self.db.session() as s:
+            rows = due_webhooks(s, at, cap, free + sum(busy.values()))  # enough to fill ``free`` past the busy
+            counts, chosen = Counter(busy), []
+            for event, job, tenant in rows:
+                if len(chosen) < free and counts[tenant.id] < cap:
+                    counts[tenant.id] += 1
+                    body = encode(job_event_body(event, job, tenant.name, self.store_url))
+                    chosen.append((Delivery(event.id, event.job_id, tenant.id, event.webhook_url,
+                                            event.webhook_attempts, tenant.webhook_secret or "", body,
+                                            f"job.{event.status.value}"), tenant.name))
+            if not chosen:
+                return []
+            s.rollback()  # end the read (on SQLite the claim must be a write transaction of its own)
+            with s.begin():
+                taken = set(s.scalars(
+                    update(JobEvent).where(JobEvent.id.in_([d.event_id for d, _ in chosen]),
+                                           JobEvent.webhook_due_at <= at)
+                    .values(webhook_due_at=at + self.settings.webhook_timeout + LEASE_MARGIN).returning(JobEvent.id)
+                    .execution_options(synchronize_session=False)))
+        return [d if d.secret else replace(d, secret=webhook_secret(self.db, tenant)) for d, tenant in chosen
+                if d.event_id in taken]
+
+    def record(self, changes: list[dict]) -> None:
+        """Write what became of the POSTs (each change by the event's id)."""
+        if changes:
+            with self.db.session() as s, s.begin():
+                s.execute(update(JobEvent), changes)
+
+    # ---- one POST
+    async def deliver(self, d: Delivery) -> None:
+        """POST one event and note what became of it (``finished``, written by the next pass). Ends
+        once the name's lookup has too: one the deadline cut short still holds a thread, and so this
+        POST's slot, its tenant's."""
+        lookups: list[Future] = []
+        try:
+            body_headers = signed_headers(d.secret, d.body, d.event_type, f"evt_{d.event_id}")
+            error = await post(parse_url(d.url), d.url, d.body, body_headers, self.settings.webhook_timeout,
+                               self.allowed, self.lookup_threads, lookups)
+            refused = False
+        except DestinationRefused as exc:
+            error, refused = str(exc), True
+        except asyncio.CancelledError:  # the sender stops: the event is due again at once, this try uncounted
+            self.finished.append({"id": d.event_id, "webhook_due_at": now()})
+            raise
+        except Exception as exc:  # noqa: BLE001 (berth's own failure: noted as the try's error, tried again)
+            log.exception("webhook of job %s (event %d): could not be sent", d.job_id, d.event_id)
+            error, refused = f"berth could not send it ({type(exc).__name__}: {str(exc)[:300]})", False
+        self.finished.append(self._outcome(d, error, refused))
+        lingering = [asyncio.wrap_future(job) for job in lookups if not job.done()]
+        if lingering:
+            await asyncio.wait(lingering)
+
+    def _start(self, d: Delivery, running: set[asyncio.Task], ended: asyncio.Event) -> None:
+        """``deliver`` as a task, counted against its tenant until it ends."""
+        self.in_flight[d.tenant_id] += 1
+
+        def done(_):
+            self.in_flight[d.tenant_id] -= 1
+            if not self.in_flight[d.tenant_id]:
+                del self.in_flight[d.tenant_id]
+            running.discard(task)
+            ended.set()
+
+        task = asyncio.create_task(self.deliver(d))
+        running.add(task)
+        task.add_done_callback(done)
+
+    def _outcome(self, d: Delivery, error: str | None, refused: bool) -> dict:
+        attempts = d.attempts + 1
+        if error is None:
+            return {"id": d.event_id, "webhook_attempts": attempts, "webhook_due_at": None, "webhook_sent_at": now(),
+                    "webhook_error": None}
+        give_up = refused or attempts >= self.settings.webhook_max_attempts
+        log.warning("webhook of job %s (event %d) to %s: %s; %s", d.job_id, d.event_id, d.url[:200], error,
+                    "given up" if give_up else f"attempt {attempts}, trying again")
+        return {"id": d.event_id, "webhook_attempts": attempts, "webhook_error": error,
+                "webhook_due_at": None if give_up else now() + self.retry_delay(attempts)}
+
+    # ---- the loop
+    def send_due(self) -> int:
+        """One pass, waited for: POST what is due now (as many as ``webhook_senders``), write what
+        became of it; how many were tried."""
+        async def once() -> int:
+            deliveries = self.claim(self.settings.webhook_senders, {})
+            await asyncio.gather(*(self.deliver(d) for d in deliveries))
+            await self._write_finished()
+            return len(deliveries)
+
+        return asyncio.run(once())
 
     def run(self, stop: threading.Event) -> None:
-        poll(stop, "webhooks", self.send_due, BATCH)
+        """Send until ``stop`` is set."""
+        asyncio.run(self._serve(stop))
+
+    async def _serve(self, stop: threading.Event) -> None:
+        ended = asyncio.Event()  # set when a POST ends: a slot is free, and its job's next event may be due
+        loop = asyncio.get_running_loop()
+        running: set[asyncio.Task] = set()
+        backoff, failing = 0.0, False
+        try:
+            while not stop.is_set():
+                ended.clear()
+                try:
+                    await self._write_finished()
+                    free = self.settings.webhook_senders - len(running)
+                    deliveries = (await loop.run_in_executor(self.database_thread, self.claim, free,
+                                                             dict(self.in_flight)) if free > 0 else [])
+                except Exception:  # noqa: BLE001 (the database is down: what is due waits in the outbox)
+                    if not failing:
+                        log.exception("webhooks: failed; retrying, logged once until it works")
+                    failing, backoff = True, min(max(backoff * 2, 0.5), 10.0)
+                    for _ in range(int(backoff / POLL_SECONDS)):
+                        if not stop.is_set():
+                            await asyncio.sleep(POLL_SECONDS)
+                    continue
+                if failing:
+                    log.info("webhooks: work again")
+                failing, backoff = False, 0.0
+                for d in deliveries:
+                    self._start(d, running, ended)
+                try:
+                    await asyncio.wait_for(ended.wait(), POLL_SECONDS)
+                except TimeoutError:
+                    pass
+                await asyncio.sleep(PASS_GAP)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            try:
+                await self._write_finished()
+            except Exception:  # noqa: BLE001 (the claims run out and the events are due again)
+                log.exception("webhooks: could not write what became of the last POSTs")
+
+    async def _write_finished(self) -> None:
+        """``record`` on ``database_thread``, of what is taken here on the loop's (where POSTs add to it)."""
+        changes, self.finished = self.finished, []
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.database_thread, self.record, changes)
+        except BaseException:
+            self.finished = changes + self.finished  # written next time
+            raise
