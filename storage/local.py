@@ -60,9 +60,8 @@ class LocalStore(ObjectStore):
 
     # ---- reads
     def get(self, key: str) -> bytes:
-        with self.open(key) as f:
-            with self._errors(key):
-                return f.read()
+        with self.open(key) as f, self._errors(key):
+            return f.read()
 
     def open(self, key: str) -> BinaryIO:
         with self._errors(key), self._folder(key) as (folder, name):

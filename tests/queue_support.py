@@ -18,7 +18,7 @@ def door_settings(tmp_path, model_dir, pg_url, prefix, **overrides):
     from tests.jobs_support import AMQP_URL
 
     (tmp_path / "inbox").mkdir(exist_ok=True)
-    overrides.setdefault("submit_input_stores", f"file://{tmp_path / 'inbox'}")
+    overrides.setdefault("submit_input_stores", f"file://{tmp_path / 'inbox'}/{{tenant}}")  # inbox/<tenant>/...
     return tiny_settings(model_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=prefix,
                          storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=16, **overrides)
 
@@ -47,14 +47,16 @@ def jobs_queue_depth(prefix: str) -> int | None:
 
 
 def publish(prefix: str, body: bytes, message_id: str | None, user_id: str | None = "guest",
-            content_type: str | None = "application/json") -> None:
-    """One persistent message to ``<prefix>.jobs`` through the default exchange, confirmed."""
-    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+            content_type: str | None = "application/json", url: str = PIKA_URL, **properties) -> None:
+    """One persistent message to ``<prefix>.jobs`` through ``<prefix>.submit``, confirmed (``url``:
+    connected as another user; ``properties``: more AMQP properties)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = conn.channel()
         channel.confirm_delivery()
-        channel.basic_publish("", f"{prefix}.jobs", body, pika.BasicProperties(
-            message_id=message_id, user_id=user_id, content_type=content_type, delivery_mode=2), mandatory=True)
+        channel.basic_publish(f"{prefix}.submit", f"{prefix}.jobs", body, pika.BasicProperties(
+            message_id=message_id, user_id=user_id, content_type=content_type, delivery_mode=2, **properties),
+            mandatory=True)
     finally:
         if conn.is_open:
             conn.close()
