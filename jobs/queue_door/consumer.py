@@ -63,7 +63,7 @@ from jobs.validate import InputError
 from storage import ObjectNotFound, StorageError, check_key
 from worker.config import ConfigError, Settings
 from worker.consumer.broker import REASON_HEADER
-from worker.consumer.message_body import raw_body
+from worker.consumer.message_body import keep_bodies_raw, raw_body
 from worker.consumer.queues import Topology, connect, is_embedded
 
 log = logging.getLogger("berth.submit")
@@ -121,6 +121,7 @@ class SubmitConsumer:
     def _connect(self) -> None:
         self.connection = connect(self.settings)
         channel = self.connection.channel()
+        keep_bodies_raw(channel)
         self.topology.dead_queue.bind(channel).declare()
         # the exchanges a tenant's user may use but not declare (docs/queue.md, the permissions)
         self.topology.events_exchange.bind(channel).declare()

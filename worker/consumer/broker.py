@@ -25,7 +25,7 @@ from kombu.exceptions import OperationalError
 
 from worker.config import Settings
 from worker.consumer.backoff import Backoff
-from worker.consumer.message_body import raw_body, read_json
+from worker.consumer.message_body import keep_bodies_raw, raw_body, read_json
 from worker.consumer.queues import Topology, connect, queue_depth
 from worker.metrics import WorkerMetrics
 
@@ -90,7 +90,9 @@ class BrokerLink:
         """Connect and consume the queues followed so far (waiting for the broker if ``max_retries`` is None)."""
         self.connection = connect(self.settings)
         self.connection.ensure_connection(max_retries=max_retries, interval_max=10)
-        self.consumer = kombu.Consumer(self.connection.channel(), queues=list(self.queues.values()),
+        channel = self.connection.channel()
+        keep_bodies_raw(channel)
+        self.consumer = kombu.Consumer(channel, queues=list(self.queues.values()),
                                        on_message=self._on_message, accept=["json"], no_ack=False)
         self._qos(self.window)
         self.consumer.consume()

@@ -11,9 +11,10 @@ The rules:
 
 - The body is JSON in UTF-8 (RFC 8259), whatever ``content_encoding`` says. That property is
   ordinary (producers set ``utf-8`` out of habit) and py-amqp acts on it: given a
-  ``content_encoding`` it knows as a codec, it hands the body over already decoded, as a ``str``.
-  ``raw_body`` turns such a body back into the bytes that were published, so that a body is read,
-  measured and dead-lettered as it came, on any transport.
+  ``content_encoding`` it knows as a codec, it hands the body over already decoded, as a ``str``
+  (``utf-16`` turns UTF-8 bytes into nonsense, and back into other bytes). berth's consumers ask it
+  not to (``keep_bodies_raw``), and ``raw_body`` turns a ``str`` body from anywhere else back into
+  bytes, so that a body is read, measured and dead-lettered as it came.
 - ``content_type`` is ``application/json`` (parameters ignored) or absent; anything else is
   refused, never decoded (no pickle, no YAML: kombu's serializers are not involved).
 - ``max_bytes`` bounds the body before it is parsed.
@@ -32,6 +33,13 @@ class UnreadableBody(ValueError):
 
 class BodyTooLarge(UnreadableBody):
     """A body over the size limit (the door adds what to do instead)."""
+
+
+def keep_bodies_raw(channel) -> None:
+    """Ask the channel's client library to hand bodies over as the bytes published (py-amqp's
+    ``auto_decode``, on by default, decodes by ``content_encoding``; other transports have none)."""
+    if hasattr(channel, "auto_decode"):
+        channel.auto_decode = False
 
 
 def raw_body(body: bytes | bytearray | memoryview | str, content_encoding: str | None) -> bytes:
