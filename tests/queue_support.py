@@ -4,11 +4,16 @@ AMQP properties, as any client of RabbitMQ would (docs/queue.md)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import time
+import uuid
 
 import pika
+import pytest
 
 from jobs.queue_door.consumer import QueueDoor
+from jobs.queue_door.permissions import rabbitmqctl_commands
 from tests.jobs_support import TINY_NAME, tiny_settings
 
 PIKA_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -116,3 +121,28 @@ def dead_letters(prefix: str) -> list[tuple[bytes, dict]]:
             out.append((body, properties.headers or {}))
     finally:
         conn.close()
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def broker_users(queue_prefix):
+    """``make(tenant)``: a RabbitMQ user of a unique name with the documented permissions of a
+    tenant's user (``jobs.queue_door.permissions``, applied as printed); its pika URL. Deleted at the end."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed")
+    made = []
+
+    def make(tenant: str) -> tuple[str, str]:
+        user, password = f"berth-test-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
+        _rabbitmqctl("add_user", user, password)
+        made.append(user)
+        for command in rabbitmqctl_commands(user, tenant, queue_prefix, "/"):
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        return user, f"amqp://{user}:{password}@127.0.0.1:5672/%2F"
+
+    yield make
+    for user in made:
+        _rabbitmqctl("delete_user", user)

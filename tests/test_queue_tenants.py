@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
-import subprocess
 import time
-import uuid
 
 import pika
 import pytest
@@ -20,46 +17,13 @@ from jobs import api
 from jobs.db import open_database
 from jobs.models import Job, JobStatus
 from jobs.queue_door.consumer import SET_ASIDE_TRIES, SubmitConsumer
-from jobs.queue_door.permissions import rabbitmqctl_commands
 from tests.jobs_support import TINY_NAME, request_line, work_until_over, write_requests
-from tests.queue_support import (
-    PIKA_URL,
-    EventTap,
-    dead_letters,
-    door_settings,
-    jobs_queue_depth,
-    publish,
-    start_door,
-    submit_body,
-)
+from tests.queue_support import (PIKA_URL, EventTap, dead_letters, door_settings, jobs_queue_depth, publish,
+                                 start_door, submit_body)
+from tests.queue_support import broker_users  # noqa: F401 (a fixture)
 from tests.test_queue_door import _job_of
 from worker.config import ConfigError
 from worker.consumer.queues import Topology
-
-
-def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=120)
-
-
-@pytest.fixture
-def broker_users(queue_prefix):
-    """``make(tenant)``: a RabbitMQ user of a unique name with the documented permissions of a
-    tenant's user (``jobs.queue_door.permissions``, applied as printed); its pika URL. Deleted at the end."""
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not installed")
-    made = []
-
-    def make(tenant: str) -> tuple[str, str]:
-        user, password = f"berth-test-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
-        _rabbitmqctl("add_user", user, password)
-        made.append(user)
-        for command in rabbitmqctl_commands(user, tenant, queue_prefix, "/"):
-            subprocess.run(command, check=True, capture_output=True, timeout=120)
-        return user, f"amqp://{user}:{password}@127.0.0.1:5672/%2F"
-
-    yield make
-    for user in made:
-        _rabbitmqctl("delete_user", user)
 
 
 def _job_status(settings, message_id: str):
