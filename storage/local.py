@@ -165,21 +165,26 @@ class LocalStore(ObjectStore):
         none through a link (``create``: the missing ones made, the root included)."""
         if parts:
             check_key("/".join(parts))
-        if create:
-            try:
-                os.makedirs(self.root)
-            except FileExistsError:
-                pass
-        fd = os.open(self.root, _FOLDER)
+        try:
+            fd = os.open(self.root, _FOLDER)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.root, exist_ok=True)  # the operator's path, made on the first write
+            fd = os.open(self.root, _FOLDER)
         try:
             for part in parts:
-                if create:
-                    try:
-                        os.mkdir(part, dir_fd=fd)
-                    except FileExistsError:
-                        pass
                 try:
-                    inner = os.open(part, _FOLDER, dir_fd=fd)
+                    try:
+                        inner = os.open(part, _FOLDER, dir_fd=fd)
+                    except FileNotFoundError:
+                        if not create:
+                            raise
+                        try:
+                            os.mkdir(part, dir_fd=fd)
+                        except FileExistsError:  # made by another writer meanwhile
+                            pass
+                        inner = os.open(part, _FOLDER, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise LinkRefused(f"{self.url}: {key!r}: {part!r} is a link or not a folder; a store "
