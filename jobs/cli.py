@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from contextlib import contextmanager
+from urllib.parse import unquote, urlsplit
 
 import click
 from pydantic import ValidationError
@@ -289,8 +290,15 @@ def broker_user(user, tenant, remove, **flags):
             known = api.remove_broker_user(user, settings_from(flags))
             click.echo(f"broker user {user}: may not submit" + ("" if known else " (it could not before either)"))
             return
-        api.allow_broker_user(user, tenant, settings_from(flags))
+        settings = settings_from(flags)
+        api.allow_broker_user(user, tenant, settings)
     click.echo(f"broker user {user}: submits jobs for tenant {tenant}")
+    from jobs.queue_door.permissions import shell_lines
+
+    vhost = unquote(urlsplit(settings.broker_url).path[1:]) or "/"  # amqp://HOST// and amqp://HOST/%2F: "/"
+    click.echo("its RabbitMQ permissions, to submit and read its own events only (docs/queue.md):")
+    for line in shell_lines(user, tenant, settings.queue_prefix, vhost):
+        click.echo(f"  {line}")
 
 
 @main.command(name="webhook-secret")

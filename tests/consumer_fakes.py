@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from worker.consumer.broker import Delivery
 from worker.consumer.ledger import Claim, LedgerDown, Outcome
 from worker.consumer.queues import request_body
 from worker.engine.engine import EngineStats, RequestRejected
@@ -110,21 +111,6 @@ class FakeMessage:
         self.broker, self.channel, self.acknowledged = broker, channel, False
 
 
-@dataclass(eq=False)
-class FakeDelivery:
-    body: bytes
-    content_type: str | None
-    content_encoding: str | None
-    redelivered: bool
-    tenant: str | None
-    message: FakeMessage
-
-    def decode(self):
-        if self.content_type != "application/json":
-            raise ValueError(f"content type {self.content_type!r} refused")
-        return json.loads(self.body)
-
-
 class FakeBroker:
     """The broker link's calls, over a list of messages; a channel number that a reconnect bumps."""
 
@@ -157,7 +143,7 @@ class FakeBroker:
 
     def receive(self, limit, timeout):
         taken, self.ready = self.ready[:max(limit, 0)], self.ready[max(limit, 0):]
-        return [FakeDelivery(body, ctype, None, False, tenant, FakeMessage(self, self.channel))
+        return [Delivery(body, ctype, None, False, tenant, FakeMessage(self, self.channel))
                 for body, ctype, tenant in taken]
 
     def is_current(self, delivery):

@@ -64,7 +64,7 @@ def queue_prefix():
         for queue in (*queues, topology.dead_queue.name, topology.celery_queue, topology.jobs_queue.name):
             channel.queue_delete(queue)
         for exchange in (topology.exchange.name, topology.dead_exchange.name, topology.celery_queue,
-                         topology.events_exchange.name):
+                         topology.events_exchange.name, topology.submit_exchange.name):
             channel.exchange_delete(exchange)
 
 

@@ -4,11 +4,16 @@ AMQP properties, as any client of RabbitMQ would (docs/queue.md)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import time
+import uuid
 
 import pika
+import pytest
 
 from jobs.queue_door.consumer import QueueDoor
+from jobs.queue_door.permissions import rabbitmqctl_commands
 from tests.jobs_support import TINY_NAME, tiny_settings
 
 PIKA_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -18,7 +23,7 @@ def door_settings(tmp_path, model_dir, pg_url, prefix, **overrides):
     from tests.jobs_support import AMQP_URL
 
     (tmp_path / "inbox").mkdir(exist_ok=True)
-    overrides.setdefault("submit_input_stores", f"file://{tmp_path / 'inbox'}")
+    overrides.setdefault("submit_input_stores", f"file://{tmp_path / 'inbox'}/{{tenant}}")  # inbox/<tenant>/...
     return tiny_settings(model_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=prefix,
                          storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=16, **overrides)
 
@@ -47,14 +52,16 @@ def jobs_queue_depth(prefix: str) -> int | None:
 
 
 def publish(prefix: str, body: bytes, message_id: str | None, user_id: str | None = "guest",
-            content_type: str | None = "application/json") -> None:
-    """One persistent message to ``<prefix>.jobs`` through the default exchange, confirmed."""
-    conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+            content_type: str | None = "application/json", url: str = PIKA_URL, **properties) -> None:
+    """One persistent message to ``<prefix>.jobs`` through ``<prefix>.submit``, confirmed (``url``:
+    connected as another user; ``properties``: more AMQP properties)."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = conn.channel()
         channel.confirm_delivery()
-        channel.basic_publish("", f"{prefix}.jobs", body, pika.BasicProperties(
-            message_id=message_id, user_id=user_id, content_type=content_type, delivery_mode=2), mandatory=True)
+        channel.basic_publish(f"{prefix}.submit", f"{prefix}.jobs", body, pika.BasicProperties(
+            message_id=message_id, user_id=user_id, content_type=content_type, delivery_mode=2, **properties),
+            mandatory=True)
     finally:
         if conn.is_open:
             conn.close()
@@ -210,3 +217,28 @@ class TricklingReceiver:
     def close(self) -> None:
         self.closed.set()
         self.sock.close()
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def broker_users(queue_prefix):
+    """``make(tenant)``: a RabbitMQ user of a unique name with the documented permissions of a
+    tenant's user (``jobs.queue_door.permissions``, applied as printed); its pika URL. Deleted at the end."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed")
+    made = []
+
+    def make(tenant: str) -> tuple[str, str]:
+        user, password = f"berth-test-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
+        _rabbitmqctl("add_user", user, password)
+        made.append(user)
+        for command in rabbitmqctl_commands(user, tenant, queue_prefix, "/"):
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        return user, f"amqp://{user}:{password}@127.0.0.1:5672/%2F"
+
+    yield make
+    for user in made:
+        _rabbitmqctl("delete_user", user)

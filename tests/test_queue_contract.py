@@ -166,3 +166,18 @@ def test_events_are_deleted_once_older_than_the_keep_time(tmp_path, tiny_llama_d
         s.execute(update(JobEvent).where(JobEvent.job_id == old).values(created_at=JobEvent.created_at - 3600))
     assert prune_events(db, keep_seconds=600) == 1
     assert _statuses(db, old) == [] and _statuses(db, new) == ["validating"]
+
+
+def test_the_documented_permissions_of_a_tenants_user_are_the_ones_berth_prints_and_the_tests_apply():
+    from pathlib import Path
+
+    from jobs.queue_door.contract import event_routing_key
+    from jobs.queue_door.permissions import shell_lines
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "queue.md").read_text()
+    section = doc.split("### Permissions of a tenant's user", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
+    assert block.splitlines() == shell_lines("alice", "team-a", "berth", "/")
+    assert "'^team%2Ea\\.'" in section and shell_lines("u", "team.a", "berth")[1].endswith("'^team%2Ea\\.'")
+    assert event_routing_key("team.a", "job.completed") == "team%2Ea.job.completed"
+    assert event_routing_key(None, "submit.rejected") == ".submit.rejected"

@@ -46,17 +46,18 @@ def test_a_job_published_twice_by_another_producer_runs_once_and_its_events_come
         tmp_path, tiny_llama_dir, tiny_engine, pg_url, queue_prefix):
     settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix)
     api.allow_broker_user("guest", "alice", settings)
-    write_requests(tmp_path / "inbox" / "batch-1.jsonl", 6)
+    (tmp_path / "inbox" / "alice").mkdir()
+    write_requests(tmp_path / "inbox" / "alice" / "batch-1.jsonl", 6)
     tap = EventTap(queue_prefix)
     door = start_door(settings)
     try:
-        body = submit_body(input_url=f"file://{tmp_path / 'inbox'}/batch-1.jsonl", priority=3,
+        body = submit_body(input_url=f"file://{tmp_path / 'inbox'}/alice/batch-1.jsonl", priority=3,
                            metadata={"order": "1"})
         publish(queue_prefix, body, "order-1")
         publish(queue_prefix, body, "order-1")  # published twice (a retrying producer): one job
         job_id = _job_of(settings, "order-1")
         job = work_until_over(settings, tiny_engine, job_id)
-        tap.wait_for(lambda key, b: key == "job.completed" and b["job_id"] == job_id)
+        tap.wait_for(lambda key, b: key == "alice.job.completed" and b["job_id"] == job_id)
         deadline = time.monotonic() + 10
         while jobs_queue_depth(queue_prefix):
             assert time.monotonic() < deadline
@@ -71,13 +72,14 @@ def test_a_job_published_twice_by_another_producer_runs_once_and_its_events_come
     assert (job.tenant, job.priority, job.metadata) == ("alice", 3, {"order": "1"})
     events = tap.of_job(job_id)
     keys = [key for key, *_ in events]
-    assert keys == ["job.validating", "job.in_progress", "job.finalizing", "job.completed"], keys
+    assert keys == ["alice.job.validating", "alice.job.in_progress", "alice.job.finalizing", "alice.job.completed"], keys
     for key, body, headers, properties in events:
         _valid_event(body)
         assert headers["tenant"] == "alice" and properties.delivery_mode == 2
         assert (body["message_id"], body["metadata"], properties.correlation_id) == ("order-1", {"order": "1"},
                                                                                       "order-1")
-        assert properties.message_id == body["event_id"] and key == body["type"] == f"job.{body['status']}"
+        assert properties.message_id == body["event_id"] and properties.type == body["type"] == f"job.{body['status']}"
+        assert key == f"alice.{body['type']}"  # the tenant's word first: what its topic permissions match
     in_progress, completed = events[1][1], events[3][1]
     assert in_progress["request_counts"]["total"] == 6
     assert completed["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
@@ -98,7 +100,7 @@ def test_each_bad_submit_message_gets_its_reason_back_and_the_consumer_goes_on(
     try:
         # no job can be made without a tenant or an idempotency key: dead letters
         publish(queue_prefix, submit_body(**good), "m-not-allowed")  # guest is not mapped to a tenant yet
-        tap.wait_for(lambda key, b: key == "submit.rejected" and b["message_id"] == "m-not-allowed")
+        tap.wait_for(lambda key, b: key == ".submit.rejected" and b["message_id"] == "m-not-allowed")  # no tenant
         api.allow_broker_user("guest", "bob", settings)
         publish(queue_prefix, submit_body(**good), None)  # no message_id
         publish(queue_prefix, submit_body(**good), "m-no-user", user_id=None)
@@ -110,9 +112,9 @@ def test_each_bad_submit_message_gets_its_reason_back_and_the_consumer_goes_on(
             "m-not-json": (b"{this is not json", "not JSON"),
             "m-unknown-field": (submit_body(**good, tenant="alice", metadata={"try": "2"}), "'tenant' was unexpected"),
             "m-no-input": (submit_body(), "exactly one of them"),
-            "m-missing-file": (submit_body(input_url=f"file://{inbox}/nowhere.jsonl"), "there is no such object"),
+            "m-missing-file": (submit_body(input_url=f"file://{inbox}/bob/nowhere.jsonl"), "there is no such object"),
             "m-outside": (submit_body(input_url="file:///etc/passwd"), "not in a store berth reads"),
-            "m-bad-key": (submit_body(input_url=f"file://{inbox}/../store/x.jsonl"), "not an object key"),
+            "m-bad-key": (submit_body(input_url=f"file://{inbox}/bob/../store/x.jsonl"), "not an object key"),
             "m-unknown-model": (submit_body(model="gpt-9", **good), "not served here"),
             "m-pickle": (b"\x80\x04K\x01.", "content type"),
         }
@@ -123,8 +125,8 @@ def test_each_bad_submit_message_gets_its_reason_back_and_the_consumer_goes_on(
         job_id = _job_of(settings, "m-good")
         assert all(t.is_alive() for t in door.threads), "the door survives every message"
         job = work_until_over(settings, tiny_engine, job_id)
-        events = tap.wait_for(lambda key, b: key == "job.completed" and b["job_id"] == job_id)
-        tap.wait_for(lambda key, b: key == "job.failed" and b["message_id"] == "m-pickle")
+        events = tap.wait_for(lambda key, b: key == "bob.job.completed" and b["job_id"] == job_id)
+        tap.wait_for(lambda key, b: key == "bob.job.failed" and b["message_id"] == "m-pickle")
     finally:
         door.stop()
     assert job.status is JobStatus.COMPLETED and (job.total, job.completed) == (3, 3)
@@ -269,19 +271,23 @@ def test_an_input_named_by_an_s3_url_is_read_only_from_an_allowed_prefix(
     from storage import open_store
 
     inbox = f"{s3_url}/inbox"
-    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix, submit_input_stores=inbox)
+    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix, submit_input_stores=inbox + "/{tenant}")
     api.allow_broker_user("guest", "alice", settings)
     lines = write_requests(tmp_path / "batch.jsonl", 5).read_bytes()
-    open_store(inbox).put("team-a/batch.jsonl", lines)
+    open_store(inbox).put("alice/batch.jsonl", lines)
+    open_store(inbox).put("bob/batch.jsonl", lines)  # the same store, another tenant's prefix
     open_store(s3_url).put("elsewhere/batch.jsonl", lines)  # the same bucket, outside the allowed prefix
     door = start_door(settings)
-    try:  # ingested by the consumer before it takes the next message: in progress once the second is handled
-        publish(queue_prefix, submit_body(input_url=f"{inbox}/team-a/batch.jsonl"), "m-s3")
+    try:  # ingested by the consumer before it takes the next message: in progress once the next is handled
+        publish(queue_prefix, submit_body(input_url=f"{inbox}/alice/batch.jsonl"), "m-s3")
         publish(queue_prefix, submit_body(input_url=f"{s3_url}/elsewhere/batch.jsonl"), "m-s3-outside")
+        publish(queue_prefix, submit_body(input_url=f"{inbox}/bob/batch.jsonl"), "m-s3-other-tenant")
         outside = _job_of(settings, "m-s3-outside")
+        other = _job_of(settings, "m-s3-other-tenant")
         job = api.status(_job_of(settings, "m-s3"), settings)
     finally:
         door.stop()
-    assert job.status is JobStatus.IN_PROGRESS and job.total == 5 and job.input_name == f"{inbox}/team-a/batch.jsonl"
-    refused = api.status(outside, settings)
-    assert refused.status is JobStatus.FAILED and "not in a store berth reads" in refused.error
+    assert job.status is JobStatus.IN_PROGRESS and job.total == 5 and job.input_name == f"{inbox}/alice/batch.jsonl"
+    for refused in (api.status(outside, settings), api.status(other, settings)):
+        assert refused.status is JobStatus.FAILED and "not in a store berth reads" in refused.error
+        assert f"its inputs go under {inbox}/alice/" in refused.error

@@ -18,7 +18,7 @@ import pytest
 
 from jobs import api
 from tests.jobs_support import TINY_NAME, work_until_over, write_requests
-from tests.queue_support import door_settings, start_door
+from tests.queue_support import broker_users, door_settings, start_door  # noqa: F401 (broker_users: a fixture)
 from tests.test_queue_door import _job_of
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "queue"
@@ -43,7 +43,7 @@ def test_the_documented_producer_submits_a_job_and_follows_it_to_the_end(
     requests = write_requests(tmp_path / "requests.jsonl", 3)
     message_id = f"example-{kind}-1"
     env = {**os.environ, "AMQP_URL": "amqp://guest:guest@127.0.0.1:5672/" + ("" if kind == "node" else "%2F"),
-           "BERTH_QUEUE_PREFIX": queue_prefix, "MESSAGE_ID": message_id}
+           "BERTH_QUEUE_PREFIX": queue_prefix, "MESSAGE_ID": message_id, "BERTH_TENANT": "alice"}
     door = start_door(settings)
     producer = subprocess.Popen([*command, str(requests), "--model", TINY_NAME], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -61,9 +61,35 @@ def test_the_documented_producer_submits_a_job_and_follows_it_to_the_end(
     assert events[-1]["job_id"] == job.id and job.metadata == {"submitted_by": Path(command[-1]).name}
 
 
+def test_the_python_producer_needs_no_more_than_a_tenant_users_permissions(
+        tmp_path, tiny_llama_dir, tiny_engine, pg_url, queue_prefix, broker_users):
+    """examples/queue/submit.py connected as a user with only the documented permissions of a tenant's
+    (docs/queue.md): it submits, and follows its job's events to the end."""
+    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix)
+    user, url = broker_users("team.a")  # a dot in the name: its routing keys' word is team%2Ea
+    api.allow_broker_user(user, "team.a", settings)
+    requests = write_requests(tmp_path / "requests.jsonl", 2)
+    env = {**os.environ, "AMQP_URL": url, "BERTH_QUEUE_PREFIX": queue_prefix, "MESSAGE_ID": "example-tenant-1",
+           "BERTH_TENANT": "team.a"}
+    door = start_door(settings)
+    producer = subprocess.Popen([*_command("python"), str(requests), "--model", TINY_NAME], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job = work_until_over(settings, tiny_engine, _job_of(settings, "example-tenant-1"))
+        out, err = producer.communicate(timeout=30)
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+        door.stop()
+    assert producer.returncode == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["type"] for e in events] == ["job.validating", "job.in_progress", "job.finalizing", "job.completed"]
+    assert {e["tenant"] for e in events} == {"team.a"} and events[-1]["job_id"] == job.id
+
+
 def test_the_curl_line_posts_what_the_management_api_publishes(tmp_path):
     """What examples/queue/submit.sh sends to RabbitMQ's management API (POST
-    /api/exchanges/%2F/amq.default/publish), caught by a stand-in for it."""
+    /api/exchanges/%2F/<prefix>.submit/publish), caught by a stand-in for it."""
     if shutil.which("jq") is None or shutil.which("curl") is None:
         pytest.skip("submit.sh needs jq and curl")
     got = []
@@ -94,7 +120,7 @@ def test_the_curl_line_posts_what_the_management_api_publishes(tmp_path):
         server.server_close()
     assert out.strip() == '{"routed":true}'
     [(path, auth, body)] = got
-    assert path == "/api/exchanges/%2F/amq.default/publish" and auth.startswith("Basic ")
+    assert path == "/api/exchanges/%2F/berth.submit/publish" and auth.startswith("Basic ")
     assert body == {"routing_key": "berth.jobs", "payload": message.read_text(), "payload_encoding": "string",
                     "properties": {"delivery_mode": 2, "content_type": "application/json", "message_id": "order-42",
                                    "user_id": "alice"}}

@@ -166,3 +166,52 @@ def test_checkpoint_keys_never_carry_user_text():
     assert not any(word in key for word in ("Ignore", "etc", "passwd", ".."))
     assert state_key("12345") == "checkpoints/v1/state/12345.json"  # berth's own ids are kept readable
     assert check_key(block_key("f" * 32, bytes(range(16)))).endswith("/000102030405060708090a0b0c0d0e0f.kv")
+
+
+def test_a_local_store_follows_no_link_below_its_root(tmp_path):
+    """A link planted in a store (by anyone who can write into its folder, a tenant dropping its
+    inputs there) is never followed: not to the host's files, not to another folder of the store,
+    not through a linked folder, for reading, listing, writing or deleting."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.jsonl").write_text("the host's secret\n")
+    root = tmp_path / "inbox"
+    store = open_store(f"file://{root}")
+    store.put("team-a/secret.jsonl", b"team-a's line\n")
+    (root / "team-b").mkdir()
+    (root / "team-b" / "passwd.jsonl").symlink_to("/etc/passwd")
+    (root / "team-b" / "theirs.jsonl").symlink_to("../team-a/secret.jsonl")  # stays inside the root
+    (root / "team-b" / "away").symlink_to(outside, target_is_directory=True)
+    for key in ("team-b/passwd.jsonl", "team-b/theirs.jsonl", "team-b/away/secret.jsonl"):
+        with pytest.raises(StorageError, match="link"):
+            store.get(key)
+        with pytest.raises(StorageError, match="link"):
+            store.open(key)
+        assert not store.exists(key)
+    assert [o.key for o in store.list("")] == ["team-a/secret.jsonl"]
+    assert list(store.list("team-b/")) == []
+    with pytest.raises(StorageError, match="link"):
+        store.put("team-b/away/planted.jsonl", b"x")  # a write through a linked folder
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.jsonl"]
+    store.delete("team-b/theirs.jsonl")  # the link goes, never what it names
+    assert not (root / "team-b" / "theirs.jsonl").is_symlink() and store.get("team-a/secret.jsonl")
+    store.put("team-b/passwd.jsonl", b"own\n")  # replaces the link itself, writes nothing through it
+    assert store.get("team-b/passwd.jsonl") == b"own\n" and not (root / "team-b" / "passwd.jsonl").is_symlink()
+    assert (outside / "secret.jsonl").read_text() == "the host's secret\n"
+
+
+def test_a_local_store_refuses_a_fifo_at_once_rather_than_blocking_on_it(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    os.mkfifo(tmp_path / "stall.jsonl")
+
+    def unblock():  # a reader blocked on the FIFO (as before) gets an end of file after 5 s
+        time.sleep(5)
+        try:
+            os.close(os.open(tmp_path / "stall.jsonl", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader: the store did not block
+            pass
+
+    threading.Thread(target=unblock, daemon=True).start()
+    with pytest.raises(StorageError, match="not a regular file"):
+        store.open("stall.jsonl")
+    assert not store.exists("stall.jsonl") and list(store.list("")) == []

@@ -126,9 +126,9 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
 
     # --- jobs submitted through the queue (``<prefix>.jobs``), job events and webhooks (docs/queue.md)
-    # Stores (file://FOLDER or s3://BUCKET/PREFIX, comma-separated) whose objects a submit message may name
-    # as its input; empty: none, only inline requests. Any broker user that may submit can make berth read
-    # what these hold, so name folders or prefixes meant for it, never the job store or a whole bucket.
+    # Stores (file://FOLDER/{tenant} or s3://BUCKET/PREFIX/{tenant}, comma-separated) whose objects a submit
+    # message may name as its input; empty: none, only inline requests. {tenant} is required in each: the
+    # message's tenant fills it in, so a tenant reads only its own part (jobs/queue_door/inputs.py).
     submit_input_stores: str = ""
     max_submit_bytes: int = 8 << 20  # a submit message's body at most (its inline requests included)
     webhook_max_attempts: int = 12  # POSTs of one event before it is given up

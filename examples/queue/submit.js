@@ -5,7 +5,8 @@
 //   node examples/queue/submit.js s3://berth-inbox/team-a/requests.jsonl      # an input berth reads itself
 //
 // Environment: AMQP_URL (amqp://guest:guest@127.0.0.1:5672/), BERTH_QUEUE_PREFIX (berth), MESSAGE_ID (the
-// idempotency key: give the same one when publishing again after a failure; default a new UUID).
+// idempotency key: give the same one when publishing again after a failure; default a new UUID), BERTH_TENANT
+// (the tenant your broker user is mapped to; default the user's name: its events are all it may bind to).
 // Prints each of the job's events as a JSON line; exits 0 once it completed, 1 if it failed or was refused.
 const amqp = require("amqplib");
 const crypto = require("crypto");
@@ -21,6 +22,7 @@ async function main() {
   const prefix = process.env.BERTH_QUEUE_PREFIX || "berth";
   const messageId = process.env.MESSAGE_ID || crypto.randomUUID();
   const user = decodeURIComponent(new URL(url).username || "guest");  // RabbitMQ checks user_id against it
+  const word = (process.env.BERTH_TENANT || user).replaceAll(".", "%2E");  // the first word of its routing keys
 
   const body = { version: 1, model, metadata: { submitted_by: "submit.js" } };
   if (/^(s3|file):\/\//.test(input)) body.input_url = input;
@@ -28,11 +30,12 @@ async function main() {
 
   const connection = await amqp.connect(url);
   const channel = await connection.createConfirmChannel();
-  // The job's events: a queue of our own on the events exchange, bound before publishing.
-  await channel.assertExchange(`${prefix}.events`, "topic", { durable: true });
+  // The job's events: a queue of our own on the events exchange (berth declares it), bound before publishing
+  // to the keys of our tenant, the only ones a tenant's user may bind.
+  await channel.checkExchange(`${prefix}.events`);
   const { queue } = await channel.assertQueue("", { exclusive: true });
-  await channel.bindQueue(queue, `${prefix}.events`, "job.*");
-  await channel.bindQueue(queue, `${prefix}.events`, "submit.rejected");
+  await channel.bindQueue(queue, `${prefix}.events`, `${word}.job.*`);
+  await channel.bindQueue(queue, `${prefix}.events`, `${word}.submit.rejected`);
   channel.on("return", () => {
     console.error(`no queue ${prefix}.jobs: is \`berth submit-consumer\` running?`);
     process.exit(2);
@@ -48,7 +51,7 @@ async function main() {
       if (["job.failed", "submit.rejected"].includes(event.type)) resolve(1);
     });
   });
-  channel.publish("", `${prefix}.jobs`, Buffer.from(JSON.stringify(body)), {
+  channel.publish(`${prefix}.submit`, `${prefix}.jobs`, Buffer.from(JSON.stringify(body)), {
     persistent: true, mandatory: true, contentType: "application/json", messageId, userId: user,
   });
   await channel.waitForConfirms();

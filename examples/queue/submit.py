@@ -3,7 +3,9 @@
     pip install pika
     AMQP_URL=amqp://alice:PASS@rabbit:5672/%2F python examples/queue/submit.py requests.jsonl --model NAME
 
-Environment: AMQP_URL, BERTH_QUEUE_PREFIX (berth), MESSAGE_ID (the idempotency key; default a new UUID).
+Environment: AMQP_URL, BERTH_QUEUE_PREFIX (berth), MESSAGE_ID (the idempotency key; default a new UUID),
+BERTH_TENANT (the tenant your broker user is mapped to; default the user's name): its events are
+those whose routing key begins with it, all a tenant's user may bind to.
 Prints each of the job's events as a JSON line; exits 0 once it completed, 1 if it failed or was refused.
 """
 
@@ -23,6 +25,7 @@ def main(argv: list[str]) -> int:
     prefix = os.environ.get("BERTH_QUEUE_PREFIX", "berth")
     message_id = os.environ.get("MESSAGE_ID") or str(uuid.uuid4())
     user = unquote(urlsplit(url).username or "guest")  # RabbitMQ checks user_id against the connection's user
+    word = os.environ.get("BERTH_TENANT", user).replace(".", "%2E")  # the first word of the tenant's routing keys
 
     body = {"version": 1, "model": model, "metadata": {"submitted_by": "submit.py"}}
     if source.startswith(("s3://", "file://")):
@@ -33,12 +36,12 @@ def main(argv: list[str]) -> int:
 
     connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
-    channel.exchange_declare(f"{prefix}.events", "topic", durable=True)
+    channel.exchange_declare(f"{prefix}.events", "topic", passive=True)  # berth declares it; a tenant may not
     queue = channel.queue_declare("", exclusive=True).method.queue
-    for key in ("job.*", "submit.rejected"):
+    for key in (f"{word}.job.*", f"{word}.submit.rejected"):
         channel.queue_bind(queue, f"{prefix}.events", key)
     channel.confirm_delivery()
-    channel.basic_publish("", f"{prefix}.jobs", json.dumps(body).encode(), pika.BasicProperties(
+    channel.basic_publish(f"{prefix}.submit", f"{prefix}.jobs", json.dumps(body).encode(), pika.BasicProperties(
         delivery_mode=2, content_type="application/json", message_id=message_id, user_id=user), mandatory=True)
     print(f"published job-submit message {message_id}", file=sys.stderr)
     for _method, _properties, raw in channel.consume(queue, auto_ack=True):

@@ -1,5 +1,5 @@
-"""The queue's door: jobs submitted by any producer as job-submit messages on ``<prefix>.jobs``
-(``docs/queue.md``, ``jobs/queue_door/schemas/job-submit.v1.json``).
+"""The queue's door: jobs submitted by any producer as job-submit messages on ``<prefix>.jobs``,
+published to the exchange ``<prefix>.submit`` (``docs/queue.md``, ``jobs/queue_door/schemas/job-submit.v1.json``).
 
     berth submit-consumer          # this consumer, the event relay and the webhook sender
 
@@ -11,10 +11,10 @@ Each message is handled alone, in order, and acked only once what it made is com
   same message published twice, or delivered again after a crash, makes one job (a second copy is
   acked and dropped; if the first copy's ingest was never dispatched, it is dispatched now).
 - What: the body is checked against the schema (``jobs.queue_door.contract``), its model against the one this
-  berth serves, its input read from a store named in ``BERTH_SUBMIT_INPUT_STORES`` (or taken
-  inline) and copied into the job store under the file limits, as ``berth submit`` copies a file;
-  then the job is made in ``validating`` and its ingest dispatched (``jobs.tasks``), as for
-  ``berth submit``.
+  berth serves, its input read from the tenant's own part of a store named in
+  ``BERTH_SUBMIT_INPUT_STORES`` (``jobs.queue_door.inputs``; or taken inline) and copied into the job
+  store under the file limits, as ``berth submit`` copies a file; then the job is made in
+  ``validating`` and its ingest dispatched (``jobs.tasks``), as for ``berth submit``.
 
 A message that cannot run becomes, where there is enough to make one (a tenant and a
 ``message_id``), a job in ``failed`` whose ``error`` is the reason, with a ``job.failed`` event;
@@ -23,16 +23,24 @@ with the reason in its ``x-berth-reason`` header and a ``submit.rejected`` event
 way it is acked and the consumer goes on to the next. When the database does not answer, the
 message is put back and tried again with backoff; a failure of berth's own (a bug) dead-letters
 the message with the error: the consumer never dies on a message.
+
+No message can hold the door for the tenants behind it: the body is read by the function the
+engine workers read theirs with (``worker.consumer.message_body``: any ``content_encoding``, a body
+the client library handed over as a ``str``), and a message whose dead letter fails too is put
+back and tried again ``SET_ASIDE_TRIES`` times in all, then acked and dropped with an error in the
+log, never redelivered forever.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import signal
 import socket
 import threading
+from collections import OrderedDict
 from contextlib import ExitStack
 from typing import BinaryIO
 
@@ -47,14 +55,16 @@ from jobs.queue import Outgoing, Publisher
 from jobs.queue_door.contract import SubmitMessage, SubmitRefused, read_submit, salvage
 from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import EventRelay, outgoing, rejection_body
+from jobs.queue_door.inputs import parse_input_stores
 from jobs.queue_door.webhooks import WebhookSender
 from jobs.submit import DuplicateSubmit, JobRefused, JobSpec, create_failed_job, create_job_from, submitted_job
 from jobs.tasks import INGEST, make_app
 from jobs.tenants import tenant_of_broker_user
 from jobs.validate import InputError
-from storage import ObjectNotFound, StorageError, check_key, open_store
+from storage import ObjectNotFound, StorageError, check_key
 from worker.config import ConfigError, Settings
 from worker.consumer.broker import REASON_HEADER
+from worker.consumer.message_body import keep_bodies_raw, raw_body
 from worker.consumer.queues import Topology, connect, is_embedded
 
 log = logging.getLogger("berth.submit")
@@ -62,6 +72,7 @@ log = logging.getLogger("berth.submit")
 MAX_MESSAGE_ID = 255  # the jobs.submit_message_id column, and AMQP's shortstr
 DATABASE_DOWN = (sql_errors.OperationalError, sql_errors.InterfaceError)
 RECONNECT_MAX = 10.0
+SET_ASIDE_TRIES = 3  # deliveries of a message whose dead letter fails before it is dropped (acked, logged)
 
 
 class SubmitConsumer:
@@ -71,8 +82,7 @@ class SubmitConsumer:
         if is_embedded(settings):
             raise ConfigError("the submit consumer needs RabbitMQ (its user_id check names the tenant): set "
                               "BERTH_BROKER_URL=amqp://USER:PASSWORD@HOST:5672//")
-        for store in settings.input_stores():
-            open_store(store)  # a bad BERTH_SUBMIT_INPUT_STORES fails now, not on a message
+        self.input_stores = parse_input_stores(settings.input_stores())  # a bad entry fails now, not on a message
         try:
             self.webhook_allow = Allowed.parse(settings.webhook_allow)  # and a bad BERTH_WEBHOOK_ALLOW
         except ValueError as exc:
@@ -87,6 +97,7 @@ class SubmitConsumer:
         self._publisher: Publisher | None = None  # dead letters and their events, confirmed
         self._stop = threading.Event()
         self._db_failures = 0
+        self._unsettled: OrderedDict[tuple, int] = OrderedDict()  # a message whose dead letter failed -> tries
 
     # ---- the loop
     def run(self, stop: threading.Event | None = None) -> None:
@@ -115,9 +126,15 @@ class SubmitConsumer:
     def _connect(self) -> None:
         self.connection = connect(self.settings)
         channel = self.connection.channel()
+        keep_bodies_raw(channel)
         self.topology.dead_queue.bind(channel).declare()
+        # the exchanges a tenant's user may use but not declare (docs/queue.md, the permissions)
+        self.topology.events_exchange.bind(channel).declare()
+        self.topology.submit_exchange.bind(channel).declare()
         # raw deliveries (on_message): kombu decodes nothing; the body is read as JSON here or refused
-        consumer = Consumer(channel, queues=[self.topology.jobs_queue], on_message=self._on_message, accept=[])
+        jobs = self.topology.jobs_queue.bind(channel)
+        consumer = Consumer(channel, queues=[jobs], on_message=self._on_message, accept=[])
+        jobs.bind_to(self.topology.submit_exchange, routing_key=jobs.name)
         consumer.qos(prefetch_count=1)
         consumer.consume()
         log.info("submit consumer: consuming %s", self.topology.jobs_queue.name)
@@ -132,8 +149,9 @@ class SubmitConsumer:
         self.connection = self._publisher = None
 
     def _on_message(self, message) -> None:
+        body = raw_body(message.body, message.content_encoding)  # as published, whatever the client decoded
         try:
-            self.handle(message.body, message.properties, message.content_type)
+            self.handle(body, message.properties, message.content_type, message.content_encoding)
         except DATABASE_DOWN as exc:
             self._db_failures += 1
             if self._db_failures == 1:
@@ -144,35 +162,65 @@ class SubmitConsumer:
         except Exception as exc:  # noqa: BLE001 (berth's own failure: this message is set aside, with why)
             log.exception("submit consumer: could not handle a message; dead-lettering it")
             self._db_failures = 0
-            self._dead_letter(message.body, message.properties, message.content_type,
-                              f"berth could not handle this message ({type(exc).__name__}: {str(exc)[:300]})")
+            if not self._set_aside(message, body, f"berth could not handle this message ({type(exc).__name__}: "
+                                                  f"{str(exc)[:300]})"):
+                return
         self._db_failures = 0
         message.ack()
 
+    def _set_aside(self, message, body: bytes, reason: str) -> bool:
+        """Dead-letter a message berth could not handle; True when it may be acked. When the dead
+        letter fails as well, the message is put back (False) and tried again, at most
+        ``SET_ASIDE_TRIES`` deliveries in all: then it is dropped with the reason in the log, so
+        that it cannot hold the queue for everyone behind it."""
+        properties = message.properties
+        try:
+            self._dead_letter(body, properties, message.content_type, reason, message.content_encoding)
+            return True
+        except Exception:  # noqa: BLE001 (the broker refused it, or a failure of berth's own again)
+            key = (hashlib.sha256(body).hexdigest(), properties.get("message_id"), properties.get("user_id"))
+            tries = self._unsettled.pop(key, 0) + 1
+            if tries >= SET_ASIDE_TRIES:
+                log.error("submit consumer: dropped message %r of %r (%d bytes) after %d tries to dead-letter it: %s",
+                          key[1], key[2], len(body), tries, reason, exc_info=True)
+                return True
+            self._unsettled[key] = tries
+            while len(self._unsettled) > 1000:
+                self._unsettled.popitem(last=False)
+            log.warning("submit consumer: could not dead-letter message %r of %r (try %d of %d); it is put back",
+                        key[1], key[2], tries, SET_ASIDE_TRIES, exc_info=True)
+            message.requeue()
+            self._stop.wait(min(0.5 * 2 ** tries, RECONNECT_MAX))
+            return False
+
     # ---- one message
-    def handle(self, body: bytes, properties: dict, content_type: str | None = None) -> str | None:
+    def handle(self, body: bytes | str, properties: dict, content_type: str | None = None,
+               content_encoding: str | None = None) -> str | None:
         """Make the job a message asks for (or its failed job, or its dead letter); the job's id
         (None: dead-lettered). The caller acks the message afterwards."""
+        body = raw_body(body, content_encoding)
         user, message_id = properties.get("user_id"), properties.get("message_id")
         if not user:
             return self._dead_letter(body, properties, content_type, "the message has no user_id: set the AMQP "
-                                     "property user_id to the broker user you connect as (RabbitMQ checks it)")
+                                     "property user_id to the broker user you connect as (RabbitMQ checks it)",
+                                     content_encoding)
         tenant = tenant_of_broker_user(self.db, user)
         if tenant is None:
             return self._dead_letter(body, properties, content_type,
                                      f"broker user {user[:100]!r} may not submit jobs: no tenant is mapped to it "
-                                     f"(`berth broker-user {user[:100]} --tenant TENANT`)")
+                                     f"(`berth broker-user {user[:100]} --tenant TENANT`)", content_encoding)
         if not message_id or len(message_id) > MAX_MESSAGE_ID:
             return self._dead_letter(body, properties, content_type,
                                      f"the message needs a message_id of 1 to {MAX_MESSAGE_ID} characters: it is the "
-                                     "idempotency key (the same message published twice makes one job)")
+                                     "idempotency key (the same message published twice makes one job)",
+                                     content_encoding, tenant)
         existing = submitted_job(self.db, tenant, message_id)
         if existing is not None:
             log.info("submit consumer: message %r of %s made job %s already", message_id, user, existing)
             self._resume(existing)
             return existing
         try:
-            job_id = self._create(body, content_type, tenant, message_id)
+            job_id = self._create(body, content_type, tenant, message_id, content_encoding)
         except DuplicateSubmit as dup:
             return dup.job_id
         except SubmitRefused as refused:
@@ -181,41 +229,46 @@ class SubmitConsumer:
         log.info("submit consumer: message %r of %s made job %s", message_id, user, job_id)
         return job_id
 
-    def _create(self, body: bytes, content_type: str | None, tenant: str, message_id: str) -> str:
-        message = read_submit(body, content_type, self.settings.max_submit_bytes, self.webhook_allow)
+    def _create(self, body: bytes, content_type: str | None, tenant: str, message_id: str,
+                content_encoding: str | None = None) -> str:
+        message = read_submit(body, content_type, self.settings.max_submit_bytes, self.webhook_allow,
+                              content_encoding=content_encoding)
         if message.model != self.model:
             raise SubmitRefused(f"model {message.model[:200]!r} is not served here: this berth runs {self.model!r}")
         spec = JobSpec(tenant, message.priority, message.completion_window, message.metadata)
         try:
             with ExitStack() as stack:
-                source, name = self._input(message)
+                source, name = self._input(message, tenant)
                 stack.callback(source.close)
                 return create_job_from(self.db, self.files, source, name, message.model, spec, self.settings,
                                        message_id=message_id, webhook_url=message.webhook_url)
         except (InputError, JobRefused, ObjectNotFound, StorageError) as exc:
             raise SubmitRefused(str(exc)) from None
 
-    def _input(self, message: SubmitMessage) -> tuple[BinaryIO, str]:
-        """The message's requests as a file to read, and the job's input name."""
+    def _input(self, message: SubmitMessage, tenant: str) -> tuple[BinaryIO, str]:
+        """The message's requests as a file to read, and the job's input name: inline, or an object
+        in the tenant's own part of an input store (``jobs.queue_door.inputs``), never another's."""
         if message.requests is not None:
             lines = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in message.requests)
             return io.BytesIO(lines), "inline requests"
         url = message.input_url
-        for store_url in self.settings.input_stores():
-            if url.startswith(store_url + "/"):
-                key = url[len(store_url) + 1:]
-                try:
-                    check_key(key)
-                except ValueError as exc:
-                    raise SubmitRefused(f"input_url {url[:300]!r}: {exc}") from None
-                try:
-                    return open_store(store_url).open(key), url
-                except ObjectNotFound:
-                    raise SubmitRefused(f"input_url {url[:300]!r}: there is no such object") from None
-                except StorageError as exc:
-                    raise SubmitRefused(f"input_url {url[:300]!r} could not be read: {exc}") from None
-        raise SubmitRefused(f"input_url {url[:300]!r} is not in a store berth reads submit inputs from "
-                            "(BERTH_SUBMIT_INPUT_STORES, set by its operator)")
+        for store in self.input_stores:
+            key = store.key_of(url, tenant)
+            if key is None:
+                continue
+            try:
+                check_key(key)
+            except ValueError as exc:
+                raise SubmitRefused(f"input_url {url[:300]!r}: {exc}") from None
+            try:
+                return store.store.open(key), url
+            except ObjectNotFound:
+                raise SubmitRefused(f"input_url {url[:300]!r}: there is no such object") from None
+            except StorageError as exc:
+                raise SubmitRefused(f"input_url {url[:300]!r} could not be read: {exc}") from None
+        own = ", ".join(store.tenant_url(tenant) for store in self.input_stores) or "none: give the requests inline"
+        raise SubmitRefused(f"input_url {url[:300]!r} is not in a store berth reads submit inputs from for tenant "
+                            f"{tenant!r} (its inputs go under {own}; BERTH_SUBMIT_INPUT_STORES, set by its operator)")
 
     def _fail(self, body: bytes, tenant: str, message_id: str, reason: str) -> str:
         kept = salvage(body, self.settings.max_submit_bytes, self.webhook_allow)
@@ -246,20 +299,23 @@ class SubmitConsumer:
         if waiting is not None:
             self._dispatch(job_id)
 
-    def _dead_letter(self, body: bytes, properties: dict, content_type: str | None, reason: str) -> None:
-        """The message to ``<prefix>.dead`` with the reason, and a ``submit.rejected`` event, both
-        confirmed (a failure raises: the message is then put back by the broker)."""
+    def _dead_letter(self, body: bytes, properties: dict, content_type: str | None, reason: str,
+                     content_encoding: str | None = None, tenant: str | None = None) -> None:
+        """The message, as it came, to ``<prefix>.dead`` with the reason, and a ``submit.rejected``
+        event (the tenant's, when the broker user has one), both confirmed (a failure raises)."""
         user, message_id = properties.get("user_id"), properties.get("message_id")
         dead = self.topology.dead_queue
         options = {"headers": {REASON_HEADER: reason[:1000], "x-berth-broker-user": user or ""},
-                   "content_type": content_type or "application/octet-stream", "content_encoding": "binary"}
+                   "content_type": content_type or "application/octet-stream",
+                   "content_encoding": content_encoding or "binary"}
         if message_id:
             options["message_id"] = message_id
         event = rejection_body(message_id, user, reason, dead.name)
         if self._publisher is None:
             self._publisher = Publisher(self.settings)
-        self._publisher.send([Outgoing(self.topology.dead_exchange, dead.routing_key, body, (dead,), options),
-                              outgoing(self.topology, event, None)])
+        self._publisher.send([Outgoing(self.topology.dead_exchange, dead.routing_key, raw_body(body, content_encoding),
+                                       (dead,), options),
+                              outgoing(self.topology, event, tenant)])
         log.warning("submit consumer: dead-lettered message %r of %r: %s", message_id, user, reason)
         return None
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from jobs.lifecycle import window_seconds
 from jobs.queue_door.destinations import PUBLIC_ONLY, Allowed, DestinationRefused, check_url
+from worker.consumer.message_body import BodyTooLarge, UnreadableBody, read_json
 
 if TYPE_CHECKING:  # jsonschema is imported where a message is checked: an engine worker never does
     from jsonschema import Draft202012Validator
@@ -46,6 +47,22 @@ def validator(name: str) -> Draft202012Validator:
     return _validator_of(schema(name))
 
 
+def event_routing_key(tenant: str | None, event_type: str) -> str:
+    r"""The routing key of an event on ``<prefix>.events``: the tenant's word, a dot, the event's type
+    (``team-a.job.completed``, ``team-a.submit.rejected``).
+
+    Why the tenant comes first, as one word: RabbitMQ's topic permissions check the key of every
+    binding a user makes against a regular expression (``set_topic_permissions``), so a tenant's
+    user allowed ``^team-a\.`` can bind ``team-a.#`` or ``team-a.job.completed`` and nothing that
+    matches another tenant's events (``#``, ``*.job.completed``). A tenant's name may hold dots,
+    which would make it several words (tenant ``team`` binding ``team.#`` would get tenant
+    ``team.a``'s events), so a dot in it is written ``%2E``, which no other name can be (names
+    have no ``%``). A submit message with no tenant (no ``user_id``, a user mapped to none) has an
+    empty word, ``.submit.rejected``: no tenant's pattern matches it, the operator's ``#`` does."""
+    word = "" if tenant is None else tenant.replace(".", "%2E")
+    return f"{word}.{event_type}"
+
+
 class SubmitRefused(ValueError):
     """A submit message berth will not run; the text is the reason the producer gets."""
 
@@ -63,11 +80,11 @@ class SubmitMessage:
     webhook_url: str | None = None
 
 
-def read_submit(body: bytes, content_type: str | None, max_bytes: int,
-                webhook_allow: Allowed = PUBLIC_ONLY) -> SubmitMessage:
+def read_submit(body: bytes | str, content_type: str | None, max_bytes: int,
+                webhook_allow: Allowed = PUBLIC_ONLY, *, content_encoding: str | None = None) -> SubmitMessage:
     """The message a body holds; ``SubmitRefused`` with the reason when it is not a valid one
     (``webhook_allow``: the operator's allow-list of webhook destinations, BERTH_WEBHOOK_ALLOW)."""
-    data = decode(body, content_type, max_bytes)
+    data = decode(body, content_type, max_bytes, content_encoding)
     if isinstance(data, dict) and ("input_url" in data) == ("requests" in data):
         raise SubmitRefused("give the input as input_url (an object in a store berth reads submit inputs from) or "
                             "as requests (the request lines inline), exactly one of them")
@@ -91,29 +108,25 @@ def read_submit(body: bytes, content_type: str | None, max_bytes: int,
                          data.get("completion_window", "24h"), dict(data.get("metadata", {})), webhook)
 
 
-def decode(body: bytes, content_type: str | None, max_bytes: int) -> object:
-    """The JSON a body holds (UTF-8, at most ``max_bytes``); ``SubmitRefused`` otherwise. Never
-    anything but JSON: a body of another content type is refused, not decoded."""
-    kind = (content_type or "application/json").split(";")[0].strip().lower()
-    if kind != "application/json":
-        raise SubmitRefused(f"content type {content_type[:100]!r}: send the message as application/json")
-    if len(body) > max_bytes:
-        raise SubmitRefused(f"the message is {len(body):,} bytes, over the limit of {max_bytes:,}: put the requests "
-                            "in a file and give its input_url, or raise BERTH_MAX_SUBMIT_BYTES")
+def decode(body: bytes | str, content_type: str | None, max_bytes: int, content_encoding: str | None = None) -> object:
+    """The JSON a body holds (UTF-8, at most ``max_bytes``); ``SubmitRefused`` otherwise. The body is
+    read as the engine worker reads its messages (``worker.consumer.message_body``): never anything
+    but JSON, whatever ``content_encoding`` says, a ``str`` body taken back to its bytes."""
     try:
-        return json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise SubmitRefused("the message is not UTF-8 text: send a JSON object (docs/queue.md)") from None
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a number of too many digits, nesting too deep
-        raise SubmitRefused(f"the message is not JSON ({type(exc).__name__}: {str(exc)[:200]}): send a JSON object "
-                            "(docs/queue.md)") from None
+        return read_json(body, content_type, content_encoding, max_bytes)
+    except BodyTooLarge as exc:
+        raise SubmitRefused(f"{exc}: put the requests in a file and give its input_url, or raise "
+                            "BERTH_MAX_SUBMIT_BYTES") from None
+    except UnreadableBody as exc:
+        raise SubmitRefused(f"{exc} (docs/queue.md)") from None
 
 
-def salvage(body: bytes, max_bytes: int, webhook_allow: Allowed = PUBLIC_ONLY) -> dict:
+def salvage(body: bytes | str, max_bytes: int, webhook_allow: Allowed = PUBLIC_ONLY, *,
+            content_encoding: str | None = None) -> dict:
     """What can be kept of a refused message for its failed job (and the job's events): each of
     model, priority, completion_window, metadata and webhook_url that is valid on its own."""
     try:
-        data = decode(body, None, max_bytes)
+        data = decode(body, None, max_bytes, content_encoding)
     except SubmitRefused:
         return {}
     if not isinstance(data, dict):

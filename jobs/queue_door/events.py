@@ -1,5 +1,5 @@
 """Job events: every change of a job's status, published on the topic exchange ``<prefix>.events``
-(routing key ``job.<status>``, the tenant in the ``tenant`` header, persistent) and POSTed to the
+(routing key ``<tenant>.job.<status>``, the tenant in the ``tenant`` header too, persistent) and POSTed to the
 job's webhook (``jobs.queue_door.webhooks``). The body is ``jobs/queue_door/schemas/job-event.v1.json``.
 
 Why an outbox written by triggers. A job changes state in seven places (submit, ingest's close,
@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session, aliased
 from jobs.db import Database, open_database
 from jobs.models import Job, JobEvent, Tenant, now
 from jobs.queue import Outgoing, Publisher
-from jobs.queue_door.contract import CONTRACT_VERSION
+from jobs.queue_door.contract import CONTRACT_VERSION, event_routing_key
 from storage import open_store
 from worker.config import Settings
 from worker.consumer.queues import Topology, is_embedded
@@ -84,7 +84,8 @@ def outgoing(topology: Topology, body: dict, tenant: str | None) -> Outgoing:
                "message_id": body["event_id"], "type": body["type"], "timestamp": int(body["occurred_at"])}
     if body.get("message_id"):
         options["correlation_id"] = body["message_id"]
-    return Outgoing(topology.events_exchange, body["type"], encode(body), (topology.events_exchange,), options)
+    key = event_routing_key(tenant, body["type"])  # per tenant, for RabbitMQ's topic permissions
+    return Outgoing(topology.events_exchange, key, encode(body), (topology.events_exchange,), options)
 
 
 def pending_events(session, limit: int, where) -> list[tuple[JobEvent, Job, Tenant]]:

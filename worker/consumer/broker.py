@@ -4,7 +4,8 @@ Every broker call goes through one guard: a connection or channel error marks th
 instead of raising into the loop, and ``maintain`` reconnects with the worker's one backoff while
 the engine keeps stepping (kombu's own retries would sleep in the loop). Deliveries are taken raw
 (``on_message``), never decoded by kombu inside ``drain_events``: a body berth cannot read is the
-admission's to refuse, not an exception that would end the worker on every redelivery.
+admission's to refuse, not an exception that would end the worker on every redelivery. A body is
+read by ``worker.consumer.message_body``, the function the queue door reads its messages with too.
 
 A delivery is valid only on the channel it came on: after a reconnection the broker has requeued
 it, and ``is_current`` says so (its redelivery is then adopted by the request still running here).
@@ -16,7 +17,7 @@ import logging
 import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import kombu
 from kombu import Producer
@@ -24,6 +25,7 @@ from kombu.exceptions import OperationalError
 
 from worker.config import Settings
 from worker.consumer.backoff import Backoff
+from worker.consumer.message_body import keep_bodies_raw, raw_body, read_json
 from worker.consumer.queues import Topology, connect, queue_depth
 from worker.metrics import WorkerMetrics
 
@@ -37,13 +39,16 @@ REASON_HEADER = "x-berth-reason"
 class Delivery:
     """One message handed to this worker."""
 
-    body: bytes | str
+    body: bytes | str  # a str when the client library decoded it by its content_encoding
     content_type: str | None
     content_encoding: str | None
     redelivered: bool
     tenant: str | None  # of the queue it came from, where known
-    decode: Callable[[], object]  # the body as JSON; raises on anything else
     message: object = field(default=None, repr=False)  # the broker's handle, for acks
+
+    def decode(self) -> object:
+        """The body as JSON; ``UnreadableBody`` with the reason for anything else."""
+        return read_json(self.body, self.content_type, self.content_encoding)
 
 
 class BrokerLink:
@@ -85,7 +90,9 @@ class BrokerLink:
         """Connect and consume the queues followed so far (waiting for the broker if ``max_retries`` is None)."""
         self.connection = connect(self.settings)
         self.connection.ensure_connection(max_retries=max_retries, interval_max=10)
-        self.consumer = kombu.Consumer(self.connection.channel(), queues=list(self.queues.values()),
+        channel = self.connection.channel()
+        keep_bodies_raw(channel)
+        self.consumer = kombu.Consumer(channel, queues=list(self.queues.values()),
                                        on_message=self._on_message, accept=["json"], no_ack=False)
         self._qos(self.window)
         self.consumer.consume()
@@ -143,8 +150,7 @@ class BrokerLink:
     def _on_message(self, message) -> None:
         info = message.delivery_info or {}
         self._received.append(Delivery(message.body, message.content_type, message.content_encoding,
-                                       bool(info.get("redelivered")), self._tenant_of(info), message.decode,
-                                       message))
+                                       bool(info.get("redelivered")), self._tenant_of(info), message))
 
     def _tenant_of(self, info: dict) -> str | None:
         key = str(info.get("routing_key") or "")
@@ -177,7 +183,7 @@ class BrokerLink:
             if self._dead is None:
                 self._dead = connect(self.settings, confirm=True)
             Producer(self._dead.default_channel).publish(
-                delivery.body, exchange=self.topology.dead_exchange, routing_key=self.topology.dead_queue.routing_key,
+                raw_body(delivery.body, delivery.content_encoding), exchange=self.topology.dead_exchange, routing_key=self.topology.dead_queue.routing_key,
                 declare=[self.topology.dead_queue], delivery_mode=2,
                 content_type=delivery.content_type or "application/data",
                 content_encoding=delivery.content_encoding or "binary",

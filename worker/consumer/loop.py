@@ -75,6 +75,7 @@ from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.housekeeper import Chore, Housekeeper
 from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
+from worker.consumer.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
 from worker.consumer.queues import BadMessage, RequestRef, parse_request_body
 from worker.engine.engine import Engine, RequestRejected
@@ -215,8 +216,8 @@ class EngineWorker:
         for delivery in batch:
             try:
                 ref = parse_request_body(delivery.decode())
-            except Exception as exc:  # noqa: BLE001 (BadMessage, or the decoder's own: not JSON, a content type)
-                why = str(exc) if isinstance(exc, BadMessage) else f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 (BadMessage, UnreadableBody: not JSON, a content type; or a bug)
+                why = str(exc) if isinstance(exc, (BadMessage, UnreadableBody)) else f"{type(exc).__name__}: {exc}"
                 self.broker.dead_letter(delivery, f"unreadable message: {why}"[:1000])
                 continue
             running = self.inflight.get(str(ref.request_id))

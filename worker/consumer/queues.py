@@ -10,8 +10,9 @@ Topology (names start with ``Settings.queue_prefix``):
   its engine always sees every tenant's waiting work and shares its seats between them (a queue
   per model alone would be first-come first-served: a tenant's 100,000-line job would hold the
   head of the queue and every other tenant would wait behind it, whatever its share).
-- ``<prefix>.jobs`` and ``<prefix>.events`` — jobs submitted through the queue and job events, the
-  public contract of ``docs/queue.md`` (``jobs.queue_door.consumer``, ``jobs.queue_door.events``).
+- ``<prefix>.submit`` (bound to the queue ``<prefix>.jobs``) and ``<prefix>.events`` — jobs submitted
+  through the queue and job events, the public contract of ``docs/queue.md``
+  (``jobs.queue_door.consumer``, ``jobs.queue_door.events``).
 - ``<prefix>.dead`` — the dead-letter exchange and queue: a request that was delivered
   ``max_delivery_attempts`` times without finishing, or a message berth cannot read, is published
   there (with an ``x-berth-reason`` header) and its delivery acked.
@@ -168,8 +169,17 @@ class Topology:
         return Queue(f"{self.prefix}.jobs", Exchange(""), routing_key=f"{self.prefix}.jobs", durable=True)
 
     @property
+    def submit_exchange(self) -> Exchange:
+        """Where producers publish job-submit messages (docs/queue.md): a durable direct exchange bound
+        to ``jobs_queue`` by its name. A tenant's broker user may write here and nowhere else: write
+        permission on the default exchange would let it publish to every queue by name, berth's
+        request queues and Celery's included."""
+        return Exchange(f"{self.prefix}.submit", "direct", durable=True)
+
+    @property
     def events_exchange(self) -> Exchange:
-        """Job events, routing key ``job.<status>`` (and ``submit.rejected``): a durable topic exchange."""
+        """Job events, routing key ``<tenant>.job.<status>`` (and ``<tenant>.submit.rejected``; see
+        ``jobs.queue_door.contract.event_routing_key``): a durable topic exchange."""
         return Exchange(f"{self.prefix}.events", "topic", durable=True)
 
 
