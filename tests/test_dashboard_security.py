@@ -165,6 +165,10 @@ def test_open_answers_only_its_own_names(tmp_path, tiny_llama_dir, browser):
         browser.get(f"http://{REBOUND}:{server.port}/dashboard/data.json")  # the rebound page, in a browser
         shown = browser.find_element(By.TAG_NAME, "body").text
         assert "invalid_host" in shown and '"jobs"' not in shown
+    from jobs.http.origin import allowed_hosts
+
+    assert allowed_hosts("::1", []) == {"::1", "localhost"}
+    assert allowed_hosts("localhost", []) == {"127.0.0.1", "::1", "localhost"}  # it may be either
     allowed = embedded_settings(tiny_llama_dir, tmp_path, http_allowed_hosts="berth.lan, other.lan")
     with serving(allowed, worker=False, open_access=True) as server:
         assert _request(server, "GET", "/dashboard/data.json", host=f"berth.lan:{server.port}")[0] == 200

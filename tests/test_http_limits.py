@@ -346,6 +346,8 @@ def test_a_batchs_output_files_expire_after_its_output_expires_after(tmp_path, t
             with pytest.raises(openai.NotFoundError):
                 c.files.content(file_id)
         assert c.batches.retrieve(batch.id).output_file_id == batch.output_file_id  # as OpenAI: the id stays
+        with pytest.raises(openai.NotFoundError, match="expired or was deleted"):  # berth's results extension
+            c.get(f"/batches/{batch.id}/results", cast_to=str)
         assert not any(store.exists(k) for k in unseen_keys)
         assert get_job(db, unseen).output_key is None
         assert c.files.content(kept.output_file_id).content  # a batch without the policy keeps its files

@@ -219,6 +219,8 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
              summary="berth's extension: the lines finished so far, in input order (JSONL)")
     def batch_results(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)]) -> StreamingResponse:
         view = batches.tenant_job(db, tenant, batch_id)
+        if view.output_file_id is not None and view.output_key is None:  # its output file expired or was deleted
+            raise ApiError(404, f"the output of batch {view.id} is gone: its output file expired or was deleted")
         lines = (json.dumps(line, ensure_ascii=False).encode() + b"\n" for line in finished_lines(db, view.id))
         return StreamingResponse(lines, media_type="application/jsonl")
 

@@ -37,9 +37,10 @@ def host_name(host: str) -> str:
 
 
 def allowed_hosts(listen_host: str | None, extra: list[str]) -> frozenset[str]:
-    """The names an open server answers: the loopback address it listens on (any of them when not
-    known), ``localhost``, and ``extra``."""
-    own = {listen_host.strip("[]").lower()} if listen_host else set(LOOPBACK_NAMES)
+    """The names an open server answers: the loopback address it listens on (all of them when not
+    known, or when it listens on ``localhost``, which may be either), ``localhost``, and ``extra``."""
+    listen = (listen_host or "localhost").strip("[]").lower()
+    own = set(LOOPBACK_NAMES) if listen == "localhost" else {listen}
     return frozenset(own | {"localhost"} | {host_name(h) for h in extra})
 
 
