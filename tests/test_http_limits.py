@@ -272,6 +272,33 @@ def test_a_tenants_files_are_bounded_in_number_and_bytes(tmp_path, tiny_llama_di
         assert len(alice.files.list().data) == 2
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_uploads_at_once_cannot_share_the_last_room(backend, tmp_path, tiny_llama_dir, request):
+    """Room for one more file and eight uploads at once: the check runs with the tenant's row held, so
+    exactly one gets in, whatever the order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = write_requests(tmp_path / "r.jsonl", 2)
+    settings = embedded_settings(tiny_llama_dir, tmp_path, tenant_max_files=2)
+    if backend == "postgresql":
+        settings.database_url = request.getfixturevalue("pg_url")
+    with serving(settings, worker=False) as server:
+        c = client(server, key_for(settings, "alice"))
+        upload(c, requests)
+
+        def attempt(_) -> str:
+            try:
+                return upload(c, requests).id
+            except openai.APIStatusError as exc:
+                return exc.code
+
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(attempt, range(8)))
+        assert sorted(o.startswith("file-") for o in outcomes) == [False] * 7 + [True], outcomes
+        assert outcomes.count("too_many_files") == 7
+        assert len(c.files.list().data) == 2 and len(_stored(settings)) == 2
+
+
 def test_an_upload_expires_after_its_expires_after(served):
     from jobs.file_removal import expire_files
     from storage import open_store
