@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import openai
 import pytest
@@ -90,11 +91,13 @@ def _zeros(total: int, chunk: int = MB):
         yield piece[:min(chunk, total - start)]
 
 
-def _form_of_fields(boundary: str, count: int, size: int) -> tuple[list[bytes], int]:
+def _form_of_fields(boundary: str, count: int, size: int) -> tuple[Iterator[bytes], int]:
     """A multipart body of ``count`` fields of ``size`` bytes (as parts, made lazily) and its length."""
     value = b"x" * size
-    part = lambda i: (f"--{boundary}\r\nContent-Disposition: form-data; name=\"field{i}\"\r\n\r\n".encode()  # noqa
-                      + value + b"\r\n")
+
+    def part(i: int) -> bytes:
+        return f"--{boundary}\r\nContent-Disposition: form-data; name=\"field{i}\"\r\n\r\n".encode() + value + b"\r\n"
+
     end = f"--{boundary}--\r\n".encode()
     length = sum(len(part(i)) for i in range(count)) + len(end)
     return (b"".join(part(j) for j in range(i, min(i + 16, count))) if i < count else end

@@ -7,8 +7,9 @@ Every route but the OpenAPI document needs ``Authorization: Bearer <key>`` (``be
 checked before a body is read (``jobs.http.guard``, with the body limits, the Host check of an open
 server and the refusal of cross-site requests); the key's tenant sees only its own files and
 batches, and another tenant's id is a 404. An app made ``open_access`` serves requests without a
-valid key as tenant ``default`` (``berth serve --open``, on this machine only). The routes are thin: the work is in ``jobs.http.batches``, ``jobs.http.files``,
-``jobs.http.idempotency`` and the rest of ``jobs``. Extensions beyond OpenAI: ``GET
+valid key as tenant ``default`` (``berth serve --open``, on this machine only). The routes are thin:
+the work is in ``jobs.http.batches``, ``jobs.http.files``, ``jobs.http.idempotency`` and the rest
+of ``jobs``. Extensions beyond OpenAI: ``GET
 /v1/batches/{id}/results`` (the lines finished so far) and ``POST /v1/batches/{id}/retry``.
 """
 
