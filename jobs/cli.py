@@ -389,6 +389,8 @@ def retry(job_id, as_json, **flags):
 @click.option("--open", "open_access", is_flag=True,
               help="serve requests without a valid API key as tenant 'default' (only on 127.0.0.1)")
 @click.option("--max-file-bytes", help="the largest upload (200MB)")
+@click.option("--allowed-hosts", "http_allowed_hosts",
+              help="Host names --open answers besides its loopback address and localhost (comma-separated)")
 @service_options
 @engine_options
 def serve(host, port, open_access, **flags):

@@ -25,7 +25,7 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from jobs.tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, RECONCILE, make_app
+from jobs.tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, EXPIRE_FILES, RECONCILE, make_app
 from worker.config import Settings
 from worker.consumer.queues import broker_url, is_embedded
 
@@ -33,6 +33,7 @@ log = logging.getLogger("berth.housekeeping")
 
 RECONCILE_SECONDS = 5.0
 EXPIRE_SECONDS = 5.0
+EXPIRE_FILES_SECONDS = 60.0  # files expire an hour or more after they are made: a minute late is on time
 QUEUE_GC_SECONDS = 600.0
 HANDED_OUT_KEEP_SECONDS = 3600.0
 DELETE_BATCH = 10_000  # rows per delete: the queue's one write lock is never held long
@@ -47,6 +48,7 @@ def chores(settings: Settings) -> list[tuple[float, Chore]]:
     tasks = make_app(settings, eager=True).tasks
     return [(RECONCILE_SECONDS, _logged("reconcile", tasks[RECONCILE])),
             (EXPIRE_SECONDS, _logged("expire", tasks[EXPIRE])),
+            (EXPIRE_FILES_SECONDS, _logged("expire_files", tasks[EXPIRE_FILES])),
             (CHECKPOINT_GC_PERIOD_SECONDS, _logged("checkpoint_gc", tasks[CHECKPOINT_GC])),
             (QUEUE_GC_SECONDS, _logged("queue_gc", lambda: delete_handed_out(settings)))]
 

@@ -98,6 +98,8 @@ class Job(Base):
     error_file_id: Mapped[str | None] = mapped_column(String(40))
     submit_message_id: Mapped[str | None] = mapped_column(String(255))  # set for jobs submitted through the queue
     webhook_url: Mapped[str | None] = mapped_column(Text)  # where its events are POSTed, if anywhere
+    # OpenAI's output_expires_after: its output and errors files are deleted this long after they are written
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)
 
 
 class RequestRow(Base):
@@ -188,6 +190,7 @@ class FileRow(Base):
     key: Mapped[str] = mapped_column(Text)  # where the content is in the store
     job_id: Mapped[str | None] = mapped_column(String(40))  # the job it belongs to, for a job's own files
     created_at: Mapped[float] = mapped_column(Float, default=now)
+    expires_at: Mapped[float | None] = mapped_column(Float, index=True)  # deleted then (jobs.file_removal)
 
 
 class IdempotencyKey(Base):

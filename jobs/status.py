@@ -45,6 +45,7 @@ class JobView:
     output_file_id: str | None = None
     error_file_id: str | None = None
     message_id: str | None = None  # the AMQP message_id of a job submitted through the queue
+    output_expires_after: int | None = None  # seconds its output and errors files are kept once written
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -53,7 +54,7 @@ class JobView:
                    job.created_at, job.in_progress_at, job.finalizing_at, job.completed_at, job.failed_at,
                    job.cancelling_at, job.cancelled_at, job.expired_at, job.expires_at, job.output_key,
                    job.errors_key, job.error, job.endpoint, job.input_file_id, job.output_file_id, job.error_file_id,
-                   job.submit_message_id)
+                   job.submit_message_id, job.output_expires_after)
 
     @property
     def done(self) -> int:

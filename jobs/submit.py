@@ -42,6 +42,7 @@ class JobSpec:
     completion_window: str = "24h"
     metadata: dict = field(default_factory=dict)
     endpoint: str | None = None  # an OpenAI batch's endpoint, as shown; each line still runs at its own url
+    output_expires_after: int | None = None  # seconds its output and errors files are kept; None: until deleted
 
     def check(self) -> None:
         check_tenant_name(self.tenant)
@@ -108,7 +109,8 @@ def create_job_from(db: Database, files: JobFiles, source: BinaryIO, input_name:
                       input_name=input_name[:500], input_key=keys.input_key(job_id), total=0, completed=0, failed=0,
                       prompt_tokens=0, completion_tokens=0, created_at=created,
                       expires_at=created + window_seconds(spec.completion_window), endpoint=spec.endpoint,
-                      input_file_id=input_file_id, submit_message_id=message_id, webhook_url=webhook_url))
+                      input_file_id=input_file_id, submit_message_id=message_id, webhook_url=webhook_url,
+                      output_expires_after=spec.output_expires_after))
     except BaseException as exc:
         try:
             files.store.delete(keys.input_key(job_id))

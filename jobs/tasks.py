@@ -22,6 +22,7 @@ from celery import Celery
 
 from jobs.checkpoint_gc import collect_checkpoints
 from jobs.db import open_database
+from jobs.file_removal import expire_files
 from jobs.files import JobFiles
 from jobs.finalize import finalize
 from jobs.ingest import ingest
@@ -34,6 +35,7 @@ from worker.consumer.queues import Topology, is_embedded
 
 INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
 CHECKPOINT_GC = "berth.checkpoint_gc"
+EXPIRE_FILES = "berth.expire_files"  # files past their expires_at (OpenAI's expires_after, output_expires_after)
 log = logging.getLogger("berth.tasks")
 
 PERIOD_SECONDS = 60.0
@@ -52,7 +54,8 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
         worker_hijack_root_logger=False,
         beat_schedule={"reconcile": {"task": RECONCILE, "schedule": PERIOD_SECONDS},
                        "expire": {"task": EXPIRE, "schedule": PERIOD_SECONDS},
-                       "checkpoint_gc": {"task": CHECKPOINT_GC, "schedule": CHECKPOINT_GC_PERIOD_SECONDS}})
+                       "checkpoint_gc": {"task": CHECKPOINT_GC, "schedule": CHECKPOINT_GC_PERIOD_SECONDS},
+                       "expire_files": {"task": EXPIRE_FILES, "schedule": PERIOD_SECONDS}})
 
     def db():
         return open_database(settings.database_url)
@@ -79,6 +82,10 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
     @app.task(name=EXPIRE, shared=False)
     def expire_jobs() -> None:
         finalize_later(app, expire_due(db()))
+
+    @app.task(name=EXPIRE_FILES, shared=False)
+    def expire_stored_files() -> None:
+        expire_files(db(), open_store(settings.storage_url))
 
     @app.task(name=CHECKPOINT_GC, shared=False)
     def collect_checkpoint_garbage() -> None:

@@ -99,6 +99,38 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 << 20  # 200MB; BERTH_MAX_FILE_BYTES takes a size (1GiB) or bytes
     max_jobs_in_flight: int = 100  # a tenant's jobs validating or in progress at once; the next submit is refused
 
+    # --- berth serve: what one request may send and one tenant may keep (checked before a body is read)
+    http_max_body_bytes: int = 1 << 20  # the body of every route but POST /v1/files (max_file_bytes bounds it); 413
+    http_max_form_fields: int = 16  # form fields of an upload besides its file (OpenAI's use 3); 400 beyond
+    tenant_max_storage_bytes: int = 100 << 30  # a tenant's files (what GET /v1/files lists) at most; 0 = no limit
+    tenant_max_files: int = 10_000  # ... and how many; an upload past either is a 413 until files are deleted
+    # --- berth serve: browsers (the dashboard)
+    http_secure_cookies: bool = False  # the sign-in cookie only over HTTPS: set it when served behind TLS
+    http_allowed_hosts: str = ""  # Host names --open answers besides its loopback address and localhost (a,b)
+
+    @field_validator("http_max_body_bytes", "tenant_max_storage_bytes", mode="before")
+    @classmethod
+    def _http_bytes(cls, v):
+        return int(parse_memory(v))
+
+    @field_validator("http_max_body_bytes", "http_max_form_fields")
+    @classmethod
+    def _http_at_least_one(cls, v):
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("tenant_max_storage_bytes", "tenant_max_files")
+    @classmethod
+    def _quota(cls, v):
+        if v < 0:
+            raise ValueError("must not be negative (0: no limit)")
+        return v
+
+    def allowed_hosts(self) -> list[str]:
+        """``http_allowed_hosts`` as a list of lower-case names."""
+        return [h.strip().lower() for h in self.http_allowed_hosts.split(",") if h.strip()]
+
     # --- jobs: structured outputs (response_format, guided_*, structured_outputs) a request may ask for
     # Sizes take a unit (64KiB) or bytes; each bounds what the grammar library compiles for one request.
     structured_max_schema_bytes: int = 64 << 10  # a JSON schema as compact JSON text

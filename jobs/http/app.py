@@ -3,11 +3,13 @@ openai client (``base_url="http://HOST:PORT/v1"``).
 
     app = create_app(settings)              # uvicorn jobs.http.app:app serves one from the environment
 
-Every route but the OpenAPI document needs ``Authorization: Bearer <key>`` (``berth key create``);
-the key's tenant sees only its own files and batches, and another tenant's id is a 404. An app made
-``open_access`` serves requests without a valid key as tenant ``default`` (``berth serve --open``, on
-this machine only). The routes are thin: the work is in ``jobs.http.batches``, ``jobs.http.files``,
-``jobs.http.idempotency`` and the rest of ``jobs``. Extensions beyond OpenAI: ``GET
+Every route but the OpenAPI document needs ``Authorization: Bearer <key>`` (``berth key create``),
+checked before a body is read (``jobs.http.guard``, with the body limits, the Host check of an open
+server and the refusal of cross-site requests); the key's tenant sees only its own files and
+batches, and another tenant's id is a 404. An app made ``open_access`` serves requests without a
+valid key as tenant ``default`` (``berth serve --open``, on this machine only). The routes are thin:
+the work is in ``jobs.http.batches``, ``jobs.http.files``, ``jobs.http.idempotency`` and the rest
+of ``jobs``. Extensions beyond OpenAI: ``GET
 /v1/batches/{id}/results`` (the lines finished so far) and ``POST /v1/batches/{id}/retry``.
 """
 
@@ -22,6 +24,7 @@ from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from jobs.http import files as api_files
 
@@ -31,8 +34,10 @@ from jobs.finalize import finished_lines
 from jobs.http import batches
 from jobs.http.dashboard import dashboard_router
 from jobs.http.errors import ApiError, install
+from jobs.http.guard import TENANT_SCOPE_KEY, RequestGuard
 from jobs.http.idempotency import fingerprint, idempotent
 from jobs.http.keys import tenant_of_key
+from jobs.http.origin import allowed_hosts
 from jobs.http.pagination import list_object
 from jobs.http.schemas import (
     Batch,
@@ -46,7 +51,7 @@ from jobs.http.schemas import (
     ModelList,
 )
 from jobs.http.tasks import Tasks
-from jobs.http.upload import read_upload
+from jobs.http.upload import body_limit, read_upload
 from jobs.lifecycle import JobNotFound
 from jobs.models import now
 from jobs.retry import retry_job
@@ -56,14 +61,20 @@ from worker.config import Settings
 log = logging.getLogger("berth.http")
 
 OPEN_TENANT = "default"
-ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 429)}
+ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 429)}
 _UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"],
     "properties": {"file": {"type": "string", "format": "binary"},
-                   "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+                   "purpose": {"type": "string", "enum": ["batch"]},
+                   "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                   "expires_after[seconds]": {"type": "integer", "minimum": api_files.MIN_EXPIRY,
+                                              "maximum": api_files.MAX_EXPIRY}}}}}}}
 
 
-def create_app(settings: Settings | None = None, open_access: bool = False, tasks: Tasks | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, open_access: bool = False, tasks: Tasks | None = None,
+               listen_host: str | None = None) -> FastAPI:
+    """``listen_host``: the address an open server listens on, the one name it answers besides
+    ``localhost`` and ``BERTH_HTTP_ALLOWED_HOSTS`` (default: any loopback name)."""
     settings = settings or Settings()
     db = open_database(settings.database_url)
     files = JobFiles(settings.storage_url)
@@ -75,17 +86,33 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
     install(app)
     bearer = HTTPBearer(auto_error=False, description="an API key from `berth key create --tenant T`")
 
-    def tenant(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
-        if credentials is not None and (found := tenant_of_key(db, credentials.credentials)) is not None:
+    def tenant_of(authorization: str | None) -> str:
+        """The tenant of a request's ``Authorization`` header (run by the guard, before its body is read)."""
+        scheme, key = get_authorization_scheme_param(authorization)
+        given = scheme.lower() == "bearer" and bool(key)
+        if given and (found := tenant_of_key(db, key)) is not None:
             return found
         if open_access:
             return OPEN_TENANT
-        what = "No API key provided" if credentials is None else "Incorrect API key provided"
+        what = "Incorrect API key provided" if given else "No API key provided"
         raise ApiError(401, f"{what}: send 'Authorization: Bearer <key>' with a key from `berth key create "
                        "--tenant NAME`", None, "invalid_api_key")
 
+    def tenant(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+        return request.scope[TENANT_SCOPE_KEY]  # the guard found it, or answered 401
+
+    def route_body_limit(method: str, path: str) -> int:
+        if method == "POST" and path == "/v1/files":
+            return body_limit(settings.max_file_bytes)
+        return settings.http_max_body_bytes
+
+    app.add_middleware(RequestGuard, tenant_of=tenant_of, body_limit=route_body_limit,
+                       open_hosts=allowed_hosts(listen_host, settings.allowed_hosts()) if open_access else None,
+                       origin_hosts=frozenset(settings.allowed_hosts()))
+
     TenantName = Annotated[str, Depends(tenant)]
-    app.include_router(dashboard_router(db, files, lambda key: tenant_of_key(db, key), open_access))
+    app.include_router(dashboard_router(db, files, lambda key: tenant_of_key(db, key), open_access,
+                                        settings.http_secure_cookies))
     IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
 
     def batch_of(tenant_name: str, batch_id: str) -> dict:
@@ -94,7 +121,8 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
     # ---- files
     @app.post("/v1/files", response_model=FileObject, openapi_extra=_UPLOAD_BODY)
     async def upload_file(request: Request, tenant: TenantName, idempotency_key: IdempotencyKey = None) -> dict:
-        upload = await read_upload(request, settings.max_file_bytes)
+        await run_in_threadpool(api_files.check_quota, db, tenant, 1, settings)  # a full quota: before reading
+        upload = await read_upload(request, settings.max_file_bytes, settings.http_max_form_fields)
         try:
             purpose = upload.fields.get("purpose")
             if purpose != api_files.UPLOAD_PURPOSE:
@@ -103,12 +131,17 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
                                "purpose")
             if upload.file is None:
                 raise ApiError(400, "no file: send the requests as the form field 'file'", "file")
+            try:
+                expires_after = api_files.expiry_of_form(upload.fields)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "expires_after", "invalid_value") from None
 
             def save() -> str:
                 return api_files.save_upload(db, files.store, tenant, upload.file, upload.filename or "upload.jsonl",
-                                             settings).id
+                                             settings, expires_after).id
 
-            asked = fingerprint(purpose, upload.filename or "", upload.sha256)
+            asked = fingerprint(purpose, upload.filename or "", upload.sha256,
+                                *([] if expires_after is None else [str(expires_after)]))
             file_id = await run_in_threadpool(idempotent, db, tenant, "files.create", idempotency_key, asked, save)
         finally:
             upload.close()
@@ -145,7 +178,8 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
         def make() -> str:
             try:
                 job_id = batches.create_batch(db, files, settings, tenant, body.input_file_id, body.endpoint,
-                                              body.completion_window, body.metadata)
+                                              body.completion_window, body.metadata,
+                                              body.output_expires_after and body.output_expires_after.seconds)
             except batches.InputFileMissing as exc:
                 raise ApiError(400, str(exc), "input_file_id", "invalid_input_file") from None
             except ValueError as exc:  # the window, a file of another purpose, the tenant name
@@ -186,6 +220,8 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
              summary="berth's extension: the lines finished so far, in input order (JSONL)")
     def batch_results(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)]) -> StreamingResponse:
         view = batches.tenant_job(db, tenant, batch_id)
+        if view.output_file_id is not None and view.output_key is None:  # its output file expired or was deleted
+            raise ApiError(404, f"the output of batch {view.id} is gone: its output file expired or was deleted")
         lines = (json.dumps(line, ensure_ascii=False).encode() + b"\n" for line in finished_lines(db, view.id))
         return StreamingResponse(lines, media_type="application/jsonl")
 

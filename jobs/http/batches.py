@@ -69,9 +69,10 @@ def get_batch(db: Database, files: JobFiles, tenant: str, batch_id: str) -> JobV
 
 
 def create_batch(db: Database, files: JobFiles, settings: Settings, tenant: str, input_file_id: str,
-                 endpoint: str, completion_window: str, metadata: dict | None) -> str:
+                 endpoint: str, completion_window: str, metadata: dict | None,
+                 output_expires_after: int | None = None) -> str:
     """A job of the tenant's uploaded file ``input_file_id``, in ``validating``; its id. The caller
-    dispatches its ingest."""
+    dispatches its ingest. ``output_expires_after``: seconds its output files are kept once written."""
     try:
         if not FILE_ID.fullmatch(input_file_id):
             raise FileNotFound(input_file_id)
@@ -83,7 +84,7 @@ def create_batch(db: Database, files: JobFiles, settings: Settings, tenant: str,
         raise ValueError(f"file {input_file_id} is a batch's {upload.purpose}, not requests: give a file uploaded "
                          "with purpose 'batch'")
     spec = JobSpec(tenant=tenant, completion_window=completion_window, metadata=dict(metadata or {}),
-                   endpoint=endpoint)
+                   endpoint=endpoint, output_expires_after=output_expires_after)
     with files.open(upload.key) as src:
         return create_job_from(db, files, src, upload.filename, settings.served_model_name(), spec, settings,
                                input_file_id=upload.id)

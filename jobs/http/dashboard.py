@@ -4,8 +4,17 @@ workers with an hour of output tokens/s and KV use as charts.
 Server-rendered HTML (``jobs/templates``) and a little JavaScript that polls ``/dashboard/data.json``
 every two seconds to move the bars and redraw the charts (inline SVG): no front-end build step.
 A tenant sees its own jobs: the browser signs in once with an API key (``/dashboard/login``, kept
-in an HTTP-only cookie); an open server (``berth serve --open``, this machine only) shows every
-tenant's.
+in an HTTP-only cookie, ``Secure`` over HTTPS or with ``BERTH_HTTP_SECURE_COOKIES``; ``POST
+/dashboard/logout`` drops it); an open server (``berth serve --open``, this machine only) shows
+every tenant's.
+
+What a page shows comes from tenants (a job's model, its errors): it is text, never markup. The
+templates escape every value (Jinja's autoescape); the page's data reaches the script as JSON in a
+``<script type="application/json">`` element (``tojson``, which escapes ``<``, ``>``, ``&`` and
+``'``), read with ``JSON.parse``; the script writes values into the page as text or escaped. And
+the pages say so to the browser: a Content-Security-Policy without inline scripts or styles (the
+script and the style sheet are files of their own, ``static/``), so a value that got through as
+markup still could not run.
 """
 
 from __future__ import annotations
@@ -15,8 +24,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Annotated, Callable
 
-from fastapi import APIRouter, Form, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi import APIRouter, Form, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from jobs import workers
@@ -26,12 +35,21 @@ from jobs.lifecycle import JobNotFound
 from jobs.models import now
 from jobs.progress import duration
 from jobs.status import JobView, get_job, list_jobs
+from storage import ObjectNotFound
 
 COOKIE = "berth_key"
 JOBS_SHOWN = 50
 ERRORS_SHOWN = 200
 _templates = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"),
                          autoescape=select_autoescape(["html"]))
+_STATIC = Path(__file__).parent / "static"
+_STATIC_TYPES = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
+# No inline script or style at all (so no nonce or hash is needed): the script, the style sheet and the
+# data the script reads come from this server; nothing may frame the pages or send their forms elsewhere.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+           "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
 
 
 def job_summary(v: JobView) -> dict:
@@ -53,8 +71,18 @@ def job_errors(files: JobFiles, view: JobView, limit: int = ERRORS_SHOWN) -> lis
     """The first error lines of a finished job (its errors file), for its page."""
     if view.errors_key is None:
         return []
-    with files.open(view.errors_key) as f:
-        return [json.loads(line) for line in islice(f, limit)]
+    try:
+        with files.open(view.errors_key) as f:
+            return [json.loads(line) for line in islice(f, limit)]
+    except ObjectNotFound:  # deleted a moment ago
+        return []
+
+
+def files_gone(view: JobView) -> list[str]:
+    """The job's files that were there and are gone (expired, or deleted by the tenant)."""
+    return [name for name, file_id, key in (("output", view.output_file_id, view.output_key),
+                                            ("errors", view.error_file_id, view.errors_key))
+            if file_id is not None and key is None]
 
 
 class SignIn(Exception):
@@ -62,8 +90,9 @@ class SignIn(Exception):
 
 
 def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str], str | None],
-                     open_access: bool) -> APIRouter:
-    """``tenant_of_key(key)``: the tenant of an API key (None: no such key)."""
+                     open_access: bool, secure_cookies: bool = False) -> APIRouter:
+    """``tenant_of_key(key)``: the tenant of an API key (None: no such key); ``secure_cookies``: the
+    sign-in cookie only over HTTPS even when this server sees plain HTTP (behind a TLS proxy)."""
     router = APIRouter(include_in_schema=False)
 
     def viewer(request: Request) -> str | None:
@@ -79,25 +108,35 @@ def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str
 
     def page(render: Callable[[str | None], str], request: Request) -> HTMLResponse | RedirectResponse:
         try:
-            return HTMLResponse(render(viewer(request)))
+            return HTMLResponse(render(viewer(request)), headers=HEADERS)
         except SignIn:
-            return RedirectResponse("/dashboard/login", status_code=303)
+            return RedirectResponse("/dashboard/login", status_code=303, headers=HEADERS)
+
+    def signed_in(request: Request) -> bool:
+        return bool(request.cookies.get(COOKIE))
 
     @router.get("/", response_class=HTMLResponse)
     def index(request: Request):
         def render(tenant):
-            data = dashboard_data(db, tenant)
-            return _templates.get_template("dashboard.html").render(data=data, initial=json.dumps(data))
+            return _templates.get_template("dashboard.html").render(data=dashboard_data(db, tenant),
+                                                                    signed_in=signed_in(request))
         return page(render, request)
 
     @router.get("/dashboard/data.json")
     def data(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(dashboard_data(db, viewer(request)))
+            return JSONResponse(dashboard_data(db, viewer(request)), headers=HEADERS)
         except SignIn:
             return JSONResponse({"error": {"message": "sign in with an API key at /dashboard/login",
                                            "type": "invalid_request_error", "param": None,
-                                           "code": "invalid_api_key"}}, status_code=401)
+                                           "code": "invalid_api_key"}}, status_code=401, headers=HEADERS)
+
+    @router.get("/dashboard/static/{name}")
+    def static(name: str) -> Response:
+        if name not in _STATIC_TYPES:
+            raise HTTPException(404, f"no file {name[:64]}")
+        return Response((_STATIC / name).read_bytes(), media_type=_STATIC_TYPES[name],
+                        headers={**HEADERS, "Cache-Control": "no-cache"})
 
     @router.get("/dashboard/jobs/{job_id}", response_class=HTMLResponse)
     def job_page(job_id: str, request: Request):
@@ -109,19 +148,31 @@ def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str
             if tenant is not None and view.tenant != tenant:
                 raise HTTPException(404, f"no job {job_id}")
             return _templates.get_template("job.html").render(job=job_summary(view), view=view.to_dict(),
-                                                              errors=job_errors(files, view))
+                                                              errors=job_errors(files, view),
+                                                              files_gone=files_gone(view),
+                                                              signed_in=signed_in(request))
         return page(render, request)
 
     @router.get("/dashboard/login", response_class=HTMLResponse)
-    def login_form(error: str = "") -> HTMLResponse:
-        return HTMLResponse(_templates.get_template("login.html").render(error=error))
+    def login_form(error: Annotated[str, Query(max_length=200)] = "") -> HTMLResponse:
+        return HTMLResponse(_templates.get_template("login.html").render(error=error), headers=HEADERS)
 
     @router.post("/dashboard/login")
-    def login(key: Annotated[str, Form(max_length=200)]) -> RedirectResponse:
+    def login(request: Request, key: Annotated[str, Form(max_length=200)]) -> RedirectResponse:
         if tenant_of_key(key) is None:
-            return RedirectResponse("/dashboard/login?error=that+key+is+unknown+or+revoked", status_code=303)
-        response = RedirectResponse("/", status_code=303)
-        response.set_cookie(COOKIE, key, httponly=True, samesite="strict", max_age=30 * 86400)
+            return RedirectResponse("/dashboard/login?error=that+key+is+unknown+or+revoked", status_code=303,
+                                    headers=HEADERS)
+        response = RedirectResponse("/", status_code=303, headers=HEADERS)
+        response.set_cookie(COOKIE, key, httponly=True, samesite="strict", max_age=30 * 86400,
+                            secure=secure_cookies or request.url.scheme == "https")
+        return response
+
+    @router.post("/dashboard/logout")
+    def logout(request: Request) -> RedirectResponse:
+        """Forget the key in this browser (the key itself stays valid: `berth key revoke` ends it)."""
+        response = RedirectResponse("/dashboard/login", status_code=303, headers=HEADERS)
+        response.delete_cookie(COOKIE, httponly=True, samesite="strict",
+                               secure=secure_cookies or request.url.scheme == "https")
         return response
 
     return router

@@ -1,6 +1,7 @@
 """Every error of the HTTP API in OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``,
 so that the openai client raises its usual exceptions (400 ``BadRequestError``, 401
-``AuthenticationError``, 404 ``NotFoundError``, 409 ``ConflictError``, 413, 429 ``RateLimitError``).
+``AuthenticationError``, 403 ``PermissionDeniedError``, 404 ``NotFoundError``, 409 ``ConflictError``, 413,
+429 ``RateLimitError``).
 FastAPI's own 422 validation errors become 400s naming the field; berth's errors become the status a
 user can act on.
 """
@@ -13,18 +14,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from jobs.http.files import FileNotFound
 from jobs.http.idempotency import IdempotencyInProgress, IdempotencyKeyInvalid, IdempotencyMismatch
+from jobs.http.quota import QuotaExceeded
 from jobs.lifecycle import JobNotFound, JobStateError
 from jobs.submit import JobRefused
 from jobs.validate import InputError
 
 log = logging.getLogger("berth.http")
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
 
 
 class ApiError(Exception):
@@ -38,6 +41,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     body = {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def body_too_large(method: str, path: str, limit: int) -> JSONResponse:
+    """The 413 of a body over its route's limit (FastAPI's ``max_body_size``), said before it is read
+    when its Content-Length gives it away, else once the limit is passed. The connection is closed:
+    the rest of the body is not read."""
+    upload = path == "/v1/files"
+    setting = "BERTH_MAX_FILE_BYTES (the largest file)" if upload else "BERTH_HTTP_MAX_BODY_BYTES"
+    return error_response(413, f"the request body is over the limit of {limit:,} bytes for {method} {path[:100]}: "
+                          f"send less, or ask the operator to raise {setting}", "file" if upload else None,
+                          "request_too_large", headers={"Connection": "close"})
 
 
 def _api_error(exc: Exception) -> ApiError:
@@ -61,6 +75,8 @@ def _api_error(exc: Exception) -> ApiError:
         return ApiError(429, str(exc), None, "too_many_batches")
     if isinstance(exc, InputError):
         return ApiError(400, str(exc), "file", "invalid_file")
+    if isinstance(exc, QuotaExceeded):
+        return ApiError(413, str(exc), "file", exc.code)
     raise exc
 
 
@@ -79,13 +95,15 @@ def install(app: FastAPI) -> None:
         return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(HTTPException)
-    async def http(_: Request, exc: HTTPException):
+    async def http(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             return error_response(404, "Unknown route: berth serves /v1/files, /v1/batches and /v1/models")
+        if exc.status_code == 413 and (limit := request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)) is not None:
+            return body_too_large(request.method, request.url.path, limit)
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     for kind in (ApiError, FileNotFound, JobNotFound, JobStateError, IdempotencyInProgress, IdempotencyMismatch,
-                 IdempotencyKeyInvalid, JobRefused, InputError):
+                 IdempotencyKeyInvalid, JobRefused, InputError, QuotaExceeded):
         @app.exception_handler(kind)
         async def known(_: Request, exc: Exception):
             e = _api_error(exc)

@@ -137,13 +137,22 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy of a file: deleted ``seconds`` after it was made (1 hour to 30 days)."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=30 * 86400)
+
+
 class CreateBatch(BaseModel):
-    """``POST /v1/batches``. Fields OpenAI has and berth does not use (``output_expires_after``) are ignored."""
+    """``POST /v1/batches``. Fields OpenAI has and berth does not know are ignored."""
 
     input_file_id: str = Field(max_length=64)
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(max_length=16, description='"24h" as OpenAI; berth also takes e.g. "90m", "7d"')
     metadata: Optional[dict[str, str]] = None
+    output_expires_after: Optional[ExpiresAfter] = Field(
+        None, description="the batch's output and error files are deleted this long after the batch ends")
 
     @field_validator("metadata")
     @classmethod

@@ -43,7 +43,7 @@ class Server:
         self.settings, self.host, self.open_access = settings, host, open_access
         self.port = port or _free_port(host)
         self.tasks = Tasks(settings)
-        self.app = create_app(settings, open_access=open_access, tasks=self.tasks)
+        self.app = create_app(settings, open_access=open_access, tasks=self.tasks, listen_host=host)
         self.run_worker = is_embedded(settings) if worker is None else worker
         self._engine = engine
         self._stop = threading.Event()

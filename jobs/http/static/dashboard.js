@@ -1,0 +1,52 @@
+// berth's dashboard: moves the bars and redraws the workers' charts every two seconds. A file of its own
+// (the page's Content-Security-Policy runs no inline script); it reads the page's data from the
+// <script type="application/json" id="state"> element, and writes every value as text or escaped.
+"use strict";
+const ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"};
+function esc(value) { return String(value).replace(/[&<>"']/g, c => ESCAPES[c]); }
+function text(el, value) { if (el) el.textContent = value; }
+function renderJobs(data) {
+  for (const j of data.jobs) {
+    const row = document.getElementById("job-" + j.id);
+    if (!row) { location.reload(); return; }  // a new job: the server renders the row
+    const bar = row.querySelector(".bar");
+    bar.max = j.total || 1; bar.value = j.done;
+    const status = row.querySelector(".status");
+    status.textContent = j.status; status.className = "status status-" + j.status;
+    text(row.querySelector(".done"), j.done + "/" + j.total); text(row.querySelector(".failed"), j.failed);
+    text(row.querySelector(".tokens"), j.completion_tokens); text(row.querySelector(".rate"), j.tokens_per_second);
+    text(row.querySelector(".eta"), j.eta);
+  }
+}
+function polyline(points, x, y) { return points.map(p => x(p[0]).toFixed(1) + "," + y(p).toFixed(1)).join(" "); }
+function chart(title, points, value, maxValue, color) {
+  // x: from the oldest sample (at least a minute back, at most the hour kept) to now
+  const span = Math.min(3600, Math.max(60, ...points.map(p => -p[0])));
+  const w = 420, h = 120, x = t => w * (1 + t / span), y = p => h - 4 - (value(p) / (maxValue || 1)) * (h - 8);
+  const label = span >= 3600 ? "last hour" : `last ${Math.ceil(span / 60)} min`;
+  return `<div class="chart"><div class="legend">${esc(title)}</div><svg viewBox="0 0 ${w} ${h}" ` +
+    `data-points="${points.length}"><polyline fill="none" stroke="${color}" stroke-width="1.5" ` +
+    `points="${esc(polyline(points, x, y))}"/></svg><div class="legend">${label}</div></div>`;
+}
+function renderWorkers(data) {
+  const body = document.querySelector("#workers tbody");
+  body.innerHTML = data.workers.map(w =>
+    `<tr class="${w.gone ? "gone" : ""}"><td>${esc(w.id)}${w.gone ? " (gone)" : ""}</td><td>${esc(w.model)}</td>` +
+    `<td>${esc(w.device)}</td><td>${esc(w.running)}</td><td>${esc(w.waiting)}</td>` +
+    `<td>${esc(w.kv_blocks_used)} of ${esc(w.kv_blocks_used + w.kv_blocks_free)}</td>` +
+    `<td>${esc(w.output_tokens_per_second)}</td><td>${esc(Math.round(data.now - w.seen_at))}s ago</td></tr>`).join("") ||
+    `<tr><td colspan="8">No engine worker has reported yet.</td></tr>`;
+  const charts = [];
+  for (const [id, points] of Object.entries(data.series)) {
+    const peak = Math.max(1, ...points.map(p => p[1]));
+    charts.push(chart(`${id}: output tokens/s (peak ${peak.toFixed(0)})`, points, p => p[1], peak, "#0969da"));
+    const kvPeak = Math.max(0.001, ...points.map(p => p[2]));
+    charts.push(chart(`${id}: KV cache used (peak ${(100 * kvPeak).toFixed(1)}%)`, points, p => p[2], kvPeak,
+                      "#8250df"));
+  }
+  document.getElementById("charts").innerHTML = charts.join("");
+}
+function render(data) { renderJobs(data); renderWorkers(data); }
+render(JSON.parse(document.getElementById("state").textContent));
+setInterval(() => fetch("/dashboard/data.json", {credentials: "same-origin"})
+  .then(r => r.ok ? r.json() : null).then(d => d && render(d)).catch(() => {}), 2000);
