@@ -6,40 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
+from tests.browser_support import chromium, until
 from tests.http_support import client, embedded_settings, key_for, serving, upload, wait_for
 from tests.jobs_support import TINY_NAME
 import worker.consumer.loop as consumer
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-
-
 @pytest.fixture
 def browser():
-    assert CHROMIUM and CHROMEDRIVER, ("install Debian's browser: apt-get install -y chromium chromium-driver "
-                                       "(the README's test command does)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = chromium("--window-size=1400,1000")
     yield driver
     driver.quit()
-
-
-def _until(what: str, check, timeout: float = 90.0, every: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"not seen in {timeout:.0f}s: {what}"
-        time.sleep(every)
-    return value
 
 
 def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_path, tiny_llama_dir, browser,
@@ -60,16 +40,16 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_pa
         assert browser.current_url.endswith("/dashboard/login")
         browser.find_element(By.NAME, "key").send_keys(key)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        _until("the job's row", lambda: browser.find_elements(By.ID, f"job-{batch.id}"))
+        until("the job's row", lambda: browser.find_elements(By.ID, f"job-{batch.id}"))
 
         def progress() -> float:
             bar = browser.find_element(By.CSS_SELECTOR, f"#job-{batch.id} progress")
             return float(bar.get_attribute("value") or 0)
 
-        first = _until("the first finished requests", progress)
-        second = _until("the bar moving on", lambda: (p := progress()) > first and p)
+        first = until("the first finished requests", progress)
+        second = until("the bar moving on", lambda: (p := progress()) > first and p)
         assert first < second < 60
-        points = _until("two points on each chart", lambda: (n := [int(svg.get_attribute("data-points")) for svg in
+        points = until("two points on each chart", lambda: (n := [int(svg.get_attribute("data-points")) for svg in
                                                                    browser.find_elements(By.CSS_SELECTOR, "#charts svg")])
                         and min(n) >= 2 and n)
         assert len(points) == 2  # one worker: tokens/s and KV use

@@ -20,17 +20,15 @@ import time
 import urllib.parse
 
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from sqlalchemy import update
 
 from jobs.db import open_database
 from jobs.models import Job, WorkerRow, now
+from tests.browser_support import chromium, until
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import write_requests
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 SCRIPT = "</script><script>alert(document.cookie)</script>"
 IMG = "<img src=x onerror=alert('worker')>"
 REBOUND = "rebound.test"  # a name the browser resolves to 127.0.0.1, as DNS rebinding makes it
@@ -41,26 +39,10 @@ HOOK = ("window.__ran = []; for (const f of ['alert', 'confirm', 'prompt']) "
 
 @pytest.fixture
 def browser():
-    assert CHROMIUM and CHROMEDRIVER, ("install Debian's browser: apt-get install -y chromium chromium-driver "
-                                       "(the README's test command does)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--window-size=1400,900",
-                 f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = chromium("--window-size=1400,900", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1")
     driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": HOOK})
     yield driver
     driver.quit()
-
-
-def _until(what: str, check, timeout: float = 60.0, every: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"not seen in {timeout:.0f}s: {what}"
-        time.sleep(every)
-    return value
 
 
 def _hostile_job(settings, tmp_path) -> str:
@@ -81,7 +63,7 @@ def _hostile_job(settings, tmp_path) -> str:
 def _inert(browser, url: str, job_id: str) -> None:
     """On the index and the job's page: no script ran, and the values show as the text they are."""
     browser.get(url + "/")
-    _until("the page", lambda: browser.execute_script("return document.readyState") == "complete")
+    until("the page", lambda: browser.execute_script("return document.readyState") == "complete")
     time.sleep(2.5)  # one poll of data.json redraws the rows
     assert browser.execute_script("return window.__ran") == []
     state = json.loads(browser.find_element(By.ID, "state").get_attribute("textContent"))
@@ -117,10 +99,10 @@ def test_a_tenants_markup_is_inert_text_on_its_own_page_and_on_open(tmp_path, ti
         browser.get(f"{server.url}/")
         browser.find_element(By.NAME, "key").send_keys(key)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        _until("the index", lambda: browser.find_elements(By.ID, f"job-{job_id}"))
+        until("the index", lambda: browser.find_elements(By.ID, f"job-{job_id}"))
         _inert(browser, server.url, job_id)
         browser.get(f"{server.url}/")
-        _until("the workers table", lambda: IMG in browser.find_element(By.ID, "workers").text)
+        until("the workers table", lambda: IMG in browser.find_element(By.ID, "workers").text)
         browser.save_screenshot(str(tmp_path / "dashboard_xss.png"))
         browser.get(f"{server.url}/dashboard/jobs/{job_id}")
         browser.save_screenshot(str(tmp_path / "dashboard_xss_job.png"))
@@ -215,7 +197,7 @@ def test_state_changing_requests_from_another_site_are_refused(tmp_path, tiny_ll
                 "<input name=purpose value=batch><textarea name=file>{&quot;custom_id&quot;: &quot;x&quot;}"
                 "</textarea></form><script>document.getElementById('f').submit()</script>")
         browser.get("data:text/html," + urllib.parse.quote(page))
-        _until("the server's answer", lambda: browser.current_url.startswith(server.url))
+        until("the server's answer", lambda: browser.current_url.startswith(server.url))
         assert "cross_site_request" in browser.find_element(By.TAG_NAME, "body").text
         assert len(c.files.list().data) == 3
 
@@ -231,9 +213,9 @@ def test_the_sign_in_cookie_is_httponly_secure_when_told_and_logout_drops_it(tmp
         browser.get(f"{server.url}/dashboard/login")
         browser.find_element(By.NAME, "key").send_keys(key)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        _until("the index", lambda: browser.find_elements(By.ID, "jobs"))
+        until("the index", lambda: browser.find_elements(By.ID, "jobs"))
         browser.find_element(By.CSS_SELECTOR, "form[action='/dashboard/logout'] button").click()
-        _until("the sign-in page", lambda: browser.current_url.endswith("/dashboard/login"))
+        until("the sign-in page", lambda: browser.current_url.endswith("/dashboard/login"))
         assert browser.get_cookies() == []
         browser.get(f"{server.url}/")
         assert browser.current_url.endswith("/dashboard/login")

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import MetaData, insert, select
-
-from jobs.db import close_database, head_revision, make_engine, open_database, upgrade
+from jobs.db import close_database, open_database
 from jobs.files import JobFiles
 from jobs.http.batches import batch_object, get_batch
+from tests.migration_support import upgraded
 
 T = 1_790_000_000.0
 ROWS = {
@@ -35,31 +34,10 @@ ROWS = {
 }
 
 
-def _dump(engine) -> dict:
-    meta = MetaData()
-    meta.reflect(engine)
-    with engine.connect() as conn:
-        return {name: [dict(r._mapping) for r in conn.execute(select(meta.tables[name]).order_by(
-            meta.tables[name].c.id))] for name in ROWS}
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_0003_keeps_every_row_of_a_0002_database(backend, tmp_path, request):
     url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
-    assert upgrade(url, "0002") == "0002"
-    engine = make_engine(url)
-    meta = MetaData()
-    meta.reflect(engine)
-    with engine.begin() as conn:
-        for name, rows in ROWS.items():
-            conn.execute(insert(meta.tables[name]), rows)
-    before = _dump(engine)
-
-    assert upgrade(url) == head_revision() == "0006"
-    after = _dump(engine)
-    engine.dispose()
-    for name, rows in before.items():
-        assert [{k: r[k] for k in rows[0]} for r in after[name]] == rows, name
+    after = upgraded(url, "0002", ROWS)
     job = after["jobs"][0]
     assert {job[c] for c in ("endpoint", "input_file_id", "output_file_id", "error_file_id")} == {None}
 

@@ -5,10 +5,9 @@ pass removes nothing of them, and the HTTP API shows them as before with ``expir
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import MetaData, insert, select
-
-from jobs.db import close_database, head_revision, make_engine, open_database, upgrade
+from jobs.db import close_database, open_database
 from jobs.files import JobFiles
+from tests.migration_support import upgraded
 
 T = 1_790_000_000.0
 JOB = "batch_0123456789abcdef01234567"
@@ -31,34 +30,13 @@ ROWS = {
 }
 
 
-def _dump(engine) -> dict:
-    meta = MetaData()
-    meta.reflect(engine)
-    with engine.connect() as conn:
-        return {name: [dict(r._mapping) for r in conn.execute(select(meta.tables[name]).order_by(
-            meta.tables[name].c.id))] for name in ROWS}
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_0006_keeps_every_row_of_a_0005_database_and_expires_none_of_its_files(backend, tmp_path, request):
     from jobs.file_removal import expire_files
     from jobs.http.files import get_file
 
     url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
-    assert upgrade(url, "0005") == "0005"
-    engine = make_engine(url)
-    meta = MetaData()
-    meta.reflect(engine)
-    with engine.begin() as conn:
-        for name, rows in ROWS.items():
-            conn.execute(insert(meta.tables[name]), rows)
-    before = _dump(engine)
-
-    assert upgrade(url) == head_revision() == "0006"
-    after = _dump(engine)
-    engine.dispose()
-    for name, rows in before.items():
-        assert [{k: r[k] for k in rows[0]} for r in after[name]] == rows, name
+    after = upgraded(url, "0005", ROWS)
     assert [f["expires_at"] for f in after["files"]] == [None, None]
     assert after["jobs"][0]["output_expires_after"] is None
 
