@@ -44,18 +44,7 @@ def test_the_documented_producer_submits_a_job_and_follows_it_to_the_end(
     message_id = f"example-{kind}-1"
     env = {**os.environ, "AMQP_URL": "amqp://guest:guest@127.0.0.1:5672/" + ("" if kind == "node" else "%2F"),
            "BERTH_QUEUE_PREFIX": queue_prefix, "MESSAGE_ID": message_id, "BERTH_TENANT": "alice"}
-    door = start_door(settings)
-    producer = subprocess.Popen([*command, str(requests), "--model", TINY_NAME], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    try:
-        job = work_until_over(settings, tiny_engine, _job_of(settings, message_id))
-        out, err = producer.communicate(timeout=30)
-    finally:
-        if producer.poll() is None:
-            producer.kill()
-        door.stop()
-    assert producer.returncode == 0, err
-    events = [json.loads(line) for line in out.splitlines()]
+    job, events = _produce(settings, tiny_engine, command, requests, env, message_id)
     assert [e["type"] for e in events] == ["job.validating", "job.in_progress", "job.finalizing", "job.completed"]
     assert events[-1]["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert events[-1]["job_id"] == job.id and job.metadata == {"submitted_by": Path(command[-1]).name}
@@ -71,20 +60,26 @@ def test_the_python_producer_needs_no_more_than_a_tenant_users_permissions(
     requests = write_requests(tmp_path / "requests.jsonl", 2)
     env = {**os.environ, "AMQP_URL": url, "BERTH_QUEUE_PREFIX": queue_prefix, "MESSAGE_ID": "example-tenant-1",
            "BERTH_TENANT": "team.a"}
+    job, events = _produce(settings, tiny_engine, _command("python"), requests, env, "example-tenant-1")
+    assert [e["type"] for e in events] == ["job.validating", "job.in_progress", "job.finalizing", "job.completed"]
+    assert {e["tenant"] for e in events} == {"team.a"} and events[-1]["job_id"] == job.id
+
+
+def _produce(settings, engine, command: list[str], requests: Path, env: dict, message_id: str):
+    """Run the producer ``command`` beside the door until its job is over: the job and the events the
+    producer printed."""
     door = start_door(settings)
-    producer = subprocess.Popen([*_command("python"), str(requests), "--model", TINY_NAME], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    producer = subprocess.Popen([*command, str(requests), "--model", TINY_NAME], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     try:
-        job = work_until_over(settings, tiny_engine, _job_of(settings, "example-tenant-1"))
+        job = work_until_over(settings, engine, _job_of(settings, message_id))
         out, err = producer.communicate(timeout=30)
     finally:
         if producer.poll() is None:
             producer.kill()
         door.stop()
     assert producer.returncode == 0, err
-    events = [json.loads(line) for line in out.splitlines()]
-    assert [e["type"] for e in events] == ["job.validating", "job.in_progress", "job.finalizing", "job.completed"]
-    assert {e["tenant"] for e in events} == {"team.a"} and events[-1]["job_id"] == job.id
+    return job, [json.loads(line) for line in out.splitlines()]
 
 
 def test_the_curl_line_posts_what_the_management_api_publishes(tmp_path):

@@ -113,9 +113,9 @@ class Settings(BaseSettings):
     def _http_bytes(cls, v):
         return int(parse_memory(v))
 
-    @field_validator("http_max_body_bytes", "http_max_form_fields")
+    @field_validator("http_max_body_bytes", "http_max_form_fields", "webhook_senders", "webhook_tenant_in_flight")
     @classmethod
-    def _http_at_least_one(cls, v):
+    def _at_least_one(cls, v):
         if v < 1:
             raise ValueError("must be at least 1")
         return v
@@ -236,13 +236,6 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, v):
         if not v > 0:
             raise ValueError("must be a positive number of seconds")
-        return v
-
-    @field_validator("webhook_senders", "webhook_tenant_in_flight")
-    @classmethod
-    def _webhook_slots(cls, v):
-        if v < 1:
-            raise ValueError("must be at least 1")
         return v
 
     def input_stores(self) -> list[str]:
