@@ -82,7 +82,7 @@ def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> li
         input_key = s.scalar(select(Job.input_key).where(Job.id == job_id))
     target = job_target(db, job_id)
     last_line, seen = _stored(db, job_id)
-    validator = LineValidator(model_info(settings), seen=seen)
+    validator = LineValidator(model_info(settings), seen=seen, tenant=target.tenant)
     error = None
     with Publisher(settings) as publisher:
         publish_unpublished(db, publisher, job_id)  # a previous run's last chunk, if it died before publishing
