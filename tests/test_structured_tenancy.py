@@ -125,8 +125,8 @@ def test_the_issues_schema_of_2500_optional_properties_is_refused_before_it_comp
 @pytest.mark.parametrize("schema, bounds, says", [
     ({"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(30)}},
      SchemaBounds(properties=40, optional_properties=20),
-     'the object at $ has 30 optional properties (not in its "required"), over the limit of 20 '
-     "(BERTH_STRUCTURED_MAX_OPTIONAL_PROPERTIES)"),
+     ('the object at $ has 30 optional properties (not in its "required"), over the limit of 20 '
+      "(BERTH_STRUCTURED_MAX_OPTIONAL_PROPERTIES)")),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {
         f"k{i}": {"type": "integer"} for i in range(30)}, "required": ["k0"]}}, "required": ["a"]},
      SchemaBounds(optional_properties=20), "the object at $.properties.a has 29 optional properties"),
@@ -137,8 +137,8 @@ def test_the_issues_schema_of_2500_optional_properties_is_refused_before_it_comp
       "$ref": "#/$defs/n"},
      SchemaBounds(depth=3), "the schema nests schemas 5 deep, over the limit of 3 (BERTH_STRUCTURED_MAX_DEPTH)"),
     ({"type": "object", "properties": {"a": {"enum": list(range(8))}, "b": {"const": "x"}}},
-     SchemaBounds(enum_values=8), "the schema has 9 enum and const values, over the limit of 8 "
-     "(BERTH_STRUCTURED_MAX_ENUM_VALUES)"),
+     SchemaBounds(enum_values=8),
+     "the schema has 9 enum and const values, over the limit of 8 (BERTH_STRUCTURED_MAX_ENUM_VALUES)"),
 ])
 def test_each_bound_of_a_schemas_shape_names_its_setting(tiny_llama_dir, schema, bounds, says, monkeypatch):
     """At the door (a line error) and in the engine's compiler (the request's error), before any compile."""

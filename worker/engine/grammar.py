@@ -62,8 +62,8 @@ from worker.model.tokenizer import as_transformers
 if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
     import xgrammar as xgr
 
-__all__ = ["CompileRules", "CompileTimeout", "Compiler", "DEFAULT_RULES", "GrammarError", "accept", "apply_bitmask",
-           "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info"]
+__all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarError", "accept", "apply_bitmask",
+           "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
 FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/README.md)

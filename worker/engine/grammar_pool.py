@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,7 +68,7 @@ class CompileRules:
     seconds: float = 60.0  # the compile itself, in its process; time queued does not count
     processes: int = 2  # compiles at once in this process's pool
     tenant_processes: int = 1  # of them, one tenant's at once
-    bounds: SchemaBounds = SchemaBounds()
+    bounds: SchemaBounds = field(default_factory=SchemaBounds)
 
     @classmethod
     def of(cls, settings) -> CompileRules:
@@ -216,7 +217,7 @@ class SlotLink:
         """Hang up; a slot server that may still be running is killed."""
         self.conn.close()
         try:
-            os.kill(self.pid, 9)
+            os.kill(self.pid, signal.SIGKILL)
         except OSError:
             pass
 
@@ -255,19 +256,14 @@ class CompileServer:
             _, pid = _reply(self.conn, START_SECONDS)
         return SlotLink(Connection(ours.detach()), pid)
 
-    def close(self) -> None:
-        self.conn.close()
-        self.proc.kill()
-        self.proc.wait()
-
 
 _server: CompileServer | None = None
 _server_lock = threading.Lock()
 
 
 def compile_server() -> CompileServer:
-    """This process's compile server, started (again) when there is none alive. Started from a slot's
-    thread, which lives as long as the process."""
+    """This process's compile server, started (again) when there is none alive; it ends when this
+    process does (its socket closes)."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive() or _server.starter != os.getpid():
