@@ -8,7 +8,7 @@ Validation is the engine's contract: a line that passes ``parse_line`` and ``to_
 through the engine without raising, so every bound the engine needs is checked here (token ids
 inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
 of 64 bits, prompt and output inside the context, a structured-output constraint that compiles,
-see ``jobs.structured_outputs``). Each check but that compile (bounded by its size limits) is linear
+see ``jobs.structured_outputs``). Each check but that compile (bounded by its shape and deadline) is linear
 in the line's size, and
 values are shown in messages through a bounded ``reprlib`` view, never a full ``repr`` (a value
 nested a thousand deep or a megabyte long costs nothing to report).
@@ -273,7 +273,7 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
                         f"the prompt is {len(ids)} tokens; with max_tokens {shown(params.max_tokens)} it exceeds the "
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
     try:
-        structured = structured_output(line.body, tokenizer, structured_limits)
+        structured = structured_output(line.body, tokenizer, structured_limits, tenant)
     except SpecError as exc:
         raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
     if structured is not None:

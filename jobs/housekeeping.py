@@ -5,8 +5,10 @@ embedded default has no Celery worker and no beat: without these chores nothing 
 a dead worker's requests, resume a stopped ingest, expire a job or collect checkpoints. So each
 engine worker on the embedded queue runs ``chores(settings)``: each one a (period in seconds,
 function) pair, the functions the same tasks as beat's, run in-process (``make_app(eager=True)``),
-so a reconcile dispatches its finalizes and ingests here too. Several workers on one machine all
-run them; each chore is safe to run side by side (see ``jobs.reconcile``).
+so a reconcile runs its finalizes here too; the ingests it resumes run on threads of their own
+(``jobs.tasks.ingest_aside``), since one can take minutes and this thread's chores are every
+tenant's. Several workers on one machine all run them; each chore is safe to run side by side
+(see ``jobs.reconcile``).
 
 The periods suit a laptop: a dead worker's requests come back within seconds. Each function catches
 and logs its own exceptions (a database outage is logged once, then once more when it ends), so the

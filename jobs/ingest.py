@@ -12,9 +12,11 @@ The ingest always finishes, whatever one line holds:
   (``invalid_request``, with the exception's type and message), never the job's;
 - a chunk the database refuses (a ``DataError`` or ``IntegrityError``: a NUL byte PostgreSQL cannot
   store, say) is stored again a line at a time, and each line it refuses becomes a line error;
-- the ingest writes ``jobs.ingest_seen_at`` when it starts and with every chunk, and the reconciler
-  runs the ingest again of a job still ``validating`` whose ingest fell silent (it died, or a
-  database or broker error stopped it).
+- the ingest writes ``jobs.ingest_seen_at`` when it starts, with every chunk, and every
+  ``HEARTBEAT_SECONDS`` while it runs (a thread of its own, so a chunk slow to validate, its lines
+  waiting for grammar compiles, say, still shows a sign of life), and the reconciler runs the
+  ingest again of a job still ``validating`` whose ingest fell silent (it died, or a database or
+  broker error stopped it).
 
 So two ingests of one job can run at once (a slow one and its resumption). Each chunk's
 transaction begins by writing the job row (``ingest_seen_at``, only while the job is
@@ -29,7 +31,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
@@ -51,6 +56,7 @@ from worker.config import Settings
 log = logging.getLogger("berth.ingest")
 
 CHUNK_LINES = 2000
+HEARTBEAT_SECONDS = 15.0  # a running ingest's sign of life; the reconciler waits 8 of them (INGEST_SILENCE_SECONDS)
 PUBLISH_BATCH = 2000
 MAX_MESSAGE = 1000  # characters of an exception's text kept in a line's error
 
@@ -80,9 +86,14 @@ def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> li
         if not hold_validating(s, job_id):
             return []
         input_key = s.scalar(select(Job.input_key).where(Job.id == job_id))
+    with heartbeat(db, job_id):
+        return _ingest(db, files, settings, job_id, input_key)
+
+
+def _ingest(db: Database, files: JobFiles, settings: Settings, job_id: str, input_key: str) -> list[str]:
     target = job_target(db, job_id)
     last_line, seen = _stored(db, job_id)
-    validator = LineValidator(model_info(settings), seen=seen)
+    validator = LineValidator(model_info(settings), seen=seen, tenant=target.tenant)
     error = None
     with Publisher(settings) as publisher:
         publish_unpublished(db, publisher, job_id)  # a previous run's last chunk, if it died before publishing
@@ -107,6 +118,31 @@ def hold_validating(session: Session, job_id: str) -> bool:
     transaction ends, and what the transaction reads after it is current."""
     return session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.VALIDATING)
                            .values(ingest_seen_at=now())).rowcount == 1
+
+
+@contextmanager
+def heartbeat(db: Database, job_id: str, every: float | None = None) -> Iterator[None]:
+    """Stamp ``ingest_seen_at`` every ``every`` seconds (``HEARTBEAT_SECONDS``) while the block runs:
+    liveness by the clock, not by chunks, so the reconciler never starts a second ingest beside a
+    slow one. It ends with the block, and with the process: an ingest that died falls silent."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_SECONDS if every is None else every):
+            try:
+                with db.session() as s, s.begin():
+                    if not hold_validating(s, job_id):
+                        return  # cancelled, expired or done: nothing to keep alive
+            except Exception as exc:  # noqa: BLE001 (the next beat tries again; the ingest sees the outage itself)
+                log.warning("job %s: the ingest's heartbeat could not be written: %s", job_id, _describe(exc))
+
+    thread = threading.Thread(target=beat, name=f"berth-ingest-heartbeat-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _stored(db: Database, job_id: str) -> tuple[int, set[str]]:

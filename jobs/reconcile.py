@@ -13,9 +13,10 @@ queue (``jobs.housekeeping``).
   carries on.
 - A job left in ``finalizing`` or ``cancelling`` (its finalize task lost) is finalized.
 - A job still ``validating`` whose ingest shows no sign of life for ``INGEST_SILENCE_SECONDS``
-  (``ingest_seen_at``, or its creation when the ingest never started: the submitter died before
-  dispatching it, the task was lost, or an error stopped it) is ingested again; the ingest resumes
-  after its last stored line. The reconciler stamps ``ingest_seen_at`` as it hands a job out, so
+  (``ingest_seen_at``, which a running ingest stamps every ``HEARTBEAT_SECONDS`` however slow its
+  chunk, or its creation when the ingest never started: the submitter died before dispatching it,
+  the task was lost, or an error stopped it) is ingested again; the ingest resumes after its last
+  stored line. The reconciler stamps ``ingest_seen_at`` as it hands a job out, so
   reconcilers running side by side (every embedded worker runs one) hand it out once.
 
 Everything here is safe to repeat: a request published twice still gets one result, and two ingests
@@ -40,7 +41,7 @@ from worker.config import Settings
 from worker.consumer.queues import is_embedded
 
 STALE_DELIVERY_SECONDS = 1800.0
-INGEST_SILENCE_SECONDS = 120.0  # an ingest writes ingest_seen_at with every chunk of 2,000 lines
+INGEST_SILENCE_SECONDS = 120.0  # eight of a running ingest's heartbeats (jobs.ingest.HEARTBEAT_SECONDS)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ switches) are refused rather than ignored, so nobody trusts a constraint that wa
 
 Every check that the engine relies on happens here, before a row is stored: sizes against the
 ``Settings.structured_max_*`` limits (compiling a grammar costs time and memory that grow with
-its text), a schema against the JSON Schema metaschema (``jsonschema``), and the compile itself
-(``worker.engine.grammar.check``, which caches what it compiled for the engine to reuse).
+its text), a schema against the JSON Schema metaschema (``jsonschema``) and against the bounds of
+its shape (``worker.engine.schema_bounds``: properties, optional properties of one object, depth,
+enum values), and the compile itself (``worker.engine.grammar.check``, in the tenant's turn, stopped
+at its deadline; it caches what it compiled for the engine to reuse).
 
 A schema is kept as compact JSON text with its keys in the order the user wrote them: a grammar
 emits an object's properties in the schema's order (OpenAI documents the same), so sorting them
@@ -34,8 +36,9 @@ import jsonschema
 
 from jobs.line_text import bad_text, shown
 from worker.config import Settings
-from worker.engine.grammar import GrammarError, check
+from worker.engine.grammar import CompileRules, GrammarError, check
 from worker.engine.request import StructuredOutput
+from worker.engine.schema_bounds import over_bounds
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name
 _NEW_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -68,21 +71,22 @@ class StructuredLimits:
     regex_bytes: int
     grammar_bytes: int
     choices: int
-    compile_seconds: float
+    compile: CompileRules  # the compile's deadline, its processes and the bounds of a schema's shape
 
     @classmethod
     def of(cls, settings: Settings) -> StructuredLimits:
         return cls(settings.structured_max_schema_bytes, settings.structured_max_regex_bytes,
                    settings.structured_max_grammar_bytes, settings.structured_max_choices,
-                   settings.structured_compile_seconds)
+                   CompileRules.of(settings))
 
 
 DEFAULT_LIMITS = StructuredLimits.of(Settings.model_construct())
 
 
-def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_LIMITS) -> StructuredOutput | None:
-    """The one constraint ``body`` asks for, checked and compiled for ``tokenizer``; None for none.
-    Raises ``SpecError`` naming the field that is wrong."""
+def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_LIMITS,
+                      tenant: str = "default") -> StructuredOutput | None:
+    """The one constraint ``body`` asks for, checked and compiled for ``tokenizer`` (in ``tenant``'s
+    turn); None for none. Raises ``SpecError`` naming the field that is wrong."""
     for name, why in _UNSUPPORTED.items():
         if body.get(name) is not None:
             raise SpecError(f"body.{name}", why)
@@ -95,7 +99,7 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
     param, kind, value = asked[0]
     spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
     try:
-        check(spec, tokenizer, limits.compile_seconds)
+        check(spec, tokenizer, limits.compile, tenant)
     except GrammarError as exc:
         raise SpecError(param, f"the grammar library cannot compile it: {str(exc)[:_REASON_CHARS]}") from None
     return spec
@@ -161,7 +165,7 @@ def _checked_value(param: str, kind: str, value: Any, limits: StructuredLimits) 
     if kind == "json_object":
         return ""
     if kind == "json_schema":
-        return _schema_text(param, value, limits.schema_bytes)
+        return _schema_text(param, value, limits)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise SpecError(param, f"must be a non-empty list of non-empty strings, not {shown(value)}")
@@ -185,7 +189,8 @@ def _checked_value(param: str, kind: str, value: Any, limits: StructuredLimits) 
     return value
 
 
-def _schema_text(param: str, schema: Any, limit: int) -> str:
+def _schema_text(param: str, schema: Any, limits: StructuredLimits) -> str:
+    limit = limits.schema_bytes
     if isinstance(schema, str):  # guided_json may carry the schema as JSON text
         if len(schema.encode("utf-8", "surrogatepass")) > limit:
             raise SpecError(param, f"the schema is {len(schema):,} characters, over the limit of {limit:,} bytes "
@@ -210,6 +215,8 @@ def _schema_text(param: str, schema: Any, limit: int) -> str:
         raise SpecError(param, f"not a valid JSON Schema: at {where}: {exc.message[:_REASON_CHARS]}") from None
     except RecursionError:
         raise SpecError(param, "nested too deeply: flatten the schema (use $defs and $ref)") from None
+    if why := over_bounds(schema, limits.compile.bounds):
+        raise SpecError(param, why)
     return text
 
 

@@ -8,7 +8,9 @@ With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by 
     celery -A jobs.tasks worker --beat --loglevel=INFO
 
 On the embedded default (no broker) they run in the calling process (``task_always_eager``), and
-the periodic ones on each engine worker's housekeeping thread (``jobs.housekeeping``).
+the periodic ones on each engine worker's housekeeping thread (``jobs.housekeeping``). There the
+ingests a reconcile dispatches run on threads of their own (``ingest_aside``): an ingest can take
+minutes, and the housekeeping thread's other chores (expiry, the next reconcile) are every tenant's.
 Tasks are acked late and idempotent: one lost with its worker is simply run again. An ingest that
 stops on an error is logged, not raised (``berth submit`` has created the job by then): the
 reconciler runs it again once it has been silent for ``INGEST_SILENCE_SECONDS``.
@@ -17,6 +19,7 @@ reconciler runs it again once it has been silent for ``INGEST_SILENCE_SECONDS``.
 from __future__ import annotations
 
 import logging
+import threading
 
 from celery import Celery
 
@@ -76,7 +79,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=RECONCILE, shared=False)
     def reconcile_jobs() -> None:
-        dispatch(app, reconcile(db(), settings))
+        dispatch(app, reconcile(db(), settings), aside=bool(app.conf.task_always_eager))
         prune_events(db(), settings.event_keep_seconds)
 
     @app.task(name=EXPIRE, shared=False)
@@ -106,10 +109,36 @@ def ingest_later(app: Celery, job_ids: list[str]) -> None:
         app.tasks[INGEST].delay(job_id)
 
 
-def dispatch(app: Celery, reconciled: Reconciled) -> None:
-    """Run what the reconciler found: the finalize of jobs left closing, the ingest of silent ones."""
+_aside: dict[str, threading.Thread] = {}  # job id -> the thread running its ingest, in this process
+_aside_lock = threading.Lock()
+
+
+def ingest_aside(app: Celery, job_ids: list[str]) -> list[threading.Thread]:
+    """Run the ingest task of each job on a thread of its own, and return at once: the threads.
+    A job whose ingest already runs on such a thread here is not started twice."""
+    started = []
+    with _aside_lock:
+        for job_id in [j for j, t in _aside.items() if not t.is_alive()]:
+            del _aside[job_id]
+        for job_id in job_ids:
+            if job_id in _aside:
+                continue
+            thread = threading.Thread(target=app.tasks[INGEST].delay, args=(job_id,), name=f"berth-ingest-{job_id}",
+                                      daemon=True)
+            thread.start()
+            _aside[job_id] = thread
+            started.append(thread)
+    return started
+
+
+def dispatch(app: Celery, reconciled: Reconciled, aside: bool = False) -> None:
+    """Run what the reconciler found: the finalize of jobs left closing, the ingest of silent ones
+    (``aside``: each on a thread of its own, not waited for; an eager app would run it here)."""
     finalize_later(app, reconciled.finalize)
-    ingest_later(app, reconciled.ingest)
+    if aside:
+        ingest_aside(app, reconciled.ingest)
+    else:
+        ingest_later(app, reconciled.ingest)
 
 
 app = make_app(Settings())  # what `celery -A jobs.tasks` runs: configured from the environment

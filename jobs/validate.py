@@ -149,8 +149,9 @@ def read_lines(f: BinaryIO, max_bytes: int = MAX_LINE_BYTES) -> Iterator[RawLine
 
 class LineValidator:
     def __init__(self, model: ModelInfo, max_line_bytes: int = MAX_LINE_BYTES, seen: set[str] | None = None,
-                 max_lines: int | None = None):
+                 max_lines: int | None = None, tenant: str = "default"):
         self.model = model
+        self.tenant = tenant  # whose turn a line's structured-output compile waits for
         self.max_line_bytes = max_line_bytes
         self.max_lines = max_lines or model.max_lines
         self.seen = seen if seen is not None else set()  # custom_ids of the lines accepted so far
@@ -180,6 +181,6 @@ class LineValidator:
                             "its own", line.custom_id)
         m = self.model
         request = to_request(line, m.tokenizer, m.name, m.max_model_len, request_id=str(raw.number),
-                             vocab_size=m.vocab_size, structured_limits=m.structured_limits)
+                             tenant=self.tenant, vocab_size=m.vocab_size, structured_limits=m.structured_limits)
         self.seen.add(line.custom_id)
         return line.custom_id, line.url, request

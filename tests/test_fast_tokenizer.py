@@ -201,7 +201,7 @@ def test_structured_outputs_build_xgrammars_tokenizer_info_without_transformers_
     from worker.engine.request import StructuredOutput
 
     fresh = load_tokenizer(smol_path)
-    grammar.check(StructuredOutput("json_schema", '{"type": "object"}'), fresh, 60)
+    grammar.check(StructuredOutput("json_schema", '{"type": "object"}'), fresh, grammar.CompileRules(seconds=60))
     assert fresh._transformers is None, "the compiler loaded transformers' tokenizer (0.4 s) all the same"
 
 

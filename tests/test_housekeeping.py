@@ -4,12 +4,15 @@ queue's rows handed out long ago are deleted, and a failing chore logs instead o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 
 from sqlalchemy import select, update
 
@@ -17,8 +20,9 @@ from jobs import api
 from jobs.db import open_database
 from jobs.housekeeping import chores
 from jobs.models import Job, JobStatus, RequestRow, now
+import jobs.housekeeping
 import jobs.tasks
-from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, write_requests
+from tests.jobs_support import AMQP_URL, TINY_NAME, request_line, tiny_settings, write_requests
 from worker.consumer.queues import Topology, broker_url, connect
 
 
@@ -120,3 +124,59 @@ def test_a_failing_chore_logs_once_and_does_not_raise(tmp_path, tiny_llama_dir, 
     with caplog.at_level(logging.INFO, logger="berth.housekeeping"):
         reconcile()
     assert "reconcile works again" in caplog.text
+
+
+def test_housekeeping_runs_on_while_an_ingest_it_resumed_runs(tmp_path, tiny_llama_dir, monkeypatch):
+    """On the embedded queue the reconcile chore resumes a silent ingest; that ingest (held here on
+    its lines) runs beside the chores, which go on: another job past its window expires, and a job
+    whose ingest never started is ingested by a later reconcile, all while the first still runs.
+    (Before, the resumed ingest ran on the housekeeping thread itself and held every chore.) The
+    periods are cut to 0.5 s so that the test takes seconds."""
+    from jobs.files import JobFiles
+    from jobs.submit import JobSpec, create_job
+    from jobs.validate import LineValidator
+    from worker.consumer.housekeeper import Housekeeper
+
+    settings = _embedded(tmp_path, tiny_llama_dir)
+    monkeypatch.setattr(jobs.housekeeping, "RECONCILE_SECONDS", 0.5)
+    monkeypatch.setattr(jobs.housekeeping, "EXPIRE_SECONDS", 0.5)
+    db, files = open_database(settings.database_url), JobFiles(settings.storage_url)
+    release, check = threading.Event(), LineValidator.check
+
+    def held(self, raw):
+        if b'"held-' in raw.data:
+            release.wait(120)
+        return check(self, raw)
+
+    monkeypatch.setattr(LineValidator, "check", held)
+
+    def silent_job(name: str, custom_id: str) -> str:
+        """A job whose submitter died before dispatching its ingest, long ago."""
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({**request_line(i), "custom_id": f"{custom_id}-{i}"}) + "\n" for i in range(2)))
+        job_id = create_job(db, files, path, TINY_NAME, JobSpec(tenant=name))
+        with db.session() as s, s.begin():
+            s.execute(update(Job).where(Job.id == job_id).values(created_at=now() - 200))
+        return job_id
+
+    def wait_for(job_id: str, status: JobStatus, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while api.status(job_id, settings).status != status:
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    expiring = api.submit(write_requests(tmp_path / "expiring.jsonl", 2), settings).id
+    with db.session() as s, s.begin():
+        s.execute(update(Job).where(Job.id == expiring).values(expires_at=now() - 1))
+    held_job = silent_job("team-a", "held")
+    keeper = Housekeeper(chores(settings))
+    keeper.start()
+    try:
+        wait_for(expiring, JobStatus.EXPIRED, "the expiry waited for the ingest the reconcile resumed")
+        later = silent_job("team-b", "req")
+        wait_for(later, JobStatus.IN_PROGRESS, "the next reconcile waited for the ingest the last one resumed")
+        assert api.status(held_job, settings).status == JobStatus.VALIDATING  # still held, still running
+    finally:
+        release.set()
+        wait_for(held_job, JobStatus.IN_PROGRESS, "the held ingest did not finish once let go")
+        keeper.stop()

@@ -5,6 +5,8 @@ each line once; a job cancelled or expired during its ingest accounts for every 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 from sqlalchemy import select, update
@@ -18,7 +20,7 @@ from jobs.lifecycle import cancel, expire_due
 from jobs.models import Job, JobStatus, LineErrorRow, RequestRow, now
 from jobs.reconcile import reconcile
 from jobs.submit import JobSpec, create_job
-from jobs.tasks import dispatch, finalize_later, make_app
+from jobs.tasks import dispatch, finalize_later, ingest_later, make_app
 from jobs.validate import LineValidator
 from tests.jobs_support import (
     AMQP_URL,
@@ -236,3 +238,49 @@ def test_a_job_closed_during_its_ingest_accounts_for_every_line(tmp_path, tiny_l
     finalize_later(app, [job.id])  # a second finalize changes nothing
     again = api.status(job.id, settings)
     assert (again.status, again.total, again.failed) == (job.status, 8, 8)
+
+
+def test_a_chunk_slower_than_the_silence_window_is_ingested_once(tmp_path, tiny_llama_dir, monkeypatch):
+    """A chunk whose lines take longer to check than the reconciler's silence window (slow grammar
+    compiles, say): the ingest's heartbeat stamps it by the clock, so the reconciler never hands the
+    job out again, and each line is checked and stored once, by one ingest. Here the window is 2 s
+    and the heartbeat 0.2 s instead of 120 s and 15 s (``test_the_heartbeat_fits_the_silence_window``)."""
+    settings = _embedded(tmp_path, tiny_llama_dir)
+    monkeypatch.setattr(jobs.ingest, "HEARTBEAT_SECONDS", 0.2, raising=False)
+    check, checked = LineValidator.check, []
+
+    def slow(self, raw):
+        checked.append(raw.number)
+        time.sleep(1.2)  # four lines, one chunk: 4.8 s
+        return check(self, raw)
+
+    monkeypatch.setattr(LineValidator, "check", slow)
+    db, app = open_database(settings.database_url), make_app(settings, eager=True)
+    submitted = {}
+    first = threading.Thread(target=lambda: submitted.update(
+        job=api.submit(write_requests(tmp_path / "requests.jsonl", 4), settings)))
+    first.start()
+    while not checked and first.is_alive():  # the ingest has begun (its submit is not what is timed here)
+        time.sleep(0.05)
+    handed_out, again = [], []
+    while first.is_alive():
+        found = reconcile(db, settings, ingest_silence=2.0).ingest
+        handed_out += found
+        for job_id in found:  # as the housekeeping would: a second ingest of the job
+            again.append(threading.Thread(target=ingest_later, args=(app, [job_id])))
+            again[-1].start()
+        time.sleep(0.3)
+    for t in again:
+        t.join()
+    assert handed_out == [], "the reconciler took a slow ingest for a dead one"
+    assert sorted(checked) == [1, 2, 3, 4]
+    job = api.status(submitted["job"].id, settings)
+    assert (job.status, job.total, job.failed) == (JobStatus.IN_PROGRESS, 4, 0)
+    assert _stored_lines(settings, job.id) == ([1, 2, 3, 4], [])
+
+
+def test_the_heartbeat_fits_the_silence_window():
+    """With the defaults, a running ingest stamps its sign of life several times per silence window."""
+    from jobs.reconcile import INGEST_SILENCE_SECONDS
+
+    assert 4 * jobs.ingest.HEARTBEAT_SECONDS <= INGEST_SILENCE_SECONDS

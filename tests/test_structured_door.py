@@ -20,7 +20,9 @@ from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from jobs.validate import LineValidator, model_info, read_lines
 from tests.jobs_support import TINY_NAME, tiny_settings
 from worker.config import Settings
+from worker.engine.grammar import CompileRules
 from worker.engine.request import StructuredOutput
+from worker.engine.schema_bounds import SchemaBounds
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}
@@ -129,7 +131,8 @@ def test_a_bad_constraint_is_a_line_error_naming_its_field(model, fields, param,
 
 
 def test_the_limits_come_from_the_settings(model, monkeypatch):
-    assert DEFAULT_LIMITS == StructuredLimits(64 << 10, 4 << 10, 64 << 10, 256, 60.0)
+    assert DEFAULT_LIMITS == StructuredLimits(64 << 10, 4 << 10, 64 << 10, 256, CompileRules(
+        60.0, 2, 1, SchemaBounds(properties=2000, optional_properties=256, depth=32, enum_values=2000)))
     monkeypatch.setenv("BERTH_STRUCTURED_MAX_REGEX_BYTES", "1KiB")
     monkeypatch.setenv("BERTH_STRUCTURED_MAX_CHOICES", "2")
     small = replace(model, structured_limits=StructuredLimits.of(Settings()))

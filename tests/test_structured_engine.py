@@ -175,22 +175,28 @@ def test_a_slow_compile_holds_nothing_and_blocks_no_one(engine, chat, monkeypatc
     assert re.fullmatch(slow.value, finished["slow"].completions[0].text)
 
 
-def test_a_compile_past_its_time_fails_its_request_alone(engine, chat, smol_loaded, monkeypatch):
-    """A grammar the library cannot finish (a pathological schema) fails its request with the
-    setting to raise, at the door and in the engine; the neighbour finishes."""
-    release = held_compiles(monkeypatch)
+SLOW_PATTERN = "([a-z]{1,50}){1,50}"  # nested counted repetitions in a schema's pattern: minutes of compile
+
+
+def slow_spec() -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": uuid.uuid4().hex[:6] + SLOW_PATTERN}))
+
+
+def test_a_compile_past_its_time_fails_its_request_alone(engine, chat, smol_loaded):
+    """A grammar the library cannot finish in time (a schema whose pattern it takes minutes over)
+    fails its request with the setting to raise, at the door and in the engine; the neighbour finishes."""
+    with pytest.raises(grammar.GrammarError, match="did not compile within 0.5 s"):
+        grammar.check(slow_spec(), smol_loaded.tokenizer, grammar.CompileRules(seconds=0.5))
+    stuck = slow_spec()
+    settings, engine.settings = engine.settings, engine.settings.model_copy(update={"structured_compile_seconds": 1.0})
     try:
-        stuck = StructuredOutput("regex", f"[a-z]{{4}}-{uuid.uuid4().hex[:6]}")
-        with pytest.raises(grammar.GrammarError, match="did not compile within 0.2 s"):
-            grammar.check(stuck, smol_loaded.tokenizer, seconds=0.2)
-        engine.settings = engine.settings.model_copy(update={"structured_compile_seconds": 0.5})
-        stuck = StructuredOutput("regex", f"[a-z]{{4}}-{uuid.uuid4().hex[:6]}")
         done = run(engine, [Request("stuck", chat("Hi"), SamplingParams(max_tokens=4, temperature=0, structured=stuck)),
-                            Request("free", chat("Hi"), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))])
-        assert "BERTH_STRUCTURED_COMPILE_SECONDS" in done["stuck"].error and not done["stuck"].completions
-        assert done["free"].error is None and len(done["free"].completions[0].token_ids) == 24
+                            Request("free", chat("Hi"), SamplingParams(max_tokens=24, temperature=0,
+                                                                       ignore_eos=True))])
     finally:
-        release.set()
+        engine.settings = settings
+    assert "BERTH_STRUCTURED_COMPILE_SECONDS" in done["stuck"].error and not done["stuck"].completions
+    assert done["free"].error is None and len(done["free"].completions[0].token_ids) == 24
 
 
 def test_the_mask_covers_the_models_padding_ids(smol_loaded):

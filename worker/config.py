@@ -138,6 +138,26 @@ class Settings(BaseSettings):
     structured_max_grammar_bytes: int = 64 << 10  # a grammar's text, and a choice list as JSON text
     structured_max_choices: int = 256  # strings in a choice list
     structured_compile_seconds: float = 60.0  # a constraint whose grammar has not compiled by then fails its request
+    # What one compile may cost (docs/structured-outputs.md, "What a compile may cost"). A JSON schema's
+    # shape is bounded before it compiles: xgrammar's time grows steeply with an object's optional
+    # properties (2,500 took 144.6 s and 530 MB). The compile itself runs in a compile process killed at
+    # structured_compile_seconds, counted from when the compile begins (never time queued); the processes
+    # are shared by the tenants in turn, each tenant holding at most structured_compile_tenant_processes.
+    structured_max_properties: int = 2000  # properties in the whole schema
+    structured_max_optional_properties: int = 256  # properties of one object not in its "required"
+    structured_max_depth: int = 32  # schemas nested in schemas
+    structured_max_enum_values: int = 2000  # enum values and consts in the whole schema
+    structured_compile_processes: int = 2  # compiles at once, each in a compile process
+    structured_compile_tenant_processes: int = 1  # of those, one tenant's at once
+
+    @field_validator("structured_max_properties", "structured_max_optional_properties", "structured_max_depth",
+                     "structured_max_enum_values", "structured_compile_processes",
+                     "structured_compile_tenant_processes")
+    @classmethod
+    def _structured_cost_positive(cls, v):
+        if v < 1:
+            raise ValueError("must be at least 1")
+        return v
 
     # --- checkpoints (engine worker)
     checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints

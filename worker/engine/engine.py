@@ -12,8 +12,8 @@ on one flattened batch, samples every sequence that reached the end of its token
 the requests whose every sample has finished. ``abort`` drops a request at once.
 
 A request with a structured output (``SamplingParams.structured``) first waits, outside the
-scheduler (no running slot, no KV blocks), for its grammar to compile on worker/engine/grammar.py's thread
-pool; then each of its samples gets a matcher, the step masks the constrained rows' logits, and a
+scheduler (no running slot, no KV blocks), for its grammar to compile in its tenant's turn in the
+compile pool (worker/engine/grammar_pool.py, which stops a compile at its deadline); then each of its samples gets a matcher, the step masks the constrained rows' logits, and a
 sample whose grammar is complete finishes with "stop". A spec that does not compile, or resumed
 tokens its grammar refuses, fails that request alone.
 """
@@ -169,8 +169,8 @@ class Engine:
             self._new_sequence(request, 0, list(request.prompt_token_ids))
         self.requests[request.request_id] = request
         if p.structured is not None:
-            request.grammar_future = self.grammars.submit(p.structured)
-            request.grammar_deadline = time.monotonic() + self.settings.structured_compile_seconds
+            request.grammar_future = self.grammars.submit(p.structured, request.tenant,
+                                                          grammar.CompileRules.of(self.settings))
             self._compiling.append(request)
             return
         for seq in request.sequences:
@@ -183,17 +183,14 @@ class Engine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar compiled join the scheduler, a matcher per sample (past the tokens a
-        resumed sample has); those whose grammar failed are failed with the reason."""
+        resumed sample has); those whose grammar failed are failed with the reason (one past its
+        deadline among them: the compile pool stops it and fails its future)."""
         if self._compiling and not self.scheduler.has_work() and not self._probation:
             wait([r.grammar_future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
         outputs, pending, self._compiling = [], self._compiling, []
         for request in pending:
             if not request.grammar_future.done():
-                if time.monotonic() < request.grammar_deadline:
-                    self._compiling.append(request)
-                else:
-                    outputs.append(self._fail(request, grammar.too_slow(request.params.structured,
-                                                                        self.settings.structured_compile_seconds)))
+                self._compiling.append(request)
                 continue
             try:
                 request.grammar = request.grammar_future.result()

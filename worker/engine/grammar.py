@@ -9,8 +9,13 @@ constrained rows is one cheap batch call, where llguidance computes masks lazily
 took tens of times longer for the same batch. xgrammar pays at compile time instead (several times
 llguidance's compile), which a bulk job pays once: its 100,000 requests share one schema, and
 compiled grammars are cached. Its tokenizer info also builds faster. Both libraries let go of the
-GIL while compiling (measured: the engine's thread is never stalled for the compile), so a small
-thread pool compiles beside the engine loop, never inside it, and no process pool is needed.
+GIL while compiling (measured: the engine's thread is never stalled for the compile), so compiles
+run beside the engine loop, never inside it.
+
+What a compile may cost is bounded twice: a JSON schema's shape before it compiles
+(``worker/engine/schema_bounds.py``), and the compile itself by a deadline in a compile process
+that is killed when it passes it (``worker/engine/grammar_pool.py``, which also says why the
+grammar is then compiled again here, and how tenants share the compile processes).
 
 JSON schemas compile without free whitespace (``any_whitespace=False``: xgrammar's default
 separators): a small model let loose on whitespace can fill its whole ``max_tokens`` with newlines.
@@ -18,12 +23,12 @@ A constrained row's EOS is not suppressed by ``min_tokens`` (its grammar says wh
 
 The pieces:
 
-- ``check(spec, tokenizer)``: what the door calls; compiles (and caches) or raises ``GrammarError``
-  with a reason a user can act on.
-- ``compiler_for(tokenizer, vocab_size, stop_token_ids)``: one ``GrammarCompiler`` per tokenizer,
-  holding a bounded LRU of compiled grammars keyed by a hash of ``(kind, value)``; ``submit(spec)``
-  compiles on its thread pool and hands back a future (concurrent requests for one schema share
-  one compile; a spec that failed fails again at once).
+- ``check(spec, tokenizer, rules, tenant)``: what the door calls; compiles (and caches) or raises
+  ``GrammarError`` with a reason a user can act on.
+- ``compiler_for(tokenizer, vocab_size, stop_token_ids)``: one ``Compiler`` per tokenizer, holding a
+  bounded LRU of compiled grammars keyed by a hash of ``(kind, value)``; ``submit(spec, tenant,
+  rules)`` hands back a future (requests for one spec share one compile; a spec that failed fails
+  again at once, unless it ran out of a shorter deadline than the one asked now).
 - ``new_matcher(compiled, output_ids)``: a sample's matcher, having accepted the tokens it already has
   (a resumed request, a fork).
 - ``fill_bitmask(matchers)`` then ``apply_bitmask(logits, rows, bitmask)``: the step's constrained
@@ -37,34 +42,37 @@ terminated once it accepts it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
+from worker.config import Settings
+from worker.engine.grammar_compile import COMPILE_THREADS, CompileTimeout, GrammarError, choice_grammar, compile_spec
+from worker.engine.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
 from worker.engine.request import StructuredOutput
+from worker.engine.schema_bounds import over_bounds
 from worker.model.tokenizer import as_transformers
 
 if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
     import xgrammar as xgr
 
+__all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarError", "accept", "apply_bitmask",
+           "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
+
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
-COMPILE_THREADS = 2  # grammars compiled at once (each may use COMPILE_THREADS threads inside)
 FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/README.md)
-_NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.(cc|h):\d+: |Check failed: \(.*?\) is false: ")
-
-
-class GrammarError(ValueError):
-    """A structured-output spec that cannot be enforced: what was wrong and what to change."""
+DEFAULT_RULES = CompileRules.of(Settings.model_construct())
+_numbers = itertools.count(1)  # a Compiler's vocabulary key: unique in the process
 
 
 class Compiler:
-    """Compiles specs for one tokenizer (and logits width), on a thread pool, with a bounded LRU."""
+    """Compiles specs for one tokenizer (and logits width), through the process's compile pool, with a bounded LRU."""
 
     def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None):
         import xgrammar as xgr
@@ -72,61 +80,65 @@ class Compiler:
         self.info = tokenizer_info(tokenizer, vocab_size, list(stop_token_ids) if stop_token_ids else None)
         self.vocab_size = self.info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="berth-grammar")
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._info_json: str | None = None
+        self._info_lock = threading.Lock()
+        self.vocabulary = Vocabulary(f"{next(_numbers)}-{self.vocab_size}", self._serialised_info)
 
-    def submit(self, spec: StructuredOutput) -> Future:
-        """A future of the compiled grammar (``GrammarError`` when it does not compile)."""
+    def _serialised_info(self) -> str:
+        """The tokenizer info as compile processes take it (0.1 s and 1.6 MB for the default model's), made once."""
+        with self._info_lock:
+            if self._info_json is None:
+                self._info_json = self.info.serialize_json()
+            return self._info_json
+
+    def submit(self, spec: StructuredOutput, tenant: str = "default", rules: CompileRules = DEFAULT_RULES) -> Future:
+        """A future of the compiled grammar (``GrammarError`` when it does not compile, or not in
+        ``rules.seconds``). Compiled for ``tenant``, in its turn among the tenants."""
         key = hashlib.sha256(json.dumps([spec.kind, spec.value]).encode()).digest()
         with self._lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not _ran_out_sooner(future, rules.seconds):
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self.compile, spec)
+        if (why := too_costly(spec, rules)) is not None:  # not cached: the bounds may be raised
+            future = Future()
+            future.set_exception(GrammarError(why))
+            return future
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not _ran_out_sooner(future, rules.seconds):
+                return future
+            future = compile_pool().submit(CompileJob(spec, tenant, rules, self.vocabulary,
+                                                      lambda: self.compile(spec)))
             self._cache[key] = future
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
             return future
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        """Compile ``spec`` now, on the calling thread, uncached."""
-        try:
-            if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-            if spec.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.value)
-            if spec.kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(spec.value))
-            return self._compiler.compile_grammar(spec.value)
-        except GrammarError:
-            raise
-        except Exception as exc:  # noqa: BLE001 (xgrammar raises RuntimeError and kin, with the reason)
-            raise GrammarError(f"{_WHAT[spec.kind]} does not compile: {_clean(exc)}") from None
+        """Compile ``spec`` now, on the calling thread, uncached (once it passed its trial)."""
+        return compile_spec(self._compiler, spec)
 
 
-_WHAT = {"json_schema": "the JSON schema", "json_object": "the JSON object grammar",
-         "regex": "the regular expression", "choice": "the choice list", "grammar": "the grammar (EBNF/GBNF)"}
+def _ran_out_sooner(future: Future, seconds: float) -> bool:
+    """A compile stopped at a deadline shorter than ``seconds``: worth another try."""
+    if not future.done() or future.cancelled():
+        return False
+    exc = future.exception()
+    return isinstance(exc, CompileTimeout) and exc.seconds < seconds
 
 
-def _clean(exc: Exception) -> str:
-    """xgrammar's message without its C++ file, line and check text."""
-    return " ".join(_NOISE.sub("", str(exc)).split())[:500] or type(exc).__name__
-
-
-def choice_grammar(value: str) -> str:
-    """An EBNF grammar matching exactly one of the strings of a JSON list (JSON string escapes are
-    EBNF string escapes)."""
+def too_costly(spec: StructuredOutput, rules: CompileRules) -> str | None:
+    """Why a JSON schema's shape is over ``rules.bounds``, before any compile; None if it is not."""
+    if spec.kind != "json_schema":
+        return None
     try:
-        choices = json.loads(value)
-    except ValueError as exc:
-        raise GrammarError(f"the choice list must be a JSON list of strings: {exc}") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise GrammarError("the choice list must be a non-empty JSON list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+        schema = json.loads(spec.value)
+    except (ValueError, RecursionError):
+        return None  # the library says what is wrong with it
+    return over_bounds(schema, rules.bounds) if isinstance(schema, dict) else None
 
 
 def tokenizer_info(tokenizer, vocab_size: int | None, stop_token_ids: list[int] | None):
@@ -165,20 +177,11 @@ def compiler_for(tokenizer, vocab_size: int | None = None, stop_token_ids: Seque
         return _compilers[key]
 
 
-def check(spec: StructuredOutput, tokenizer, seconds: float | None = None) -> None:
+def check(spec: StructuredOutput, tokenizer, rules: CompileRules = DEFAULT_RULES, tenant: str = "default") -> None:
     """Raise ``GrammarError`` (with the reason) unless ``spec`` compiles for ``tokenizer`` within
-    ``seconds``; the compiled grammar stays cached for the engine of the same process."""
-    try:
-        compiler_for(tokenizer).submit(spec).result(timeout=seconds)
-    except TimeoutError:
-        raise too_slow(spec, seconds) from None
-
-
-def too_slow(spec: StructuredOutput, seconds: float) -> GrammarError:
-    """A compile still running after ``seconds`` (a pathological schema or regex: the library cannot
-    stop it, so it finishes on its thread and its request fails)."""
-    return GrammarError(f"{_WHAT[spec.kind]} did not compile within {seconds:g} s "
-                        "(BERTH_STRUCTURED_COMPILE_SECONDS): simplify it")
+    ``rules``; the compiled grammar stays cached for the engine of the same process. Waits its turn:
+    the deadline covers the compile, never the wait."""
+    compiler_for(tokenizer).submit(spec, tenant, rules).result()
 
 
 def new_matcher(compiled: xgr.CompiledGrammar, output_ids: Sequence[int] = ()) -> xgr.GrammarMatcher:

@@ -139,7 +139,6 @@ class Request:
     started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
     grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
     grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
-    grammar_deadline: float = 0.0  # time.monotonic() by which the compile must be done, else the request fails
 
     def __post_init__(self):
         if not self.prompt_token_ids:
