@@ -5,7 +5,8 @@ uniform number from a counter-based hash and inverts the cumulative distribution
 request therefore gives the same text whatever shares its batch, and after a restart.
 
 Structured outputs: the rows a grammar constrains come with a bitmask of their allowed tokens
-(worker/engine/grammar.py), applied to their logits first, before min_tokens, temperature, top-k and top-p;
+(worker/engine/grammar.py), applied to their logits after any bias and penalty (so no bias lifts a
+token the grammar forbids), before min_tokens, temperature, min-p, top-k and top-p;
 the draw is unchanged, so a constrained row is as deterministic as any. Rows without a grammar take
 the same path as when no row has one.
 
@@ -15,8 +16,9 @@ the temperature, before top-k and top-p (vLLM's order; transformers' ``MinPLogit
 without them take the path they took before these existed, at the same cost.
 
 Logprobs are of the distribution after the bias and penalties (the model's as the request asked
-to change it, which vLLM reports by default) and before any grammar mask, ``min_tokens``
-suppression, temperature or truncation, so a constrained token's logprob says how likely it was.
+to change it; vLLM's ``processed`` logprobs, less the temperature) and before any grammar mask,
+``min_tokens`` suppression, temperature or truncation, so a constrained token's logprob says how
+likely it was. A row without bias or penalty reports the raw distribution, as before.
 """
 
 from __future__ import annotations
