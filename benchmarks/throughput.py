@@ -163,6 +163,7 @@ def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, struc
               for i, n in enumerate(workload.output_lens)]
     if penalized:
         params = [replace(p, **PENALTIES) for p in params]
+        penalty_time = track_penalty_time()
     grammar_time = track_grammar_time() if structured_share else None
     t0 = time.perf_counter()
     outputs = engine.generate(workload.prompts, params)
@@ -172,7 +173,31 @@ def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, struc
     result["engine"] = _engine_figures(engine, peak["blocks_used"])
     if grammar_time is not None:
         result["grammar"] = grammar_time.figures(sum(p.structured is not None for p in params))
+    if penalized:
+        result["penalty_seconds"] = penalty_time.stop()
     return result
+
+
+class track_penalty_time:
+    """Wall time in ``worker.engine.penalties.process`` (the bias and penalties of a step's rows)
+    until ``stop`` puts it back and returns the seconds."""
+
+    def __init__(self):
+        import worker.engine.penalties
+
+        self.module, self.original, self.seconds = worker.engine.penalties, worker.engine.penalties.process, 0.0
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return self.original(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        self.module.process = timed
+
+    def stop(self) -> float:
+        self.module.process = self.original
+        return round(self.seconds, 3)
 
 
 class track_grammar_time:
@@ -508,6 +533,8 @@ def penalty_figures(plain: list[dict], penalized: list[dict]) -> dict:
             "tokens_per_s_plain": [r["tokens_per_s"] for r in plain],
             "tokens_per_s_penalized": [r["tokens_per_s"] for r in penalized],
             "load_average_1m": [r["load_average_1m"] for r in plain + penalized],
+            "penalty_seconds": [r["penalty_seconds"] for r in penalized],
+            "penalty_share_of_run": [round(r["penalty_seconds"] / r["seconds"], 4) for r in penalized],
             "ratio_of_medians": round(median(b) / median(a), 3)}
 
 
