@@ -26,6 +26,12 @@ accepted): milliseconds per step with a constrained row and per constrained row.
     python benchmarks/throughput.py --quick --dtype float32      # 32 requests, a few minutes
     python benchmarks/throughput.py --dtype bfloat16             # 256 requests
     python benchmarks/throughput.py --skip static,continuous --structured-share 0.25
+    python benchmarks/throughput.py --quick --skip static,continuous --penalty-rounds 3
+
+``--penalty-rounds N`` runs berth N more times without and N times with every request carrying
+``PENALTIES`` (frequency, presence and repetition penalties and a logit_bias), interleaved (plain,
+penalised, penalised, plain, ...) so that a loaded machine's drift falls on both alike, and reports
+each run's useful tokens/s and the ratio of their medians.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -68,6 +75,9 @@ STRUCTURED_SCHEMA = {"type": "object", "required": ["records"], "additionalPrope
         "properties": {"name": {"type": "string", "maxLength": 24},
                        "count": {"type": "integer", "minimum": 0, "maximum": 9999}}}}}}
 """An extraction-like schema (strings, bounded integers, nesting) no request completes early."""
+PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1, min_p=0.05,
+                 logit_bias=((11, 2.0), (13, -1.5), (198, -3.0)))
+"""What every request of a penalised run carries (min_p is free for greedy rows, as in vLLM)."""
 
 
 # ---------------------------------------------------------------- command line
@@ -110,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "benchmarks/results/throughput-<dtype>[-quick].json); the plot goes beside it")
     parser.add_argument("--structured-share", type=float, default=0.0,
                         help="also run berth with this share of requests constrained by a JSON schema (0 = not)")
+    parser.add_argument("--penalty-rounds", type=int, default=0,
+                        help="also run berth this many times without and with penalties on every request, "
+                             "interleaved (0 = not)")
     args = parse_workload_args(parser, argv, "throughput")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.skip - {"static", "continuous"}:
@@ -138,7 +151,8 @@ def kv_bytes_for(workload: Workload, config, dtype: str, block_size: int) -> int
     return blocks * block_bytes * DTYPES[dtype].itemsize
 
 
-def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, structured_share: float = 0.0) -> dict:
+def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, structured_share: float = 0.0,
+              penalized: bool = False) -> dict:
     """Time ``Engine.generate`` over the workload; add the engine's counters and KV figures. With
     ``structured_share``, that share of the requests (spread evenly) is constrained by
     ``STRUCTURED_SCHEMA``, and the grammar's own time is measured too."""
@@ -147,6 +161,9 @@ def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, struc
     spec = StructuredOutput("json_schema", json.dumps(STRUCTURED_SCHEMA))
     params = [greedy_params(n, spec if int((i + 1) * structured_share) > int(i * structured_share) else None)
               for i, n in enumerate(workload.output_lens)]
+    if penalized:
+        params = [replace(p, **PENALTIES) for p in params]
+        penalty_time = track_penalty_time()
     grammar_time = track_grammar_time() if structured_share else None
     t0 = time.perf_counter()
     outputs = engine.generate(workload.prompts, params)
@@ -156,7 +173,31 @@ def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, struc
     result["engine"] = _engine_figures(engine, peak["blocks_used"])
     if grammar_time is not None:
         result["grammar"] = grammar_time.figures(sum(p.structured is not None for p in params))
+    if penalized:
+        result["penalty_seconds"] = penalty_time.stop()
     return result
+
+
+class track_penalty_time:
+    """Wall time in ``worker.engine.penalties.process`` (the bias and penalties of a step's rows)
+    until ``stop`` puts it back and returns the seconds."""
+
+    def __init__(self):
+        import worker.engine.penalties
+
+        self.module, self.original, self.seconds = worker.engine.penalties, worker.engine.penalties.process, 0.0
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return self.original(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        self.module.process = timed
+
+    def stop(self) -> float:
+        self.module.process = self.original
+        return round(self.seconds, 3)
 
 
 class track_grammar_time:
@@ -483,6 +524,20 @@ def structured_figures(free: dict, constrained: dict, share: float) -> dict:
             "load_average_1m": constrained["load_average_1m"], **constrained["grammar"]}
 
 
+def penalty_figures(plain: list[dict], penalized: list[dict]) -> dict:
+    """Each interleaved run's useful tokens/s, without and with penalties, and the ratio of the medians."""
+    a = sorted(r["tokens_per_s"] for r in plain)
+    b = sorted(r["tokens_per_s"] for r in penalized)
+    median = lambda v: (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2  # noqa: E731
+    return {"penalties": {k: list(v) if isinstance(v, tuple) else v for k, v in PENALTIES.items()},
+            "tokens_per_s_plain": [r["tokens_per_s"] for r in plain],
+            "tokens_per_s_penalized": [r["tokens_per_s"] for r in penalized],
+            "load_average_1m": [r["load_average_1m"] for r in plain + penalized],
+            "penalty_seconds": [r["penalty_seconds"] for r in penalized],
+            "penalty_share_of_run": [round(r["penalty_seconds"] / r["seconds"], 4) for r in penalized],
+            "ratio_of_medians": round(median(b) / median(a), 3)}
+
+
 def ratios(results: dict) -> dict:
     """berth's useful tokens/s over each baseline's that ran."""
     berth = results["berth"]["tokens_per_s"]
@@ -581,6 +636,16 @@ def main(argv: list[str] | None = None) -> dict:
         constrained = measure("berth", lambda: run_berth(loaded, workload, settings, args.structured_share),
                               guarded=False)
         structured = structured_figures(results["berth"], constrained, args.structured_share)
+    penalties = None
+    if args.penalty_rounds:
+        plain, penalized = [results["berth"]], []
+        for i in range(args.penalty_rounds):  # plain, P, P, plain, plain, P, ...: drift falls on both alike
+            order = (True, False) if i % 2 == 0 else (False, True)
+            for with_penalties in order:
+                run = measure("berth", lambda: run_berth(loaded, workload, settings, penalized=with_penalties),
+                              guarded=False)
+                (penalized if with_penalties else plain).append(run)
+        penalties = penalty_figures(plain, penalized)
     del loaded  # the engine's copy of the weights went with run_berth; free these before transformers loads
     gc.collect()
     if {"static", "continuous"} - args.skip:
@@ -606,6 +671,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if structured:
         report["structured"] = structured
+    if penalties:
+        report["penalties"] = penalties
+        print(f"penalties: useful tok/s plain {penalties['tokens_per_s_plain']}, penalised "
+              f"{penalties['tokens_per_s_penalized']}: ratio of medians {penalties['ratio_of_medians']:.3f}")
     print_report(report)
     write_report(report, args.out)
     return report

@@ -24,16 +24,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jobs.line_text import UNSTORABLE, bad_text, shown
+from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, unknown_field
 from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
 from worker.engine.request import Request, RequestOutput, SamplingParams
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
 MAX_CUSTOM_ID = 512  # characters: the size of the custom_id columns
 MAX_STOP = 16  # stop strings a request may give
 MAX_STOP_CHARS = 256  # the engine decodes ~4 tokens a character of the longest stop string every token
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # token ids in one logit_bias, as OpenAI
+MAX_REPETITION = 100.0  # a repetition_penalty past this is no longer a penalty but a ban: use logit_bias
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy, as in vLLM (logits divided by ~1e-38 overflow float32)
 DEFAULT_CHAT_MAX_TOKENS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
@@ -107,6 +109,9 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> 
     if method != "POST":
         raise LineError(line, "method", f"must be POST, not {shown(method)}", custom_id)
     url = obj.get("url")
+    if url == EMBEDDINGS_URL:
+        raise LineError(line, "url", f"{EMBEDDINGS_URL} is not supported yet: berth runs {CHAT_URL} and "
+                        f"{COMPLETIONS_URL}", custom_id)
     if not isinstance(url, str) or url not in (CHAT_URL, COMPLETIONS_URL):
         raise LineError(line, "url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, not {shown(url)}", custom_id)
     body = obj.get("body")
@@ -237,11 +242,36 @@ def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = N
         n=g("n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
         logprobs=logprobs,
         min_tokens=g("min_tokens", int, 0, lambda v: v >= 0, "an integer >= 0"),
-        ignore_eos=g("ignore_eos", bool, False, why="true or false"))
+        ignore_eos=g("ignore_eos", bool, False, why="true or false"),
+        frequency_penalty=float(g("frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2,
+                                  "a number in [-2, 2]")),
+        presence_penalty=float(g("presence_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2,
+                                 "a number in [-2, 2]")),
+        repetition_penalty=float(g("repetition_penalty", (int, float), 1.0, lambda v: 0 < v <= MAX_REPETITION,
+                                   f"a number in (0, {MAX_REPETITION}] (1 turns it off)")),
+        min_p=float(g("min_p", (int, float), 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")),
+        logit_bias=_logit_bias(line, limit))
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
         raise LineError(line.line, "body", str(exc), line.custom_id) from None
+
+
+def _logit_bias(line: BatchLine, limit: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as sorted (id, bias) pairs, each id in ``[0, limit)``."""
+    bias = _get(line, "logit_bias", dict, {}, lambda v: len(v) <= MAX_LOGIT_BIAS,
+                f"an object of up to {MAX_LOGIT_BIAS} token ids (as strings) to numbers in [-100, 100]")
+    pairs = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 else -1
+        if not 0 <= token < limit:
+            raise LineError(line.line, "body.logit_bias", f"keys must be token ids in [0, {limit}) written as "
+                            f"strings, got {shown(key)}", line.custom_id)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise LineError(line.line, f"body.logit_bias.{token}", f"must be a number in [-100, 100], "
+                            f"got {shown(value)}", line.custom_id)
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
@@ -251,6 +281,8 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
     tokenizer's size both. A structured-output constraint is checked and compiled last, once the
     cheaper checks passed."""
+    if (unknown := unknown_field(line.url, line.body)) is not None:
+        raise LineError(line.line, *unknown, line.custom_id)
     model = line.body.get("model")
     if model is not None and model != model_name:
         raise LineError(line.line, "body.model", f"unknown model {shown(model)}: this service runs {model_name!r}",

@@ -43,6 +43,8 @@ def params_from_dict(data: dict) -> SamplingParams:
     values = {k: v for k, v in data.items() if k in _PARAM_FIELDS}
     for name in ("stop", "stop_token_ids"):
         values[name] = tuple(values.get(name, ()))
+    if "logit_bias" in values:  # JSON holds the (token id, bias) pairs as lists
+        values["logit_bias"] = tuple((int(t), float(b)) for t, b in values["logit_bias"])
     structured = values.get("structured")
     if structured is not None:
         if not isinstance(structured, dict) or not isinstance(structured.get("value", ""), str):

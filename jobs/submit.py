@@ -20,11 +20,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs import files as keys
-from jobs.batch_format import CHAT_URL, COMPLETIONS_URL
 from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
 from jobs.models import Job, JobStatus, Tenant, now
+from jobs.request_fields import CHAT_URL, COMPLETIONS_URL
 from jobs.tenants import check_tenant_name, tenant_id
 from jobs.validate import check_file_size, copy_checked
 from worker.config import Settings

@@ -98,8 +98,21 @@ FIELDS = {
     "logprobs": (st.one_of(st.booleans(), st.integers(0, 20)), st.one_of(st.integers(-1, 21), hostile_scalar)),
     "top_logprobs": (st.integers(0, 20), st.one_of(st.integers(-1, 21), hostile_scalar)),
     "max_completion_tokens": (st.one_of(st.none(), small_int), hostile_scalar),
-    "extra": (st.one_of(st.just(DEEPISH), st.text(max_size=5), st.dictionaries(st.text(max_size=3), st.integers())),
-              st.one_of(st.just(DEEP), st.just(BIG_INT), hostile_scalar)),
+    "metadata": (st.dictionaries(st.text(max_size=3), st.one_of(st.integers(), st.just(DEEPISH))),
+                 st.one_of(st.just(DEEP), st.just(BIG_INT), hostile_scalar)),
+    "user": (st.text(max_size=5), st.one_of(st.just(DEEP), st.integers(), st.just([]))),
+    "frequency_penalty": (st.floats(-2, 2), st.one_of(st.floats(), st.just(2.5), hostile_scalar)),
+    "presence_penalty": (st.floats(-2, 2), st.one_of(st.floats(), st.just(-3), hostile_scalar)),
+    "repetition_penalty": (st.floats(0.05, 100), st.one_of(st.floats(max_value=0), st.just(float("inf")), st.just(101),
+                                                           hostile_scalar)),
+    "min_p": (st.floats(0, 1), st.one_of(st.floats(), st.just(1.5), hostile_scalar)),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=5),
+                   st.one_of(st.dictionaries(st.one_of(st.integers(-3, VOCAB + 3).map(str), texts),
+                                             st.one_of(st.floats(), st.integers(-200, 200), hostile_scalar),
+                                             min_size=1, max_size=3),
+                             st.just({str(i): 1 for i in range(301)}), hostile_scalar)),
+    "unknown_field": (st.nothing(), st.one_of(st.integers(), st.text(max_size=3), hostile_scalar)),
+    "tools": (st.nothing(), st.just([{"type": "function", "function": {"name": "f"}}])),
     "model": (st.just(TINY_NAME), hostile_scalar),
     "messages": (st.lists(good_message, min_size=1, max_size=4),
                  st.one_of(st.lists(message, min_size=1, max_size=4), st.just([]), hostile_scalar,
@@ -114,7 +127,9 @@ FIELDS = {
     "method": (st.just("POST"), hostile_scalar),
     "body": (st.nothing(), hostile_scalar),
 }
-SAMPLING = [f for f in FIELDS if f not in ("model", "messages", "prompt", "custom_id", "url", "method", "body")]
+ONLY_HOSTILE = ("unknown_field", "tools")  # body fields no line may carry
+SAMPLING = [f for f in FIELDS if f not in ("model", "messages", "prompt", "custom_id", "url", "method", "body",
+                                           *ONLY_HOSTILE)]
 
 
 @st.composite
@@ -139,7 +154,7 @@ def request_lines(draw) -> str:
     body = {"model": value("model"), prompt_field: value(prompt_field)}
     for name in draw(st.lists(st.sampled_from(SAMPLING), unique=True, max_size=8)):
         body[name] = value(name)
-    if bad in SAMPLING and bad not in body:
+    if (bad in SAMPLING or bad in ONLY_HOSTILE) and bad not in body:
         body[bad] = value(bad)
     line = {"custom_id": value("custom_id"), "url": CHAT if chat else COMPLETIONS, "body": body}
     for name in ("url", "body", "method"):
@@ -261,6 +276,15 @@ HOSTILE = {  # what each line is: (code, param, what its message says)
     "deep model name": ('{"custom_id": "h15", "url": "/v1/completions", "body": {"prompt": "x", "model": '
                         + "[" * 150 + "]" * 150 + "}}", ("model_not_found", "body.model", "unknown model")),
     "bool max_tokens": (_line("h16", max_tokens=True), ("invalid_request", "body.max_tokens", "boolean")),
+    "unknown field": (_line("h17", frequency_penality=0.5), ("invalid_request", "body.frequency_penality",
+                                                             "not a request field berth knows")),
+    "tools": (_chat("h18", [{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]), ("invalid_request", "body.tools", "not supported yet")),
+    "logit_bias past the vocabulary": (_line("h19", logit_bias={str(VOCAB): 5}),
+                                       ("invalid_request", "body.logit_bias", "[0, 49152)")),
+    "a penalty out of range": (_line("h20", presence_penalty=2.5), ("invalid_request", "body.presence_penalty",
+                                                                     "[-2, 2]")),
+    "echo": (_line("h21", echo=True), ("invalid_request", "body.echo", "berth runs only false")),
 }
 
 
@@ -471,3 +495,44 @@ def test_a_tenant_with_too_many_jobs_in_flight_is_refused(tmp_path, tiny_llama_d
     api.submit(path, settings, spec=JobSpec(tenant="alice"))  # a cancelling job is no longer in flight
     assert len(api.list_jobs(settings, tenant="alice")) == 3
 
+
+
+def test_every_known_body_field_is_in_the_docs_table():
+    """docs/request-fields.md names every field the door knows, and the door knows every field it names."""
+    import re
+    from pathlib import Path
+
+    from jobs import request_fields as rf
+
+    doc = Path(__file__).resolve().parents[1].joinpath("docs", "request-fields.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and not line.startswith("| Field")]
+    named = {name for row in rows for cell in row.split("|")[1:3] for name in re.findall(r"`([a-z_]+)`", cell)}
+    known = set().union(*rf.IMPLEMENTED.values(), rf.NO_EFFECT, rf.ONLY, rf.NOT_YET)
+    assert named == known, (named - known, known - named)
+
+
+def test_a_line_with_an_unknown_field_or_embeddings_is_refused_naming_it(tiny_engine):
+    """On main these ran and returned 200 with the field ignored (or a generic url error)."""
+    validator = LineValidator(ModelInfo.of_engine(tiny_engine))
+
+    def refused(text):
+        raw = next(read_lines(io.BufferedReader(io.BytesIO(text.encode()))))
+        with pytest.raises(LineError) as e:
+            validator.check(raw)
+        return e.value
+
+    e = refused(_line("u1", frequency_penality=0.5))
+    assert (e.line, e.param) == (1, "body.frequency_penality") and "not a request field berth knows" in e.message
+    e = refused(_chat("u2", [{"role": "user", "content": "hi"}], tool_choice="auto"))
+    assert e.param == "body.tool_choice" and "not supported yet" in e.message
+    e = refused(json.dumps({"custom_id": "u3", "url": "/v1/embeddings", "body": {"input": "hi"}}))
+    assert e.param == "url" and "/v1/embeddings is not supported yet" in e.message
+    e = refused(_line("u4", top_logprobs=2))
+    assert e.param == "body.top_logprobs" and "a field of /v1/chat/completions" in e.message
+    raw = next(read_lines(io.BufferedReader(io.BytesIO(_line(
+        "ok", user="me", metadata={"k": "v"}, store=True, echo=False, frequency_penalty=0.5, presence_penalty=-1,
+        repetition_penalty=1.2, min_p=0.1, logit_bias={"7": 3, "5": -100}).encode()))))
+    params = validator.check(raw)[2].params
+    assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty, params.min_p,
+            params.logit_bias) == (0.5, -1.0, 1.2, 0.1, ((5, -100.0), (7, 3.0)))
+    assert params_from_dict(json.loads(json.dumps(params_to_dict(params)))) == params

@@ -37,6 +37,8 @@ def test_bad_lines_are_reported_and_good_lines_complete(tmp_path, tiny_llama_dir
         8: (json.dumps(request_line(0)), ("invalid_request", "custom_id", "duplicate custom_id 'req-0'")),
         9: ("x" * (50 << 20), ("line_too_long", None, "52428800 bytes, over the limit")),
         10: ('{"custom_id": "caf\xe9"}'.encode("latin-1"), ("invalid_request", None, "not UTF-8")),
+        13: (_line(12, frequency_penality=0.5), ("invalid_request", "body.frequency_penality",
+                                                 "not a request field berth knows")),
     }
     lines: dict[int, bytes] = {1: good[0], 5: good[1], 11: good[2], 12: good[3], **{n: v for n, (v, _) in bad.items()}}
     path = tmp_path / "mixed.jsonl"
@@ -45,7 +47,7 @@ def test_bad_lines_are_reported_and_good_lines_complete(tmp_path, tiny_llama_dir
     job, files = api.run(path, tmp_path / "out.jsonl", _settings(tmp_path, tiny_llama_dir), engine=tiny_engine)
 
     assert job.status is JobStatus.COMPLETED
-    assert (job.total, job.completed, job.failed) == (12, 4, 8)
+    assert (job.total, job.completed, job.failed) == (13, 4, 9)
     assert [line["custom_id"] for line in read_jsonl(files.output)] == ["req-0", "req-1", "req-2", "req-3"]
     errors = {e["error"]["line"]: e for e in read_jsonl(files.errors)}
     assert sorted(errors) == sorted(bad)

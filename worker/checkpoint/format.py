@@ -48,9 +48,18 @@ def block_key(fingerprint: str, block_hash: bytes) -> str:
     return f"{KV_PREFIX}{fingerprint}/{block_hash.hex()}.kv"
 
 
+_LATER_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                   "logit_bias": (), "min_p": 0.0}
+"""Sampling fields added after checkpoints existed, with the values that leave them out of the digest."""
+
+
 def request_digest(prompt_token_ids: list[int], params: SamplingParams) -> str:
     """Names what a request asks for, so a checkpoint is applied only to the same request."""
-    what = json.dumps([list(prompt_token_ids), asdict(params)], sort_keys=True)
+    fields = asdict(params)
+    for name, default in _LATER_DEFAULTS.items():  # a request that does not use them keeps its digest
+        if fields.get(name) == default:
+            del fields[name]
+    what = json.dumps([list(prompt_token_ids), fields], sort_keys=True)
     return hashlib.sha256(what.encode()).hexdigest()[:32]
 
 

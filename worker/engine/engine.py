@@ -36,6 +36,7 @@ import torch
 from worker.config import Settings
 from worker.engine import grammar
 from worker.engine.block_manager import BlockManager
+from worker.engine.penalties import TokenCounts
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
 from worker.engine.sampler import SampleRow, sample
@@ -208,6 +209,7 @@ class Engine:
         vocabulary (a negative one would index from its end), resumed outputs longer than allowed."""
         p, vocab = request.params, self.vocab_size
         for what, ids in (("prompt", request.prompt_token_ids), ("stop_token_ids", p.stop_token_ids),
+                          ("logit_bias", [t for t, _ in p.logit_bias]),
                           *((f"resumed sample {i}", out) for i, out in enumerate(request.resume_output_ids))):
             if ids and not (0 <= min(ids) and max(ids) < vocab):
                 raise RequestRejected(f"request {request.request_id}: {what} has token ids outside [0, {vocab})")
@@ -376,6 +378,8 @@ class Engine:
                 continue
             try:
                 seq.token_ids.append(token)
+                if seq.counts is not None:
+                    seq.counts.add(token)
                 if seq.matcher is not None:
                     grammar.accept(seq.matcher, token)
                 if logprob is not None:
@@ -482,9 +486,13 @@ class Engine:
         return seq
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
-        """A constrained row's EOS is never suppressed for ``min_tokens``: its grammar says where it ends."""
+        """A constrained row's EOS is never suppressed for ``min_tokens``: its grammar says where it ends.
+        A penalised row's token counts are built from its tokens when first needed (also after a
+        resume or a fork), then kept up to date by ``_finish_rows``."""
+        if seq.counts is None and seq.request.params.penalized:
+            seq.counts = TokenCounts.of(seq.token_ids, seq.num_prompt_tokens)
         return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens, seq.num_output_tokens,
-                         seq.request.stop_ids if seq.matcher is None else ())
+                         seq.request.stop_ids if seq.matcher is None else (), seq.counts)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.request.params

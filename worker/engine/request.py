@@ -49,6 +49,12 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # None = unconstrained
+    # Logits processing before the draw (worker/engine/penalties.py); the defaults change nothing.
+    frequency_penalty: float = 0.0  # OpenAI: minus this times each token's count in the output so far
+    presence_penalty: float = 0.0  # OpenAI: minus this for each token in the output so far
+    repetition_penalty: float = 1.0  # vLLM / transformers: logits of prompt and output tokens divided (or, < 0, multiplied)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias) pairs added to the logits
+    min_p: float = 0.0  # vLLM / transformers: drop tokens less likely than min_p times the top token
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -65,6 +71,24 @@ class SamplingParams:
             raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
+            raise ValueError("frequency_penalty and presence_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError("repetition_penalty must be a finite number > 0 (1 turns it off)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if len(self.logit_bias) > 300 or not all(-100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias takes at most 300 token ids, each with a bias in [-100, 100]")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a row needs the counts of its tokens (repetition, frequency or presence penalty)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before the draw (a penalty or a bias): the other rows skip it."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +123,7 @@ class Sequence:
     stop_text_end: int | None = None  # where a stop string cut the text
     logprobs: list[dict] = field(default_factory=list)
     matcher: object | None = None  # a structured output's grammar matcher, past every output token
+    counts: object | None = None  # worker.engine.penalties.TokenCounts, built when a penalty first needs it
     long_rope: bool = False  # past a longrope model's threshold: rotated with the long factors (worker.model.rotary)
 
     @property

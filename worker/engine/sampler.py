@@ -5,10 +5,20 @@ uniform number from a counter-based hash and inverts the cumulative distribution
 request therefore gives the same text whatever shares its batch, and after a restart.
 
 Structured outputs: the rows a grammar constrains come with a bitmask of their allowed tokens
-(worker/engine/grammar.py), applied to their logits first, before min_tokens, temperature, top-k and top-p;
+(worker/engine/grammar.py), applied to their logits after any bias and penalty (so no bias lifts a
+token the grammar forbids), before min_tokens, temperature, min-p, top-k and top-p;
 the draw is unchanged, so a constrained row is as deterministic as any. Rows without a grammar take
-the same path as when no row has one. Logprobs are of the raw distribution, before any mask or
-suppression (vLLM's default), so a constrained token's logprob says how likely the model found it.
+the same path as when no row has one.
+
+Logits processing: rows with a ``logit_bias`` or a repetition, frequency or presence penalty have
+them applied first (worker/engine/penalties.py), then everything else; ``min_p`` is applied after
+the temperature, before top-k and top-p (vLLM's order; transformers' ``MinPLogitsWarper``). Rows
+without them take the path they took before these existed, at the same cost.
+
+Logprobs are of the distribution after the bias and penalties (the model's as the request asked
+to change it; vLLM's ``processed`` logprobs, less the temperature) and before any grammar mask,
+``min_tokens`` suppression, temperature or truncation, so a constrained token's logprob says how
+likely it was. A row without bias or penalty reports the raw distribution, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine import penalties
 from worker.engine.grammar import apply_bitmask
 from worker.engine.request import SamplingParams
 
@@ -43,6 +54,7 @@ class SampleRow:
     position: int  # where the sampled token will stand in the sequence
     num_output_tokens: int  # generated so far
     suppress_ids: tuple[int, ...]  # token ids forbidden before min_tokens (EOS and stop ids)
+    counts: penalties.TokenCounts | None = None  # the sequence's token counts, where it uses a penalty
 
 
 @dataclass
@@ -57,6 +69,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     their bitmask (``worker.engine.grammar.fill_bitmask``), or None when no row is constrained."""
     n = len(rows)
     tokens = torch.empty(n, dtype=torch.long)
+    processed = [i for i, r in enumerate(rows) if r.params.processed]
+    if processed:
+        if len(processed) == n:
+            logits = penalties.process(logits, [r.params for r in rows], [r.counts for r in rows])
+        else:
+            logits[processed] = penalties.process(logits[processed], [rows[i].params for i in processed],
+                                                  [rows[i].counts for i in processed])
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
     if grammar_mask is not None:
@@ -83,9 +102,21 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     return Sampled(token_list, logprobs)
 
 
+def apply_min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """transformers' ``MinPLogitsWarper``, each row with its own ``min_p`` (0 keeps every token): a
+    token less likely than ``min_p`` times the row's top token is dropped. The top token is never
+    below that floor (``min_p <= 1``), so one always stays."""
+    probs = torch.softmax(x, dim=-1)
+    floor = torch.tensor(min_p, dtype=x.dtype, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    return x.masked_fill(probs < floor, float("-inf"))
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
     x = logits / temps[:, None]
+    min_p = [r.params.min_p for r in rows]
+    if any(min_p):
+        x = apply_min_p(x, min_p)
     top_k = [r.params.top_k for r in rows]
     if any(top_k):
         top_k = [min(k, x.shape[-1]) for k in top_k]  # the door refuses more; never let torch.topk raise

@@ -1,0 +1,117 @@
+"""Every body field a request line may carry, and what berth does with it (docs/request-fields.md).
+
+A batch file written for OpenAI's Batch API or for ``vllm run-batch`` must mean the same thing to
+berth, so no field is ignored in silence: a field berth implements is read by
+``jobs.batch_format``; a field that by its nature changes nothing here (who the caller is, a
+storage or billing hint) is accepted when its type is right; a field that selects behaviour berth
+has only at one value is accepted at that value and refused at any other; ``tools`` and the like
+are refused as not supported yet; any other name is refused as unknown, as OpenAI answers an
+unrecognised argument with a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from jobs.line_text import shown
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+
+_BOTH = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "logprobs",
+    "min_tokens", "ignore_eos", "stream", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "logit_bias", "min_p",
+    # structured outputs (jobs.structured_outputs reads them, and refuses the last three with a reason)
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "guided_json_object", "guided_whitespace_pattern", "structural_tag",
+}
+IMPLEMENTED = {
+    CHAT_URL: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"},
+    COMPLETIONS_URL: _BOTH | {"prompt"},
+}
+"""What ``jobs.batch_format`` and ``jobs.structured_outputs`` read, per endpoint."""
+
+_is_str: Callable[[Any], bool] = lambda v: isinstance(v, str)
+NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "user": (_is_str, "a string"),
+    "safety_identifier": (_is_str, "a string"),
+    "prompt_cache_key": (_is_str, "a string"),  # berth's prefix cache needs no key
+    "cache_salt": (_is_str, "a string"),  # vLLM: separates prefix caches; berth's holds no secrets across jobs
+    "request_id": (_is_str, "a string"),  # vLLM: names the request in its logs; berth names it by custom_id
+    "metadata": (lambda v: isinstance(v, dict), "an object"),
+    "store": (lambda v: isinstance(v, bool), "true or false"),
+    "service_tier": (_is_str, "a string"),
+    "stream_options": (lambda v: isinstance(v, dict), "an object"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),  # tools are refused anyway
+}
+"""Accepted and without effect by their nature (with the type they must have)."""
+
+ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot be had)
+    "echo": ({COMPLETIONS_URL: False}, "berth returns the completion without the prompt"),
+    "suffix": ({COMPLETIONS_URL: None}, "berth does not insert (fill in the middle)"),
+    "best_of": ({CHAT_URL: 1, COMPLETIONS_URL: 1}, "berth returns every sample it draws: use n"),  # n, in fact
+    "use_beam_search": ({CHAT_URL: False, COMPLETIONS_URL: False}, "berth does not run beam search"),
+    "length_penalty": ({CHAT_URL: 1, COMPLETIONS_URL: 1}, "it applies to beam search, which berth does not run"),
+    "skip_special_tokens": ({CHAT_URL: True, COMPLETIONS_URL: True}, "berth's text leaves special tokens out"),
+    "spaces_between_special_tokens": ({CHAT_URL: True, COMPLETIONS_URL: True}, "berth decodes with the default"),
+    "include_stop_str_in_output": ({CHAT_URL: False, COMPLETIONS_URL: False},
+                                   "berth's text ends before the stop string"),
+    "add_generation_prompt": ({CHAT_URL: True}, "berth's chat template always opens the assistant's turn"),
+    "continue_final_message": ({CHAT_URL: False}, "berth's chat template always opens a new assistant turn"),
+    "add_special_tokens": ({CHAT_URL: False, COMPLETIONS_URL: True}, "berth tokenizes with vLLM's default"),
+    "return_tokens_as_token_ids": ({CHAT_URL: False, COMPLETIONS_URL: False}, "berth returns tokens as text"),
+    "priority": ({CHAT_URL: 0, COMPLETIONS_URL: 0}, "a job's priority is set on the job (berth submit --priority)"),
+    "modalities": ({CHAT_URL: ["text"]}, "berth generates text only"),
+}
+"""Accepted only at the value that is berth's behaviour (absent or null is that value too)."""
+
+NOT_YET = {
+    "tools": "tool calling is not supported yet: remove tools (and tool_choice)",
+    "tool_choice": "tool calling is not supported yet: remove tool_choice (and tools)",
+    "functions": "function calling is not supported yet (and functions is deprecated for tools): remove it",
+    "function_call": "function calling is not supported yet (and function_call is deprecated for tool_choice): "
+                     "remove it",
+}
+
+
+def _same(value: Any, want: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, true is not 1."""
+    if isinstance(want, bool) or want is None or isinstance(value, bool):
+        return value is want
+    if isinstance(want, (int, float)):
+        return isinstance(value, (int, float)) and value == want
+    return type(value) is type(want) and value == want
+
+
+def unknown_field(url: str, body: dict) -> tuple[str, str] | None:
+    """The first field of ``body`` berth would ignore, as ``(param, why)``; None when there is none."""
+    implemented = IMPLEMENTED[url]
+    for name, value in body.items():
+        if name in implemented:
+            continue
+        param = f"body.{name}"
+        if name in NOT_YET:
+            if value is None:
+                continue
+            return param, NOT_YET[name]
+        if name in NO_EFFECT:
+            ok, what = NO_EFFECT[name]
+            if value is not None and not ok(value):
+                return param, f"must be {what}, got {shown(value)}"
+            continue
+        if name in ONLY and url in ONLY[name][0]:
+            want, why = ONLY[name][0][url], ONLY[name][1]
+            if name == "best_of":  # vLLM's default: as many as n, which returns them all
+                want = body.get("n") if isinstance(body.get("n"), int) else 1
+            if value is not None and not _same(value, want):
+                return param, f"berth runs only {json.dumps(want)} here ({why}), got {shown(value)}"
+            continue
+        other = COMPLETIONS_URL if url == CHAT_URL else CHAT_URL
+        if name in IMPLEMENTED[other] or (name in ONLY and other in ONLY[name][0]):
+            return param, f"is a field of {other}, not of {url}"
+        return param, ("is not a request field berth knows: berth refuses fields it would otherwise ignore "
+                       "(docs/request-fields.md lists those it takes)")
+    return None
