@@ -17,7 +17,7 @@ from jobs.models import Base
 def test_berth_db_upgrade_makes_exactly_the_models_schema(backend, tmp_path, request):
     url = f"sqlite:///{tmp_path / 'berth.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
     result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
-    assert result.exit_code == 0 and "database at migration 0005" in result.output, result.output
+    assert result.exit_code == 0 and "database at migration 0008" in result.output, result.output
     engine = make_engine(url)
     with engine.connect() as conn:
         context = MigrationContext.configure(conn, opts={"compare_type": True})
