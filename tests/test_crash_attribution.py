@@ -147,7 +147,7 @@ def test_a_request_that_kills_its_worker_is_failed_alone(tmp_path, tiny_llama_di
         killer = s.scalar(select(RequestRow.prompt_token_ids).where(RequestRow.custom_id == f"req-{KILLER_LINE}"))
     env = {**_env(settings), "TEST_KILLER_PROMPT": json.dumps(killer)}
     # Halves until it runs alone, then max_delivery_attempts deaths alone: 16, 8, 4, 2, then 1 three times.
-    most = 1 + (KILLER_JOB - 1).bit_length() + settings.max_delivery_attempts - 1
+    most = (KILLER_JOB - 1).bit_length() + settings.max_delivery_attempts
     deaths = 0
     while _results(db)[0] < KILLER_JOB:
         log_path = tmp_path / f"worker{deaths}.log"

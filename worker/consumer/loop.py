@@ -381,7 +381,8 @@ class EngineWorker:
         if cleared and self._ledger(self.ledger.cleared, [int(rid) for rid in cleared]) is not DOWN:
             for rid in cleared:
                 self.engine.release(rid)
-                self.inflight[rid].suspect = 0
+                if rid in self.inflight:
+                    self.inflight[rid].suspect = 0
         else:
             cleared = []
         self._end_group_if_over(cleared)
@@ -406,11 +407,11 @@ class EngineWorker:
         if not deaths:
             return
         rates = self._read_death_rates()
-        total = sum(rates.values()) if rates else None
+        total = sum(rates.values()) if rates is not None else None
         for death in deaths.values():
             self._deaths_seen[death.id] = None
             host = death.worker.rpartition(":")[0] or death.worker
-            on_host = rates.get(host) if rates else None
+            on_host = rates.get(host, 0) if rates is not None else None
             crash_loop = on_host is not None and on_host >= CRASH_LOOP_DEATHS
             log.log(logging.ERROR if crash_loop else logging.WARNING,
                     "worker %s died while running %d request(s)%s: worker deaths in the last hour: %s on host %s, "
