@@ -112,9 +112,11 @@ class JobsLedger:
             s.execute(update(RequestRow), [{"id": rid, "suspect": k} for rid, k in classes.items()])
 
     @_translated
-    def paused(self, request_ids: list[int]) -> None:
+    def paused(self, request_ids: list[int], starting: list[int] = ()) -> None:
         with self.db.session() as s, s.begin():
             s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(started=False))
+            if starting:
+                s.execute(update(RequestRow).where(RequestRow.id.in_(starting)).values(started=True))
 
     @_translated
     def cleared(self, request_ids: list[int]) -> None:

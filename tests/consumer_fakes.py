@@ -90,10 +90,12 @@ class FakeLedger:
         for rid, k in classes.items():
             self.rows[rid].suspect = k
 
-    def paused(self, request_ids):
+    def paused(self, request_ids, starting=()):
         self._check()
         for rid in request_ids:
             self.rows[rid].started = False
+        for rid in starting:
+            self.rows[rid].started = True
 
     def cleared(self, request_ids):
         self._check()

@@ -158,3 +158,27 @@ def ledger():
 @pytest.fixture
 def broker(ledger):
     return FakeBroker(ledger)
+
+
+def test_with_the_real_engine_a_death_at_any_step_is_charged_to_what_that_step_ran(ledger, broker, tiny_loaded):
+    from worker.engine.engine import Engine
+
+    suspects, innocent = list(range(1, 7)), list(range(7, 11))
+    _rows(ledger, broker, suspects + innocent, max_tokens=40)
+    for i in suspects:
+        ledger.crash(i)
+    engine = Engine(loaded=tiny_loaded, kv_memory="64MiB", max_num_seqs=8)
+    steps, prepare = [], engine.runner.prepare
+
+    def watched(scheduled):
+        steps.append(({int(seq.request.request_id) for seq, _ in scheduled}, ledger.running(worker.name)))
+        return prepare(scheduled)
+
+    engine.runner.prepare = watched
+    engine.model_name = "m"
+    worker = make_worker(ledger, broker, engine)
+    run_until_done(worker, ledger, suspects + innocent, limit=20000)
+    assert all(ledger.rows[i].outcome.completed for i in suspects + innocent)
+    for ran, charged in steps:
+        assert ran == charged, (ran, charged)
+    assert any(ran <= set(suspects) and len(ran) <= 3 for ran, _ in steps)

@@ -110,9 +110,10 @@ class Ledger(Protocol):
     def suspect(self, classes: dict[int, int]) -> None:
         """request id -> its suspect size class from now on (0: innocent again), before it runs."""
 
-    def paused(self, request_ids: list[int]) -> None:
-        """These stopped running for a while (a group of suspects runs alone): a worker that dies now
-        did not die running them. ``started`` says when they run again."""
+    def paused(self, request_ids: list[int], starting: list[int] = ()) -> None:
+        """These stop running for a while, as the group ``starting`` (suspects) begins to run alone: in
+        one transaction, ``request_ids`` no longer started, ``starting`` started. A worker that dies
+        from now on did not die running the first. ``started`` says when they run again."""
 
     def cleared(self, request_ids: list[int]) -> None:
         """Suspects that ran alone without their worker dying: innocent again, paused until ``started``."""

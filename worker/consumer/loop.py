@@ -148,6 +148,7 @@ class EngineWorker:
         self._next_beat = 0.0
         self.suspects = Suspects(settings.checkpoint_interval or CLEAR_TOKENS)
         self._deaths_seen: dict[int, None] = {}  # ids of the deaths logged, the latest last
+        self._pause_at_start: list[int] | None = None  # the others, paused when a group's first step starts
         self._next_deaths = 0.0
         engine.on_start = self._on_start
 
@@ -340,24 +341,28 @@ class EngineWorker:
         self.mean_kv_tokens = size if self.mean_kv_tokens is None else 0.9 * self.mean_kv_tokens + 0.1 * size
 
     def _on_start(self, request_ids: list[str]) -> None:
-        """Before the engine's step that first runs these: say so, so that a crash in it counts."""
+        """Before the engine's step that first runs these: say so, so that a crash in it counts. Before
+        the first step of a group of suspects, the others stop running in the same transaction: a death
+        is charged to the others until then, to the group from then on, never to nobody."""
         ids = [int(r) for r in request_ids if r in self.inflight]
+        pause, self._pause_at_start = self._pause_at_start, None
         if ids and self.database.ready():
-            self._ledger(self.ledger.started, ids)
+            if pause:
+                self._ledger(self.ledger.paused, pause, ids)
+            else:
+                self._ledger(self.ledger.started, ids)
 
     # ---- suspects: run apart from other work (``worker.consumer.suspects``)
     def _start_suspects(self) -> None:
         """Start the next group of suspects alone in the engine, when one is due and the database can
-        be told that the others are paused meanwhile (else it waits: a death then would be charged to
-        requests that were not running)."""
+        be told that the others are paused meanwhile (as its first step starts: ``_on_start``)."""
         s = self.suspects
         s.waiting = [item for item in s.waiting if self.inflight.get(item.request.request_id) is item]
         self._end_group_if_over()
         if self.stop_requested or not s.due(self.engine.has_unfinished()) or not self.database.ready():
             return
         others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
-        if others and self._ledger(self.ledger.paused, others) is DOWN:
-            return
+        self._pause_at_start = others
         group = s.take_group()
         log.info("worker %s: running %d suspect(s) of size class %d alone (they were running when a worker died); "
                  "%d other requests wait meanwhile", self.name, len(group), min(i.suspect for i in group),
@@ -378,7 +383,10 @@ class EngineWorker:
         if s.group is None:
             return
         cleared = s.cleared(self.engine.requests)
-        if cleared and self._ledger(self.ledger.cleared, [int(rid) for rid in cleared]) is not DOWN:
+        last = set(cleared) >= {rid for rid in s.group.members if rid in self.engine.requests}
+        # the last ones keep running as the others resume (``_end_group_if_over``): only their class changes
+        write = (lambda ids: self.ledger.suspect(dict.fromkeys(ids, 0))) if last else self.ledger.cleared
+        if cleared and self._ledger(write, [int(rid) for rid in cleared]) is not DOWN:
             for rid in cleared:
                 self.engine.release(rid)
                 if rid in self.inflight:
@@ -395,6 +403,7 @@ class EngineWorker:
         if s.group is not None:
             gone = [rid for rid in s.group.members if rid not in self.inflight or rid not in self.engine.requests]
             if s.leave([*cleared, *gone]):
+                self._pause_at_start = None  # a group that never ran (its members refused) paused nothing
                 others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
                 if others:
                     self._ledger(self.ledger.started, others)

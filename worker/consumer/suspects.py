@@ -12,9 +12,10 @@ has one to spare) because any worker can do it, at once, with the model it has l
 running suspects beside innocent work because a death there would be charged to the innocent too.
 
 The database knows at every moment which of a worker's requests are running (``requests.started``):
-before a group's first step the worker pauses the others (``Ledger.paused``), the engine marks the
-group as it starts (``Engine.on_start``), and when the group is done the others run again
-(``Ledger.started``) before their next step. A member is cleared (innocent again, ``Ledger.cleared``)
+as a group's first step starts (``Engine.on_start``), one transaction marks the group started and
+pauses the others (``Ledger.paused``), and when the group is done the others run again
+(``Ledger.started``) before their next step. So a death is charged to the others until the group
+runs, to the group from then on, and never to nobody. A member is cleared (innocent again, ``Ledger.cleared``)
 once it has generated ``clear_tokens`` tokens alone, a checkpoint interval: a crash it causes at a
 point of its output has had the chance to strike again from its checkpoint. Finished or failed
 members leave the group too.
