@@ -1,7 +1,9 @@
 """The jobs database as an engine worker sees it: ``worker.consumer.ledger.Ledger`` on the jobs schema.
 
 A delivery is claimed in one transaction: its attempt counted, the row's account of the previous
-delivery read (did its worker die while running it?), and this worker written as the holder. The
+delivery read (did its worker die while running it? then that death is recorded once, with how
+many requests it was running: ``jobs.workers.found_dead``), and this worker written as the holder,
+with the life of this process (a uuid: a restarted worker in a container has the same "host:pid"). The
 request's row is what the worker runs: prompt, parameters, job, tenant, priority. Outcomes become
 result rows (the OpenAI Batch response line built here, where the output format lives) and job
 counters in one transaction; the jobs that are then complete are handed to the finalize task.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from dataclasses import fields
 
 from sqlalchemy import exc as sql_errors
@@ -26,7 +29,7 @@ from jobs.results import ResultRecord, record_outcomes
 from jobs.tasks import finalize_later, make_app
 from jobs.tenants import live_tenants
 from worker.config import Settings
-from worker.consumer.ledger import Claim, Heartbeat, LedgerDown, Outcome
+from worker.consumer.ledger import Claim, Death, Heartbeat, LedgerDown, Outcome
 from worker.engine.request import SamplingParams, StructuredOutput
 
 log = logging.getLogger("berth.worker")
@@ -71,6 +74,7 @@ class JobsLedger:
         self.tasks = make_app(settings, eager_tasks)
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.life = uuid.uuid4().hex  # this process, as its rows' ``holder_life`` and its death name it
 
     @_translated
     def claim(self, request_ids: list[int], worker: str) -> dict[int, Claim]:
@@ -84,9 +88,13 @@ class JobsLedger:
                 select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Result.id)
                 .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
                 .outerjoin(Result, Result.request_id == RequestRow.id).where(ids)).all()
-            claims = {row.id: _claim(row, status, model, priority, tenant, result_id is None and status in LIVE)
+            dead = {_life(row): row.holder for row, *_, result_id in rows
+                    if result_id is None and row.holder is not None and row.started}
+            deaths = workers.found_dead(s, dead)
+            claims = {row.id: _claim(row, status, model, priority, tenant, result_id is None and status in LIVE,
+                                     deaths.get(_life(row)))
                       for row, status, model, priority, tenant, result_id in rows}
-            s.execute(update(RequestRow).where(ids).values(holder=worker[:200], started=False))
+            s.execute(update(RequestRow).where(ids).values(holder=worker[:200], holder_life=self.life, started=False))
         return claims
 
     @_translated
@@ -99,6 +107,27 @@ class JobsLedger:
         with self.db.session() as s, s.begin():
             s.execute(update(RequestRow), [{"id": rid, "progress": tokens, "strikes": strikes}
                                            for rid, (tokens, strikes) in baselines.items()])
+
+    @_translated
+    def suspect(self, classes: dict[int, int]) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow), [{"id": rid, "suspect": k} for rid, k in classes.items()])
+
+    @_translated
+    def paused(self, request_ids: list[int], starting: list[int] = ()) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(started=False))
+            if starting:
+                s.execute(update(RequestRow).where(RequestRow.id.in_(starting)).values(started=True))
+
+    @_translated
+    def cleared(self, request_ids: list[int]) -> None:
+        with self.db.session() as s, s.begin():
+            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(started=False, suspect=0))
+
+    @_translated
+    def worker_deaths(self, window: float) -> dict[str, int]:
+        return workers.deaths_by_host(self.db, window)
 
     @_translated
     def release(self, request_ids: list[int]) -> None:
@@ -154,7 +183,15 @@ class JobsLedger:
         workers.beat(self.db, beat)
 
 
-def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool) -> Claim:
+def _life(row: RequestRow) -> str | None:
+    """The life of the process holding a row (a row claimed before lives were recorded: its holder's name)."""
+    if row.holder is None:
+        return None
+    return row.holder_life or row.holder[:32]
+
+
+def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool,
+           death: Death | None) -> Claim:
     params, unreadable = None, None
     try:
         params = params_from_dict(dict(row.params))
@@ -162,4 +199,5 @@ def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_o
         unreadable = f"{type(exc).__name__}: {exc}"
     return Claim(row.id, row.job_id, model, tenant, priority, list(row.prompt_token_ids), params, is_open,
                  row.attempts, crashed=row.holder is not None and row.started, progress=row.progress,
-                 strikes=row.strikes, last_error=row.last_error, unreadable=unreadable)
+                 strikes=row.strikes, last_error=row.last_error, unreadable=unreadable, suspect=row.suspect,
+                 death=death if row.holder is not None and row.started else None)

@@ -129,6 +129,11 @@ class RequestRow(Base):
     started: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     progress: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Crashes charged to their cause (``worker.consumer.suspects``): the life of the worker process holding
+    # the delivery (a uuid: "host:pid" names come back), and, for a request that was running when a worker
+    # died, its suspect size class: it runs only apart from other work, in a group of at most that many.
+    holder_life: Mapped[str | None] = mapped_column(String(32), index=True)
+    suspect: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Result(Base):
@@ -240,6 +245,21 @@ class WorkerSample(Base):
     output_tokens_per_second: Mapped[float] = mapped_column(Float)
     kv_blocks_used: Mapped[int] = mapped_column(Integer)
     kv_blocks_free: Mapped[int] = mapped_column(Integer)
+
+
+class WorkerDeath(Base):
+    """A worker process found dead while running requests, by the admission of one of them elsewhere:
+    once per life, with how many requests it was running. Their rate per host names a crash loop."""
+
+    __tablename__ = "worker_deaths"
+    __table_args__ = (Index("ix_worker_deaths_life", "life", unique=True), Index("ix_worker_deaths_at", "at"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    life: Mapped[str] = mapped_column(String(32))  # requests.holder_life of the dead process
+    worker: Mapped[str] = mapped_column(String(200))  # "host:pid"
+    host: Mapped[str] = mapped_column(String(200))
+    at: Mapped[float] = mapped_column(Float)  # when it was found dead
+    running: Mapped[int] = mapped_column(Integer)  # requests an engine step of it was running when it died
 
 
 class BrokerUser(Base):

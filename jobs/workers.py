@@ -1,23 +1,33 @@
-"""Engine workers as the jobs database knows them: each one's last heartbeat, and an hour of them.
+"""Engine workers as the jobs database knows them: each one's last heartbeat, and an hour of them;
+and the workers found dead while running requests.
 
 A worker writes a heartbeat every ``worker.consumer.loop.HEARTBEAT_INTERVAL`` seconds (through its
 ledger); one not seen for ``GONE_AFTER`` seconds is shown as gone. Samples older than ``HISTORY``
 are deleted by the worker that wrote them, with its next heartbeat, so the table stays small.
+
+Deaths: a delivery whose row says an engine step of another worker process ran it, and no outcome,
+tells the worker claiming it that that process died (``jobs.ledger``). The first claim to find a
+death records it once (keyed by the dead process's life, ``requests.holder_life``) with how many
+requests it was running, counted before any of them is claimed again: the size of the group that a
+crash is charged to (``worker.consumer.admission.standing_after``). Deaths are kept for
+``DEATHS_KEPT`` seconds; their rate per host is how an operator sees a crash loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
 
 from jobs.db import Database
-from jobs.models import WorkerRow, WorkerSample, now
-from worker.consumer.ledger import Heartbeat
+from jobs.models import RequestRow, Result, WorkerDeath, WorkerRow, WorkerSample, now
+from worker.consumer.ledger import Death, Heartbeat
 
 GONE_AFTER = 30.0  # seconds without a heartbeat
 HISTORY = 3600.0  # seconds of samples kept
+DEATHS_KEPT = 86400.0  # seconds a worker's death is kept
 
 
 @dataclass(frozen=True)
@@ -69,3 +79,39 @@ def samples(db: Database, since: float) -> dict[str, list[tuple[float, float, fl
                 .where(WorkerSample.at >= since).order_by(WorkerSample.at)):
             out.setdefault(wid, []).append((at, tps, used / max(1, used + free)))
     return out
+
+
+def found_dead(s: Session, lives: dict[str, str]) -> dict[str, Death]:
+    """Life -> its death, for the dead worker processes ``lives`` (life -> "host:pid"), in the claim's
+    transaction before it takes their rows: recorded by the first claim to find each (the count of
+    its requests an engine step had run and that have no outcome), read by the later ones."""
+    if not lives:
+        return {}
+    dialect = postgresql if s.get_bind().dialect.name == "postgresql" else sqlite
+    t = now()
+    known = set(s.scalars(select(WorkerDeath.life).where(WorkerDeath.life.in_(lives))))
+    for life in sorted(set(lives) - known):  # one order: two claims finding the same deaths wait, not deadlock
+        worker = lives[life]
+        held = (RequestRow.holder_life == life if life != worker[:32]  # else rows claimed before lives were kept
+                else RequestRow.holder_life.is_(None) & (RequestRow.holder == worker))
+        running = s.scalar(select(func.count(RequestRow.id)).outerjoin(Result, Result.request_id == RequestRow.id)
+                           .where(held, RequestRow.started, Result.id.is_(None)))
+        s.execute(dialect.insert(WorkerDeath).values(life=life, worker=worker, host=host_of(worker), at=t,
+                                                     running=max(1, running or 0))
+                  .on_conflict_do_nothing(index_elements=["life"]))
+    if len(known) < len(lives):
+        s.execute(delete(WorkerDeath).where(WorkerDeath.at < t - DEATHS_KEPT))
+    rows = s.scalars(select(WorkerDeath).where(WorkerDeath.life.in_(lives))).all()
+    return {r.life: Death(r.id, r.worker, r.running, r.at) for r in rows}
+
+
+def deaths_by_host(db: Database, window: float) -> dict[str, int]:
+    """host -> its worker processes found dead in the last ``window`` seconds."""
+    with db.session() as s:
+        return dict(s.execute(select(WorkerDeath.host, func.count()).where(WorkerDeath.at >= now() - window)
+                              .group_by(WorkerDeath.host)).all())
+
+
+def host_of(worker: str) -> str:
+    """The host of a worker named "host:pid"."""
+    return worker.rpartition(":")[0] or worker

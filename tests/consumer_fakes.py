@@ -4,13 +4,15 @@ and the engine, so that admission, poison and outage logic run in milliseconds w
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.consumer.broker import Delivery
-from worker.consumer.ledger import Claim, LedgerDown, Outcome
+from worker.consumer.ledger import Claim, Death, LedgerDown, Outcome
 from worker.consumer.queues import request_body
 from worker.engine.engine import EngineStats, RequestRejected
-from worker.engine.request import Completion, Request, RequestOutput, SamplingParams
+from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, Sequence
 
 MODEL = "m"
 
@@ -30,6 +32,8 @@ class Row:
     strikes: int = 0
     last_error: str | None = None
     outcome: Outcome | None = None
+    suspect: int = 0
+    holder_life: str | None = None
 
 
 class FakeLedger:
@@ -38,6 +42,8 @@ class FakeLedger:
         self.down = False
         self.events: list[tuple] = []  # ("record", ids) ... in call order, shared with the broker's acks
         self.beats: list = []
+        self.lives: Counter[str] = Counter()  # worker name -> its lives that died (``died``)
+        self.deaths: dict[str, Death] = {}  # life -> its death, as claims found it
 
     def _check(self):
         if self.down:
@@ -51,12 +57,56 @@ class FakeLedger:
             if row is None:
                 continue
             row.attempts += 1
+            crashed = row.holder is not None and row.started
+            death = self._death(row) if crashed else None
             out[rid] = Claim(rid, row.job_id, row.model, row.tenant, 0, row.prompt, row.params,
                              row.outcome is None and row.job_live, row.attempts,
-                             crashed=row.holder is not None and row.started, progress=row.progress,
-                             strikes=row.strikes, last_error=row.last_error)
-            row.holder, row.started = worker, False
+                             crashed=crashed, progress=row.progress,
+                             strikes=row.strikes, last_error=row.last_error, suspect=row.suspect, death=death)
+        for rid in request_ids:
+            if rid in self.rows:
+                row = self.rows[rid]
+                row.holder, row.started, row.holder_life = worker, False, f"{worker}/{self.lives[worker]}"
         return out
+
+    def _death(self, row: Row) -> Death:
+        """As ``jobs.workers.found_dead``: the first claim to find a death counts what it was running."""
+        life = row.holder_life or row.holder
+        if life not in self.deaths:
+            running = sum(1 for r in self.rows.values()
+                          if (r.holder_life or r.holder) == life and r.started and r.outcome is None)
+            self.deaths[life] = Death(len(self.deaths) + 1, row.holder, max(1, running), time.time())
+        return self.deaths[life]
+
+    def died(self, worker: str) -> None:
+        """The worker process named so died: its next claims are another life."""
+        self.lives[worker] += 1
+
+    def running(self, worker: str) -> set[int]:
+        """What a death of ``worker`` now would be charged to: its rows an engine step ran, without outcome."""
+        return {rid for rid, r in self.rows.items() if r.holder == worker and r.started and r.outcome is None}
+
+    def suspect(self, classes):
+        self._check()
+        for rid, k in classes.items():
+            self.rows[rid].suspect = k
+
+    def paused(self, request_ids, starting=()):
+        self._check()
+        for rid in request_ids:
+            self.rows[rid].started = False
+        for rid in starting:
+            self.rows[rid].started = True
+
+    def cleared(self, request_ids):
+        self._check()
+        for rid in request_ids:
+            self.rows[rid].started, self.rows[rid].suspect = False, 0
+
+    def worker_deaths(self, window):
+        self._check()
+        t = time.time()
+        return dict(Counter(d.worker.rpartition(":")[0] for d in self.deaths.values() if d.at >= t - window))
 
     def started(self, request_ids):
         self._check()
@@ -103,7 +153,7 @@ class FakeLedger:
     def crash(self, request_id: int, worker: str = "dead-host:1") -> None:
         """As a worker that died while an engine step ran the request leaves its row."""
         row = self.rows[request_id]
-        row.holder, row.started = worker, True
+        row.holder, row.started, row.holder_life = worker, True, f"{worker}/{self.lives[worker]}"
 
 
 class FakeMessage:
@@ -188,26 +238,38 @@ class FakeBroker:
         pass
 
 
+class WorkerKilled(BaseException):
+    """The worker process dies here (no ``except Exception`` catches it): nothing more runs in it."""
+
+
 class FakeEngine:
     """One token a step for every request; a request whose prompt holds ``crash_token`` makes the
-    step fail it (as the engine's blast radius does); ``rejected_token`` is refused at admission."""
+    step fail it (as the engine's blast radius does); ``rejected_token`` is refused at admission; a
+    step running a request whose prompt holds ``kill_token`` kills the worker (``WorkerKilled``).
+    While a request marked ``isolated`` is in it, only isolated ones step, as the engine does.
+    ``batches``: the request ids of each step; ``on_batch(ids)`` is called before each step runs."""
 
     model_name = MODEL
 
-    def __init__(self, settings, crash_token: int | None = None, rejected_token: int | None = None):
+    def __init__(self, settings, crash_token: int | None = None, rejected_token: int | None = None,
+                 kill_token: int | None = None, on_batch=None):
         self.settings = settings
-        self.crash_token, self.rejected_token = crash_token, rejected_token
+        self.crash_token, self.rejected_token, self.kill_token = crash_token, rejected_token, kill_token
         self.requests: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.stats = EngineStats()
         self.on_start = None
         self.shares: dict[str, float] = {}
+        self.batches: list[set[str]] = []
+        self.on_batch = on_batch
 
     def add_request(self, request: Request) -> None:
         if self.rejected_token in request.prompt_token_ids:
             raise RequestRejected("refused by the fake engine")
         self.requests[request.request_id] = request
         self.tokens[request.request_id] = [list(o) for o in request.resume_output_ids] or [[]]
+        prompt = list(request.prompt_token_ids)
+        request.sequences = [Sequence(request, 0, prompt + self.tokens[request.request_id][0], len(prompt))]
 
     def abort(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None
@@ -225,23 +287,35 @@ class FakeEngine:
     def set_tenant_share(self, tenant, share):
         self.shares[tenant] = share
 
+    def release(self, request_id):
+        if request_id in self.requests:
+            self.requests[request_id].isolated = False
+
     def kv_usage(self) -> dict:
         return {"blocks_used": 0, "blocks_free": 100, "blocks_total": 100, "kv_bytes": 0, "slot_utilization": 1.0}
 
     def step(self) -> list[RequestOutput]:
-        fresh = [r for r in self.requests.values() if not r.started]
+        isolated = any(r.isolated for r in self.requests.values())
+        batch = {rid: r for rid, r in self.requests.items() if r.isolated or not isolated}
+        fresh = [r for r in batch.values() if not r.started]
         for r in fresh:
             r.started = True
         if fresh and self.on_start is not None:
             self.on_start([r.request_id for r in fresh])
+        self.batches.append(set(batch))
+        if self.on_batch is not None:
+            self.on_batch(set(batch))
+        if any(self.kill_token in r.prompt_token_ids for r in batch.values()):
+            raise WorkerKilled(f"killed running {sorted(batch)}")
         outputs = []
-        for rid, request in list(self.requests.items()):
+        for rid, request in list(batch.items()):
             if self.crash_token in request.prompt_token_ids:
                 del self.requests[rid]
                 outputs.append(RequestOutput(rid, request.prompt_token_ids, [], error="RuntimeError: injected"))
                 continue
             out = self.tokens[rid][0]
             out.append(7)
+            request.sequences[0].token_ids.append(7)
             self.stats.output_tokens += 1
             if len(out) >= request.params.max_tokens:
                 del self.requests[rid]

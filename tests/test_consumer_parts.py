@@ -9,7 +9,7 @@ import pytest
 from tests.consumer_fakes import FakeBroker, FakeEngine, FakeLedger, Row
 from worker.config import Settings
 from worker.consumer import admission
-from worker.consumer.ledger import Claim
+from worker.consumer.ledger import Claim, Death
 import worker.consumer.loop as consumer
 from worker.consumer.queues import request_body
 from worker.engine.request import SamplingParams
@@ -127,17 +127,22 @@ def test_the_row_is_what_runs_not_the_message(ledger, broker):
 
 
 # ---- poison: crashes without progress
-def _claim(crashed: bool, strikes: int, progress: int) -> Claim:
-    return Claim(1, "batch_a", "m", "default", 0, [1], SamplingParams(), True, 2, crashed, progress, strikes, None)
+def _claim(crashed: bool, strikes: int, progress: int, running: int = 1) -> Claim:
+    death = Death(1, "dead-host:1", running, 0.0) if crashed else None
+    return Claim(1, "batch_a", "m", "default", 0, [1], SamplingParams(), True, 2, crashed, progress, strikes, None,
+                 death=death)
 
 
-def test_only_a_crash_without_checkpoint_progress_is_a_strike():
-    assert admission.strikes_after(_claim(crashed=False, strikes=2, progress=0), 0) == 2  # handed back, or waiting
-    assert admission.strikes_after(_claim(crashed=True, strikes=2, progress=16), 16) == 3  # died, no progress
-    assert admission.strikes_after(_claim(crashed=True, strikes=2, progress=16), 32) == 0  # died after progress
-    assert admission.poison_reason(_claim(True, 0, 0), 2, 3) is None
-    reason = admission.poison_reason(_claim(True, 0, 0), 3, 3)
-    assert "died 3 times in a row" in reason and "last error: none recorded" in reason
+def test_only_a_crash_alone_without_checkpoint_progress_is_a_strike():
+    def strikes(claim, tokens):
+        return admission.standing_after(claim, tokens).strikes
+
+    assert strikes(_claim(crashed=False, strikes=2, progress=0), 0) == 2  # handed back, or waiting
+    assert strikes(_claim(crashed=True, strikes=2, progress=16), 16) == 3  # died running it alone, no progress
+    assert strikes(_claim(crashed=True, strikes=2, progress=16), 32) == 0  # died after progress
+    assert admission.poison_reason(_claim(True, 0, 0), admission.Standing(1, 2), 3) is None
+    reason = admission.poison_reason(_claim(True, 0, 0), admission.Standing(1, 3), 3)
+    assert "killed its worker 3 times running alone" in reason and "last error: none recorded" in reason
 
 
 class FakeCheckpoints:
@@ -185,13 +190,13 @@ class FakeRestorer:
         pass
 
 
-def test_poison_is_a_request_whose_worker_keeps_dying_without_progress(ledger, broker):
+def test_poison_is_a_request_whose_worker_keeps_dying_alone_without_progress(ledger, broker):
     params = SamplingParams(max_tokens=12, temperature=0)
     for i in (1, 2, 3, 4):
         ledger.rows[i] = Row("batch_a", params=params, strikes=2, progress=5, attempts=3)
         broker.publish_request(i, "batch_a")
-    ledger.crash(1)  # died running it a third time, its checkpoint still at 5 tokens: poison
-    ledger.crash(2)  # died running it, but its checkpoint moved on to 8 tokens: not poison, strikes reset
+    ledger.crash(1)  # died running it alone a third time, its checkpoint still at 5 tokens: poison
+    ledger.crash(2, "dead-host:2")  # died running it, but its checkpoint moved on to 8 tokens: strikes reset
     ledger.rows[3].holder = "dead-host:1"  # held by a dead worker, but no step ever ran it: no strike
     ledger.rows[4].last_error = None  # handed back gracefully (no holder): no strike
     worker = make_worker(ledger, broker)
@@ -199,9 +204,10 @@ def test_poison_is_a_request_whose_worker_keeps_dying_without_progress(ledger, b
     run_until_done(worker, ledger, [1, 2, 3, 4])
 
     poison = ledger.rows[1].outcome
-    assert not poison.completed and poison.error_code == "delivery_limit" and "died 3 times" in poison.error
+    assert not poison.completed and poison.error_code == "delivery_limit"
+    assert "killed its worker 3 times running alone" in poison.error
     [(body, reason)] = broker.dead
-    assert b'"request_id": 1' in body and "died 3 times" in reason
+    assert b'"request_id": 1' in body and "killed its worker 3 times running alone" in reason
     assert ledger.rows[2].outcome.completed and ledger.rows[2].strikes == 0 and ledger.rows[2].progress == 8
     assert len(ledger.rows[2].outcome.output.completions[0].token_ids) == 12  # resumed at 8
     assert ledger.rows[3].outcome.completed and ledger.rows[3].strikes == 2

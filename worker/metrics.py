@@ -63,6 +63,13 @@ class WorkerMetrics:
         self.database_up = Gauge("berth_database_up", "0 while the jobs database is failing, else 1", registry=r)
         self.database_errors = Counter("berth_database_errors", "Database calls that failed for want of the database",
                                        registry=r)
+        self.worker_deaths = Gauge("berth_worker_deaths_last_hour", "Engine worker processes of each host found dead "
+                                   "while running requests in the last hour (by any worker's admissions): a "
+                                   "crash loop shows here before jobs fail", ["host"], registry=r)
+        self.suspect_groups = Counter("berth_suspect_groups", "Groups of crash suspects run alone (requests that "
+                                      "were running when a worker died)", registry=r)
+        self.suspects = Gauge("berth_suspects", "Crash suspects held, waiting for their group or running in it",
+                              registry=r)
         self.outcomes_waiting = Gauge("berth_outcomes_waiting", "Finished requests whose result waits for the "
                                       "database to come back (their messages unacked)", registry=r)
         self._last = (0, 0, 0)  # engine totals last seen: output tokens, prompt tokens, preemptions
@@ -105,6 +112,12 @@ class WorkerMetrics:
             return 0.0
         (t0, out0), (t1, out1) = recent[0], recent[-1]
         return (out1 - out0) / max(t - t0, t1 - t0, 1e-9)
+
+    def set_worker_deaths(self, by_host: dict[str, int]) -> None:
+        """The deaths of the last hour per host, as just read (hosts without any drop out)."""
+        self.worker_deaths.clear()
+        for host, n in by_host.items():
+            self.worker_deaths.labels(host).set(n)
 
     def observe_kv(self, engine) -> None:
         """Every second or so: ``kv_usage`` walks the block tables, too slow for every step."""

@@ -4,12 +4,19 @@ A message only points at a request; its row says what the request is. A message 
 its row (another job, a model this engine does not run, another tenant's queue) or names no row is
 refused (dead-lettered with the reason): any producer with broker access can publish.
 
-Poison means "crashes the worker without making progress". A delivery counts against its request
-(a strike) only when its worker died while an engine step was running the request and the request's
-checkpoint did not advance since the delivery before; progress resets the count. So a request that
-was only waiting in a dead worker's prefetch window is never charged, and a long request that keeps
-making progress through any number of crashes is never poison. ``max_delivery_attempts`` strikes in a
-row fail the request with the reason.
+Poison means "crashes the worker without making progress". A worker that dies while an engine step
+runs a batch has said which requests it ran (``Engine.on_start``, before the step), but not which of
+them, if any, killed it: each one whose checkpoint did not advance since the delivery before is a
+suspect, not guilty (one whose checkpoint did advance is innocent: progress resets the count). A
+suspect runs again only apart from all other work, in a group of at most half the requests its worker
+died running (``Claim.suspect``, its size class; ``worker.consumer.suspects``): the blast-radius
+bisection the engine does for an exception in one step, across deliveries. Innocent work never waits
+beside a suspect, and a group that runs without its worker dying is cleared. A request is charged a
+strike only when its worker dies while it runs alone (a group of one, or a batch of one), and
+``max_delivery_attempts`` strikes in a row fail it with the reason. So a request that was only
+waiting in a dead worker's prefetch window is never charged, a long request that keeps making
+progress through any number of crashes is never poison, and a worker dying for its own reasons (an
+OOM kill, a bad node) fails nobody: the suspects of each death are cleared in their groups.
 """
 
 from __future__ import annotations
@@ -54,18 +61,42 @@ def judge(ref: RequestRef, claim: Claim | None, model: str, queue_tenant: str | 
     return Verdict(Action.RUN)
 
 
-def strikes_after(claim: Claim, checkpointed_tokens: int) -> int:
-    """The request's strikes once this delivery begins from ``checkpointed_tokens`` output tokens."""
-    if not claim.crashed:
-        return claim.strikes
-    return claim.strikes + 1 if checkpointed_tokens <= claim.progress else 0
+@dataclass(frozen=True)
+class Standing:
+    """Where a request stands as this delivery begins."""
+
+    suspect: int  # 0: innocent; k: runs only apart from other work, in a group of at most k suspects
+    strikes: int  # deaths of its worker in a row while it ran alone, with no progress in between
 
 
-def poison_reason(claim: Claim, strikes: int, limit: int) -> str | None:
-    if strikes < limit:
+def standing_after(claim: Claim, checkpointed_tokens: int) -> Standing:
+    """The request's standing once this delivery begins from ``checkpointed_tokens`` output tokens."""
+    if not claim.crashed:  # handed back, waiting in a dead worker's window, or a first delivery
+        return Standing(claim.suspect, claim.strikes)
+    if checkpointed_tokens > claim.progress:
+        return Standing(0, 0)  # it made progress: whatever killed its worker, it was not this alone
+    running = max(1, claim.death.running if claim.death is not None else 1)
+    if running == 1:
+        return Standing(1, claim.strikes + 1)  # its worker died running it alone
+    return Standing((running + 1) // 2, claim.strikes)  # a group of suspects: halves
+
+
+def poison_reason(claim: Claim, standing: Standing, limit: int) -> str | None:
+    if standing.strikes < limit:
         return None
-    return (f"its worker died {strikes} times in a row while running it, with no progress checkpointed in "
-            f"between (max_delivery_attempts {limit}); last error: {claim.last_error or 'none recorded'}")
+    return (f"it killed its worker {standing.strikes} times running alone (apart from any other request), with "
+            f"no progress checkpointed in between (max_delivery_attempts {limit}); last error: "
+            f"{claim.last_error or 'none recorded'}")
+
+
+def suspect_group(classes: list[int]) -> list[int]:
+    """Which of the waiting suspects (their size classes, in arrival order) run together next, by
+    index: as many as the smallest class allows, the smallest classes first (each member's class is
+    at least the group's size), the oldest first among equals."""
+    if not classes:
+        return []
+    order = sorted(range(len(classes)), key=lambda i: (classes[i], i))
+    return sorted(order[:classes[order[0]]])
 
 
 def prefetch_window(max_num_seqs: int, kv_capacity_tokens: int, mean_kv_tokens: float | None) -> int:

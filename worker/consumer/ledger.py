@@ -23,6 +23,16 @@ class LedgerDown(Exception):
 
 
 @dataclass(frozen=True)
+class Death:
+    """A worker process found dead while an engine step ran requests: one per death, whoever finds it."""
+
+    id: int
+    worker: str  # "host:pid", as it held requests
+    running: int  # requests it was running then (a group of suspects alone, or its whole batch)
+    at: float  # unix time it was found dead
+
+
+@dataclass(frozen=True)
 class Claim:
     """A request just delivered to this worker, as its row says it is."""
 
@@ -40,6 +50,8 @@ class Claim:
     strikes: int  # deliveries in a row that ended so without checkpoint progress
     last_error: str | None
     unreadable: str | None = None
+    suspect: int = 0  # 0: innocent; k: was running when a worker died: runs apart, in a group of at most k suspects
+    death: Death | None = None  # when ``crashed``: the death of the worker that was running it
 
     @property
     def kv_tokens(self) -> int:
@@ -94,6 +106,20 @@ class Ledger(Protocol):
 
     def begin(self, baselines: dict[int, tuple[int, int]]) -> None:
         """request id -> (checkpointed output tokens it starts from, its strikes), before it runs."""
+
+    def suspect(self, classes: dict[int, int]) -> None:
+        """request id -> its suspect size class from now on (0: innocent again), before it runs."""
+
+    def paused(self, request_ids: list[int], starting: list[int] = ()) -> None:
+        """These stop running for a while, as the group ``starting`` (suspects) begins to run alone: in
+        one transaction, ``request_ids`` no longer started, ``starting`` started. A worker that dies
+        from now on did not die running the first. ``started`` says when they run again."""
+
+    def cleared(self, request_ids: list[int]) -> None:
+        """Suspects that ran alone without their worker dying: innocent again, paused until ``started``."""
+
+    def worker_deaths(self, window: float) -> dict[str, int]:
+        """host -> its worker processes found dead while running requests in the last ``window`` seconds."""
 
     def release(self, request_ids: list[int]) -> None:
         """Handed back unfinished by a worker told to stop: that delivery was no failed attempt."""

@@ -31,10 +31,16 @@ Idempotency: a result's ``request_id`` is unique and written once; a delivery of
 a result is acked and skipped; a second delivery of a request this worker is already running is
 acked (or, if the first delivery's channel is gone, adopted).
 
-Poison (``worker.consumer.admission``): a delivery counts against its request only when its worker died while
-an engine step ran the request (the engine tells the ledger before the step, ``Engine.on_start``)
-and its checkpoint did not advance since the delivery before. An exception while stepping never
-ends the worker: the engine fails the one request that caused it (``Engine.step``).
+Poison (``worker.consumer.admission``): a request that was running when its worker died (the engine
+tells the ledger before the step, ``Engine.on_start``) and whose checkpoint did not advance since
+the delivery before is a suspect: it runs again only in a group of suspects apart from all other
+work, half the size of what died (``worker.consumer.suspects``), and only a death while it runs
+alone is a strike against it. An exception while stepping never ends the worker: the engine fails
+the one request that caused it (``Engine.step``).
+
+Crash loops: each death a worker finds while admitting (a delivery whose dead worker had run it) is
+logged with the rate of deaths in the last hour, per host and in all, and that rate is the gauge
+``berth_worker_deaths_last_hour{host}``, so an operator sees a crash-looping worker before any job fails.
 
 RabbitMQ's ``consumer_timeout`` (30 minutes by default) closes the channel of a delivery unacked
 that long and requeues every message it held. We ack only after the result is committed, so a
@@ -78,6 +84,7 @@ from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.consumer.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
 from worker.consumer.queues import BadMessage, RequestRef, parse_request_body
+from worker.consumer.suspects import CLEAR_TOKENS, Suspects
 from worker.engine.engine import Engine, RequestRejected
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
@@ -91,6 +98,9 @@ CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoi
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
+DEATHS_INTERVAL = 30.0  # seconds between readings of the rate of worker deaths
+DEATHS_WINDOW = 3600.0  # ... over this many seconds
+CRASH_LOOP_DEATHS = 3  # deaths of a host's workers in DEATHS_WINDOW that make the log line an error
 
 
 def worker_name() -> str:
@@ -103,6 +113,7 @@ class Inflight:
     claim: Claim
     request: Request  # as the engine runs it
     delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
+    suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``Suspects``)
 
     @property
     def started(self) -> bool:
@@ -136,6 +147,10 @@ class EngineWorker:
         self.stop_requested = 0  # signals received
         self.started_at = time.time()
         self._next_beat = 0.0
+        self.suspects = Suspects(settings.checkpoint_interval or CLEAR_TOKENS)
+        self._deaths_seen: dict[int, None] = {}  # ids of the deaths logged, the latest last
+        self._pause_at_start: list[int] | None = None  # the others, paused when a group's first step starts
+        self._next_deaths = 0.0
         engine.on_start = self._on_start
 
     @property
@@ -168,6 +183,7 @@ class EngineWorker:
                 self._record([])  # outcomes kept while the database was down, when a try is due
                 self._admit()
                 self._add_restored()
+                self._start_suspects()
                 if self.engine.has_unfinished():
                     self._step()
                 t = time.monotonic()
@@ -235,6 +251,7 @@ class EngineWorker:
         if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
+        self._note_deaths(claims.values())
         failures: list[Pending] = []
         starting: list[Inflight] = []
         for ref, delivery in fresh:
@@ -278,23 +295,32 @@ class EngineWorker:
         """Judge poison from what the checkpoint says, note each one's starting point, add to the engine."""
         failures: list[Pending] = []
         baselines: dict[int, tuple[int, int]] = {}
+        classes: dict[int, int] = {}
         runnable = []
         for item in items:
             claim = item.claim
             tokens = sum(len(out) for out in item.request.resume_output_ids)
-            strikes = admission.strikes_after(claim, tokens)
-            reason = admission.poison_reason(claim, strikes, self.settings.max_delivery_attempts)
+            standing = admission.standing_after(claim, tokens)
+            reason = admission.poison_reason(claim, standing, self.settings.max_delivery_attempts)
             if reason is not None:
                 del self.inflight[item.request.request_id]
                 failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "delivery_limit", reason),
                                         claim.tenant, item.delivery, dead_reason=reason))
                 continue
-            baselines[claim.request_id] = (tokens, strikes)
+            baselines[claim.request_id] = (tokens, standing.strikes)
+            if standing.suspect != claim.suspect:
+                classes[claim.request_id] = standing.suspect
+            item.suspect = standing.suspect
             runnable.append(item)
         if baselines:  # without the database they run all the same; a crash is judged by the older baseline
             self._ledger(self.ledger.begin, baselines)
+        if classes:  # without it, a suspect is one all the same here, and its next crash judged from the row
+            self._ledger(self.ledger.suspect, classes)
         for item in runnable:
-            self._add(item, failures)
+            if item.suspect:
+                self.suspects.wait(item)  # runs apart, in a group of its own (``_start_suspects``)
+            else:
+                self._add(item, failures)
         self._record(failures)
 
     def _add(self, item: Inflight, failures: list[Pending]) -> None:
@@ -316,10 +342,103 @@ class EngineWorker:
         self.mean_kv_tokens = size if self.mean_kv_tokens is None else 0.9 * self.mean_kv_tokens + 0.1 * size
 
     def _on_start(self, request_ids: list[str]) -> None:
-        """Before the engine's step that first runs these: say so, so that a crash in it counts."""
+        """Before the engine's step that first runs these: say so, so that a crash in it counts. Before
+        the first step of a group of suspects, the others stop running in the same transaction: a death
+        is charged to the others until then, to the group from then on, never to nobody."""
         ids = [int(r) for r in request_ids if r in self.inflight]
+        pause, self._pause_at_start = self._pause_at_start, None
         if ids and self.database.ready():
-            self._ledger(self.ledger.started, ids)
+            if pause:
+                self._ledger(self.ledger.paused, pause, ids)
+            else:
+                self._ledger(self.ledger.started, ids)
+
+    # ---- suspects: run apart from other work (``worker.consumer.suspects``)
+    def _start_suspects(self) -> None:
+        """Start the next group of suspects alone in the engine, when one is due and the database can
+        be told that the others are paused meanwhile (as its first step starts: ``_on_start``)."""
+        s = self.suspects
+        s.waiting = [item for item in s.waiting if self.inflight.get(item.request.request_id) is item]
+        self._end_group_if_over()
+        if self.stop_requested or not s.due(self.engine.has_unfinished()) or not self.database.ready():
+            return
+        others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
+        self._pause_at_start = others
+        group = s.take_group()
+        log.info("worker %s: running %d suspect(s) of size class %d alone (they were running when a worker died); "
+                 "%d other requests wait meanwhile", self.name, len(group), min(i.suspect for i in group),
+                 len(others))
+        self.metrics.suspect_groups.inc()
+        failures: list[Pending] = []
+        for item in group:
+            item.request.isolated = True
+            self._add(item, failures)
+        s.begin([item for item in group if item.request.request_id in self.inflight])
+        self._record(failures)
+        self._end_group_if_over()
+
+    def _watch_suspects(self) -> None:
+        """After each step: clear the members that ran long enough alone; end the group when none is left."""
+        s = self.suspects
+        s.stepped()
+        if s.group is None:
+            return
+        cleared = s.cleared(self.engine.requests)
+        last = set(cleared) >= {rid for rid in s.group.members if rid in self.engine.requests}
+        # the last ones keep running as the others resume (``_end_group_if_over``): only their class changes
+        write = (lambda ids: self.ledger.suspect(dict.fromkeys(ids, 0))) if last else self.ledger.cleared
+        if cleared and self._ledger(write, [int(rid) for rid in cleared]) is not DOWN:
+            for rid in cleared:
+                self.engine.release(rid)
+                if rid in self.inflight:
+                    self.inflight[rid].suspect = 0
+        else:
+            cleared = []
+        self._end_group_if_over(cleared)
+
+    def _end_group_if_over(self, cleared: list[str] = ()) -> None:
+        """Members cleared, finished, failed or dropped leave the group; when none is left, the others run
+        again: said before their next step (without the database they run all the same, and a death then
+        is charged to none of them)."""
+        s = self.suspects
+        if s.group is not None:
+            gone = [rid for rid in s.group.members if rid not in self.inflight or rid not in self.engine.requests]
+            if s.leave([*cleared, *gone]):
+                self._pause_at_start = None  # a group that never ran (its members refused) paused nothing
+                others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
+                if others:
+                    self._ledger(self.ledger.started, others)
+        self.metrics.suspects.set(s.held)
+
+    def _note_deaths(self, claims) -> None:
+        """Log each death of a worker found in these claims once, with the rate of deaths (the gauge too)."""
+        deaths = {c.death.id: c.death for c in claims if c.crashed and c.death is not None
+                  and c.death.id not in self._deaths_seen}
+        if not deaths:
+            return
+        rates = self._read_death_rates()
+        total = sum(rates.values()) if rates is not None else None
+        for death in deaths.values():
+            self._deaths_seen[death.id] = None
+            host = death.worker.rpartition(":")[0] or death.worker
+            on_host = rates.get(host, 0) if rates is not None else None
+            crash_loop = on_host is not None and on_host >= CRASH_LOOP_DEATHS
+            log.log(logging.ERROR if crash_loop else logging.WARNING,
+                    "worker %s died while running %d request(s)%s: worker deaths in the last hour: %s on host %s, "
+                    "%s in all; its requests that made no progress run again as suspects, apart from other work",
+                    death.worker, death.running, " (crash-looping)" if crash_loop else "",
+                    "?" if on_host is None else on_host, host, "?" if total is None else total)
+        while len(self._deaths_seen) > 1000:
+            self._deaths_seen.pop(next(iter(self._deaths_seen)))
+
+    def _read_death_rates(self) -> dict[str, int] | None:
+        """host -> deaths of its workers in the last hour, read now, and set as the gauge."""
+        self._next_deaths = time.monotonic() + DEATHS_INTERVAL
+        rates = self._ledger(self.ledger.worker_deaths, DEATHS_WINDOW)
+        if rates is DOWN:
+            return None
+        self.metrics.set_worker_deaths(rates)
+        return rates
 
     # ---- results out
     def _step(self) -> None:
@@ -335,6 +454,7 @@ class EngineWorker:
         if self.checkpoints is not None:
             self.checkpoints.after_step()
             self.restorer.observe_step()
+        self._watch_suspects()
         done = []
         for output in outputs:
             item = self.inflight.get(output.request_id)
@@ -375,6 +495,8 @@ class EngineWorker:
         if time.monotonic() >= self._next_beat and self.database.ready():
             self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
             self._ledger(self.ledger.heartbeat, self._heartbeat())
+        if time.monotonic() >= self._next_deaths and self.database.ready():
+            self._read_death_rates()
         if measure_queue:
             depth = self.broker.depth()
             if depth is not None:

@@ -130,6 +130,9 @@ class Engine:
             mode = "swap" if self.device.type == "cuda" else "recompute"
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.aging_steps, mode)
+        # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
+        # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
+        self._apart = self._side_scheduler()
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = loaded.config.vocab_size
         self.requests: dict[str, Request] = {}
@@ -175,7 +178,7 @@ class Engine:
             self._compiling.append(request)
             return
         for seq in request.sequences:
-            self.scheduler.add(seq)
+            self._home(request).add(seq)
 
     @functools.cached_property
     def grammars(self) -> grammar.Compiler:
@@ -186,7 +189,8 @@ class Engine:
         """Requests whose grammar compiled join the scheduler, a matcher per sample (past the tokens a
         resumed sample has); those whose grammar failed are failed with the reason (one past its
         deadline among them: the compile pool stops it and fails its future)."""
-        if self._compiling and not self.scheduler.has_work() and not self._probation:
+        scheduled = self._apart.has_work() if self._isolating() else self.scheduler.has_work()
+        if self._compiling and not scheduled and not self._probation:
             wait([r.grammar_future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
         outputs, pending, self._compiling = [], self._compiling, []
         for request in pending:
@@ -201,7 +205,7 @@ class Engine:
                 outputs.append(self._fail(request, exc))
                 continue
             for seq in request.sequences:
-                self.scheduler.add(seq)
+                self._home(request).add(seq)
         return outputs
 
     def _check_tokens(self, request: Request) -> None:
@@ -229,7 +233,7 @@ class Engine:
             return True
         for seq in request.sequences:
             if not seq.is_finished:
-                self.scheduler.remove(seq)
+                self._home(request).remove(seq)
             self._swapped_kv.pop(seq.seq_id, None)
         return True
 
@@ -293,14 +297,15 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return len(self.scheduler.running) + len(self._apart.running)
 
     @property
     def num_waiting(self) -> int:
         """Sequences not running: never admitted, preempted, swapped out, or suspects of a failed step."""
         suspects = sum(1 for group in self._probation for r in group for seq in r.sequences if not seq.is_finished)
         compiling = sum(len(r.sequences) for r in self._compiling)
-        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + suspects + compiling
+        apart = len(self._apart.waiting)
+        return len(self.scheduler.waiting) + len(self.scheduler.swapped) + suspects + compiling + apart
 
     # ---- the step
     def step(self) -> list[RequestOutput]:
@@ -311,11 +316,63 @@ class Engine:
         tried again in halves, each half in a step of its own (``_probation``) before the rest of
         the engine steps again; a suspect that fails a step alone is the culprit, failed with the
         error. An error while finishing one row (stop strings, detokenising) fails that request.
+
+        Isolation: while a request marked ``Request.isolated`` is in the engine, each step runs only
+        isolated requests (``_isolated_step``); the others wait where they are, until ``release``
+        (or their end) takes the last isolated one out. A worker runs the requests that were running
+        when a worker died so, apart from all other work, to tell which of them kills a worker.
         """
         outputs = self._admit_compiled() if self._compiling else []
         if self._probation:
             return outputs + self._probe_step()
+        if self._isolating():
+            return outputs + self._isolated_step()
         return outputs + self._run(self.scheduler.schedule(), self.scheduler)
+
+    # ---- isolation
+    def release(self, request_id: str) -> None:
+        """An isolated request rejoins the others: it runs in ordinary steps from now on (its blocks kept)."""
+        request = self.requests.get(request_id)
+        if request is None or not request.isolated:
+            return
+        request.isolated = False
+        for seq in request.sequences:
+            if seq in self._apart.running:
+                self._apart.running.remove(seq)
+                self.scheduler.add_running(seq)
+            elif seq in self._apart.waiting:
+                self._apart.waiting.remove(seq)
+                self.scheduler.add(seq)
+
+    def _isolating(self) -> bool:
+        return self._apart.has_work() or any(r.isolated for r in self._compiling)
+
+    def _home(self, request: Request) -> Scheduler:
+        """The scheduler a request's sequences belong to."""
+        return self._apart if request.isolated else self.scheduler
+
+    def _side_scheduler(self) -> Scheduler:
+        """A scheduler over the engine's KV cache for a few requests stepped apart from the rest."""
+        s = self.settings
+        return Scheduler(self.block_manager, s.max_num_batched_tokens, s.max_num_seqs, s.aging_steps, "recompute")
+
+    def _isolated_step(self) -> list[RequestOutput]:
+        """A step of the isolated requests alone. The others keep their blocks while they wait, unless
+        the isolated ones cannot get one without them: then the others' newest are preempted (recomputed
+        when they run again), one at a time, until an isolated one fits."""
+        apart = self._apart
+        if not apart.has_work():
+            return []  # isolated ones still compiling their grammar (``_admit_compiled`` waited for it)
+        plan = apart.schedule()
+        while not plan.scheduled and apart.waiting and self.scheduler.running:
+            main = self.scheduler
+            victim = max(main.running, key=lambda seq: (-seq.priority, seq.admitted_order))
+            main.running.remove(victim)
+            self.block_manager.free_sequence(victim)
+            main.add(victim)
+            self.stats.preemptions += 1
+            plan = apart.schedule()
+        return self._run(plan, apart)
 
     def _run(self, plan: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
         self.stats.preemptions += len(plan.preempted)
@@ -429,17 +486,16 @@ class Engine:
         group = [r for r in self._probation.pop(0) if r.request_id in self.requests]
         if not group:
             return []
-        probe = Scheduler(self.block_manager, self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
-                          self.settings.aging_steps, "recompute")
+        probe = self._side_scheduler()
         for request in group:
             for seq in request.sequences:
                 if not seq.is_finished:
                     probe.add(seq)
         plan = probe.schedule()
         outputs = self._run(plan, probe)
-        for seq in list(probe.running):  # ran: back among the others
+        for seq in list(probe.running):  # ran: back among the others (an isolated one: among the isolated)
             probe.running.remove(seq)
-            self.scheduler.add_running(seq)
+            self._home(seq.request).add_running(seq)
         untried = list({seq.request.request_id: seq.request for seq in probe.waiting}.values())
         if untried:
             if plan.scheduled:
@@ -448,7 +504,7 @@ class Engine:
                 for request in untried:
                     for seq in request.sequences:
                         if seq.status is SeqStatus.WAITING:
-                            self.scheduler.add(seq)
+                            self._home(request).add(seq)
         return outputs
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
@@ -573,7 +629,7 @@ class Engine:
         """Blocks used and free, and the share of used blocks' slots that hold a computed token."""
         bs = self.block_manager.block_size
         filled: dict[int, int] = {}
-        for seq in self.scheduler.running:
+        for seq in (*self.scheduler.running, *self._apart.running):
             for i, b in enumerate(seq.block_table):
                 filled[b] = max(filled.get(b, 0), min(bs, seq.num_computed_tokens - i * bs))
         used = self.block_manager.num_used_blocks

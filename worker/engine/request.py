@@ -162,6 +162,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids, set once by the engine (not per row per step)
     stop_set: frozenset[int] = frozenset()
     started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
+    isolated: bool = False  # stepped apart from every other request until ``Engine.release`` (``Engine.step``)
     grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
     grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
 
