@@ -92,4 +92,4 @@ def test_a_tenants_weight_reaches_the_engine(tmp_path, settings):
     worker = engine_worker(settings, engine, eager_tasks=True)
     worker.run(until=lambda: True)  # connects, follows the live tenants once, stops
     assert engine.scheduler.waiting.shares == {"alice": 1.0, "bob": 3.0}
-    assert set(worker.consumer.broker.queues) == {"alice", "bob"}
+    assert set(worker.broker.queues) == {"alice", "bob"}

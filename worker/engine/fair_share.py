@@ -41,12 +41,14 @@ class TokenShares:
 
 
 class Turns:
-    """One step's order of service. ``next`` is the tenant to serve; the scheduler then ``charge``s
-    it the tokens its turn took, or marks it ``done`` when it has nothing more it can run."""
+    """One step's order of service. ``next`` is the tenant to serve; the scheduler advances its
+    ``clock`` by ``rate`` (1 / weight) per token it gives it, or marks it ``done`` when it has
+    nothing more it can run."""
 
     def __init__(self, shares: TokenShares, tenants: Iterable[str], budget: int, seats: Counter[str]):
         self._shares, self._seats = shares, seats
         self.clock = {t: shares.lead.get(t, 0.0) for t in tenants}
+        self.rate = {t: 1.0 / shares.weight(t) for t in self.clock}
         total = sum(map(shares.weight, self.clock))
         self._quantum = {t: math.ceil(budget * shares.weight(t) / total) for t in self.clock}
         self._heap = [self._key(t) for t in self.clock]
@@ -54,22 +56,23 @@ class Turns:
 
     def _key(self, tenant: str) -> tuple[float, float, str]:
         """Lowest clock first; between equal clocks, fewest running sequences for the weight."""
-        return self.clock[tenant], self._seats[tenant] / self._shares.weight(tenant), tenant
+        return self.clock[tenant], self._seats[tenant] * self.rate[tenant], tenant
 
     def next(self) -> str | None:
-        return self._heap[0][2] if self._heap else None
+        heap = self._heap
+        while heap:
+            clock, _, tenant = heap[0]
+            if clock == self.clock[tenant]:
+                return tenant
+            heapq.heapreplace(heap, self._key(tenant))  # served since it was filed: file it again
+        return None
 
     def cap(self, tenant: str, budget: int) -> int:
         """The most tokens one turn of ``tenant`` may take from what is left of the budget."""
         return min(budget, self._quantum[tenant]) if len(self._heap) > 1 else budget
 
-    def charge(self, tenant: str, tokens: int) -> None:
-        """``tenant`` (the one ``next`` named) was given ``tokens``."""
-        self.clock[tenant] += tokens / self._shares.weight(tenant)
-        heapq.heapreplace(self._heap, self._key(tenant))
-
     def done(self, tenant: str) -> None:
-        """``tenant`` (the one ``next`` named) can take nothing more this step."""
+        """``tenant``, the one ``next`` named, can take nothing more this step."""
         heapq.heappop(self._heap)
 
     def end(self) -> None:

@@ -50,8 +50,9 @@ class _Step:
     turns: Turns
     queues: dict[str, list[Sequence]]  # per tenant, its running sequences not yet served in full, the next last
     seats: Counter[str]  # running sequences per tenant
-    asking: set[str]  # tenants that asked for a seat this step (WaitingQueue.may_seat)
-    granted: dict[Sequence, int] = field(default_factory=dict)  # new tokens, in the order first given
+    asking: set[str]  # tenants whose claim to seats counts (WaitingQueue.may_seat)
+    asked: set[str] = field(default_factory=set)  # tenants that asked for a seat this step
+    partly: dict[Sequence, int] = field(default_factory=dict)  # given part of what they ask (more may follow)
 
 
 class Scheduler:
@@ -107,96 +108,123 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.priority, -s.admitted_order)):  # best last
             queues.setdefault(seq.request.tenant, []).append(seq)
         seats = Counter({t: len(q) for t, q in queues.items()})
-        tenants = queues.keys() | self.waiting.tenants() | {s.request.tenant for s in self.swapped}
+        waiting = self.waiting.tenants()
+        tenants = queues.keys() | waiting | {s.request.tenant for s in self.swapped}
         budget = self.max_num_batched_tokens
-        step = _Step(SchedulerOutput(), budget, self.fair.turns(tenants, budget, seats), queues, seats, set())
+        asking = self.asking | (waiting - queues.keys())  # asked last step, or has nothing running
+        step = _Step(SchedulerOutput(), budget, self.fair.turns(tenants, budget, seats), queues, seats, asking)
         while step.budget and (tenant := step.turns.next()) is not None:
-            queue = queues.setdefault(tenant, [])
-            if queue:
-                self._serve(queue[-1], step)
-            elif not self._bring_in(tenant, step):
-                step.turns.done(tenant)
+            self._turn(tenant, step)
         step.turns.end()
-        self.asking = step.asking
-        step.out.scheduled = list(step.granted.items())
+        self.asking = step.asked
+        step.out.scheduled += step.partly.items()
         step.out.copies = self.bm.take_copies()
         return step.out
 
-    def _serve(self, seq: Sequence, step: _Step) -> None:
-        """One turn for ``seq``, its tenant's next running sequence; preempt by fairness when the cache is full."""
-        given = step.granted.get(seq, 0)
-        n = min(seq.num_tokens - seq.num_computed_tokens - given, step.turns.cap(seq.request.tenant, step.budget))
-        while not self.bm.allocate(seq, given + n):
-            victim = self._victim(step)
-            if victim is None:  # only sequences already served this step are left: it keeps what it has
-                step.queues[seq.request.tenant].pop()
-                return
+    def _turn(self, tenant: str, step: _Step) -> None:
+        """Serve ``tenant`` up to one turn's tokens: its running sequences best first, then new ones;
+        done for this step when it has nothing more it can run."""
+        queue, partly, scheduled = step.queues.setdefault(tenant, []), step.partly, step.out.scheduled
+        clock, start, rate = step.turns.clock, step.turns.clock[tenant], step.turns.rate[tenant]
+        left = cap = step.turns.cap(tenant, step.budget)
+        while left:
+            if queue:  # the hot path, kept inline: a decode per running sequence per step
+                seq = queue[-1]
+                given = partly.get(seq, 0) if partly else 0
+                wanted = len(seq.token_ids) - seq.num_computed_tokens - given
+                n = min(wanted, left)
+                if not self.bm.allocate(seq, given + n):
+                    clock[tenant] = start + (cap - left) * rate  # up to date for the victim's choice
+                    if not self._make_room(seq, given, n, step):
+                        continue
+                if n == wanted:
+                    queue.pop()
+                    scheduled.append((seq, given + n))
+                    if given:
+                        del partly[seq]
+                else:
+                    partly[seq] = given + n
+            elif not (n := self._bring_in(tenant, left, step)):
+                step.turns.done(tenant)
+                break
+            left -= n
+        clock[tenant] = start + (cap - left) * rate
+        step.budget -= cap - left
+
+    def _make_room(self, seq: Sequence, given: int, n: int, step: _Step) -> bool:
+        """Preempt by fairness until the cache has room for ``n`` more new tokens of ``seq`` (``given``
+        already this step). False when ``seq`` itself goes: preempted, or left with what it was given
+        (only sequences already served this step are left to preempt)."""
+        while (victim := self._victim(step)) is not None:
             self._preempt(victim, step)
             if victim is seq:
-                return
-        self._give(seq, n, step)
+                return False
+            if self.bm.allocate(seq, given + n):
+                return True
+        step.queues[seq.request.tenant].pop()
+        step.out.scheduled.append((seq, step.partly.pop(seq)))  # no victim: it is the one partly served
+        return False
 
     def _victim(self, step: _Step) -> Sequence | None:
         """Of the tenant furthest over its share (in tokens, then in seats for its weight), the
         lowest-priority, most recently admitted running sequence not yet served this step."""
         clock, seats, weight = step.turns.clock, step.seats, self.fair.weight
         candidates = [((clock[t], seats[t] / weight(t)), q[0]) for t, q in step.queues.items()
-                      if q and q[0] not in step.granted]
+                      if q and q[0] not in step.partly]
         return max(candidates, key=lambda c: c[0])[1] if candidates else None
 
-    def _bring_in(self, tenant: str, step: _Step) -> bool:
-        """Make ``tenant``'s next swapped-out or waiting sequence run, with its first tokens; False when
-        it has none or there is no room (a seat, KV blocks, or a step that has just preempted)."""
+    def _bring_in(self, tenant: str, limit: int, step: _Step) -> int:
+        """Make ``tenant``'s next swapped-out or waiting sequence run, with up to ``limit`` tokens; the
+        tokens given, none when it has no such sequence or there is no room (a seat, KV blocks, or a
+        step that has just preempted)."""
         if step.out.preempted:
-            return False
+            return 0
         free = self.max_num_seqs - len(self.running)
-        seq = next((s for s in self.swapped if s.request.tenant == tenant), None)
+        seq = next((s for s in self.swapped if s.request.tenant == tenant), None) if self.swapped else None
         if seq is not None:
-            return free > 0 and self._swap_in(seq, step)
+            return self._swap_in(seq, limit, step) if free > 0 else 0
         seq = self.waiting.head(tenant)
         if seq is None or self.swapped:
-            return False
+            return 0
+        step.asked.add(tenant)
         step.asking.add(tenant)
-        if not self.waiting.may_seat(tenant, step.seats, free, self.max_num_seqs, self.asking | step.asking):
-            return False
+        if not self.waiting.may_seat(tenant, step.seats, free, self.max_num_seqs, step.asking):
+            return 0
         hits = self.bm.prefix_hits(seq)
-        n = min(seq.num_tokens - len(hits) * self.bm.block_size, step.turns.cap(tenant, step.budget))
+        n = min(seq.num_tokens - len(hits) * self.bm.block_size, limit)
         if not self.bm.allocate(seq, n, hits):
-            return False
+            return 0
         self.waiting.remove(seq)
         step.out.num_cached_tokens += len(hits) * self.bm.block_size
         self._run(seq, n, step)
-        return True
+        return n
 
-    def _swap_in(self, seq: Sequence, step: _Step) -> bool:
+    def _swap_in(self, seq: Sequence, limit: int, step: _Step) -> int:
         computed = seq.num_computed_tokens
         blocks = self.bm.swap_in(seq, computed)
         if blocks is None:
-            return False
-        n = min(seq.num_tokens - computed, step.turns.cap(seq.request.tenant, step.budget))
+            return 0
+        n = min(seq.num_tokens - computed, limit)
         if not self.bm.allocate(seq, n):
             self.bm.free_sequence(seq)
             seq.num_computed_tokens = computed
-            return False
+            return 0
         self.swapped.remove(seq)
         step.out.swap_in.append((seq, blocks))
         self._run(seq, n, step)
-        return True
+        return n
 
     def _run(self, seq: Sequence, n: int, step: _Step) -> None:
-        """``seq`` (given room for ``n`` tokens) joins the running ones, next in its tenant's queue."""
-        self.add_running(seq)
-        step.seats[seq.request.tenant] += 1
-        step.queues[seq.request.tenant].append(seq)
-        self._give(seq, n, step)
-
-    def _give(self, seq: Sequence, n: int, step: _Step) -> None:
+        """``seq``, given room for ``n`` tokens, joins the running ones, next in its tenant's queue while
+        it has more to compute."""
         tenant = seq.request.tenant
-        step.granted[seq] = given = step.granted.get(seq, 0) + n
-        step.budget -= n
-        step.turns.charge(tenant, n)
-        if given == seq.num_tokens - seq.num_computed_tokens:
-            step.queues[tenant].pop()
+        self.add_running(seq)
+        step.seats[tenant] += 1
+        if n < len(seq.token_ids) - seq.num_computed_tokens:
+            step.partly[seq] = n
+            step.queues[tenant].append(seq)
+        else:
+            step.out.scheduled.append((seq, n))
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         tenant = seq.request.tenant
