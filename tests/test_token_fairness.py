@@ -213,6 +213,8 @@ def test_engine_short_requests_beside_long_prompts_finish_as_fast_as_alone(tiny_
     a = engine_requests(text_ids, "A", 12, 512, 4)
     beside = engine_run(tiny(tiny_loaded), both(a, stream), steps=120)
     b_alone, b_beside = alone.latencies("b"), beside.latencies("b")
+    print(f"\nB alone: {len(b_alone)} finished, median {statistics.median(b_alone)} steps; beside A: "
+          f"{len(b_beside)}, median {statistics.median(b_beside)}; shares {beside.shares(range(120))}")
     assert len(b_beside) >= len(b_alone) - 2, (len(b_beside), len(b_alone))
     assert statistics.median(b_beside) <= 2 * statistics.median(b_alone), (statistics.median(b_beside),
                                                                            statistics.median(b_alone))
@@ -230,6 +232,7 @@ def test_engine_tenants_with_work_get_tokens_by_weight(tiny_loaded, text_ids, we
     run = engine_run(engine, both(a, lambda step: engine_requests(text_ids, "B", 4, 12, 8, first=4 * step)), steps=100)
     assert all(w == {"A", "B"} for w in run.waiting[1:])
     shares = run.shares(range(10, 100))
+    print(f"\nweights {weight_a}:{weight_b}, shares {shares}")
     for tenant, weight in (("A", weight_a), ("B", weight_b)):
         want = weight / (weight_a + weight_b)
         assert abs(shares[tenant] - want) <= 0.1 * want, (tenant, shares, want)
