@@ -31,20 +31,23 @@ def check_block_accounting(bm: BlockManager, seqs: list[Sequence]) -> None:
         assert bm.block_hash[block] == h
 
 
-def simulate(requests: list[tuple[int, int, int, int]], num_blocks: int, block_size: int, budget: int,
-             max_seqs: int, mode: str, shared_prefix: int):
-    """Run the scheduler with a fake model: a token's value is a function of its sequence and position."""
+def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: int,
+             max_seqs: int, mode: str, shared_prefix: int, weights: dict[str, float] | None = None):
+    """Run the scheduler with a fake model: a token's value is a function of its sequence and position.
+    A request is (arrival step, prompt length, output length, priority[, tenant])."""
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(bm, budget, max_seqs, aging_steps=4, preemption_mode=mode)
+    sched.waiting.shares.update(weights or {})
     pending = sorted(requests, key=lambda r: r[0])
     seqs: list[Sequence] = []
     steps = 0
     while pending or sched.has_work():
         while pending and pending[0][0] <= steps:
-            _, prompt_len, out_len, priority = pending.pop(0)
+            _, prompt_len, out_len, priority, *tenant = pending.pop(0)
             i = len(seqs)
             prompt = [7] * min(shared_prefix, prompt_len) + [i * 1000 + j for j in range(prompt_len - shared_prefix)]
-            req = Request(str(i), prompt, SamplingParams(max_tokens=out_len), priority=priority)
+            req = Request(str(i), prompt, SamplingParams(max_tokens=out_len), priority=priority,
+                          tenant=tenant[0] if tenant else "default")
             seq = Sequence(request=req, sample_index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt))
             req.sequences.append(seq)
             req.arrival_step = sched.step_count
@@ -81,6 +84,21 @@ def test_scheduler_invariants(requests, block_size, budget, max_seqs, mode, shar
     longest = max(p + o for _, p, o, _ in requests)
     num_blocks = -(-longest // block_size) + 2  # room for the longest request, little more
     simulate(requests, num_blocks, block_size, budget, max_seqs, mode, shared_prefix)
+
+
+tenant_workloads = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 90), st.integers(1, 40), st.integers(0, 2),
+                                      st.sampled_from("ABC")), min_size=1, max_size=24)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=tenant_workloads, block_size=st.sampled_from([4, 8, 16]), budget=st.integers(1, 64),
+       max_seqs=st.integers(1, 8), mode=st.sampled_from(["recompute", "swap"]),
+       weights=st.dictionaries(st.sampled_from("ABC"), st.sampled_from([0.5, 1.0, 3.0])))
+def test_scheduler_invariants_with_tenants(requests, block_size, budget, max_seqs, mode, weights):
+    """Tenants' turns, chunks and seats, and preemption by fairness under a cache that preempts often:
+    every request still finishes, within the budget, with every block accounted for."""
+    longest = max(p + o for _, p, o, *_ in requests)
+    simulate(requests, -(-longest // block_size) + 2, block_size, budget, max_seqs, mode, 8, weights)
 
 
 def test_tight_cache_preempts_lowest_priority_latest_first():

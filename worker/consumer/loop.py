@@ -19,8 +19,8 @@ One loop, never blocked while the engine has work:
    (consume their queues, give the engine their weights), resize the prefetch window, metrics.
 
 Tenants: each tenant has its own queue for the model (``worker.consumer.queues``), consumed with its own
-prefetch window, so the engine sees every tenant's waiting requests and its scheduler shares the
-seats by the tenants' weights; priorities order the requests within a tenant's queue.
+prefetch window, so the engine sees every tenant's waiting requests and its scheduler shares each
+step's tokens and the seats by the tenants' weights; priorities order the requests within a tenant's queue.
 
 Prefetch: the window of unacked deliveries of each tenant queue is what the engine can hold
 running (``max_num_seqs``, or fewer when the KV cache cannot fit that many of the requests seen so

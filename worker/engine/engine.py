@@ -238,10 +238,11 @@ class Engine:
         return True
 
     def set_tenant_share(self, tenant: str, share: float) -> None:
-        """Weight of ``tenant`` in admissions: with shares 2 and 1, twice the running sequences."""
+        """Weight of ``tenant`` in each step's tokens and in running seats: with shares 2 and 1, twice
+        the tokens while both have work (the scheduler's turns, worker/engine/fair_share.py)."""
         if share <= 0:
             raise ValueError("a tenant's share must be positive")
-        self.scheduler.waiting.shares[tenant] = share
+        self.scheduler.shares[tenant] = share
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

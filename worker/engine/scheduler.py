@@ -1,19 +1,28 @@
-"""Each step, fill a token budget: running sequences first, then new prompts in chunks.
+"""Each step, fill a token budget, shared between tenants by weight: one loop over tenants' turns.
 
-One loop, no prefill or decode phases: a running sequence asks for the tokens it has not computed
-yet (one for a decode, the rest of its prompt for a chunked prefill), as many as the budget allows.
-When the KV cache has no room, the lowest-priority, most recently admitted sequence is preempted:
-its blocks are freed and it is recomputed later, or its blocks are copied to host memory and
-copied back later (swap). Waiting sequences are admitted by priority, which grows with waiting
-time (aging), so nothing starves; a prompt's cached prefix blocks are taken instead of computed.
+One loop, no prefill or decode phases: the tenant furthest behind its weight's share of the
+tokens takes a turn (worker/engine/fair_share.py), and its best running sequence asks for the
+tokens it has not computed yet (one for a decode, the rest of its prompt for a chunked prefill),
+as many as the budget allows but no more than the tenant's share of the step while another tenant
+has work; a tenant with no running sequence left to serve brings in its next swapped-out or
+waiting one. Within a tenant, sequences go by priority, then admission order; waiting ones by
+priority that grows with waiting time (aging), so nothing starves; a prompt's cached prefix blocks
+are taken instead of computed. Priority is never compared across tenants.
+
+When the KV cache has no room, a running sequence not yet served this step is preempted: of the
+tenant furthest over its share, its lowest-priority, most recently admitted one. Its blocks are
+freed and it is recomputed later, or its blocks are copied to host memory and copied back later
+(swap). A step that preempted admits nothing new.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.fair_share import TokenShares, Turns
 from worker.engine.request import SeqStatus, Sequence
 from worker.engine.waiting_queue import WaitingQueue
 
@@ -32,6 +41,20 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass
+class _Step:
+    """One ``schedule`` call as it goes: the budget left, whose turn, what each sequence was given."""
+
+    out: SchedulerOutput
+    budget: int
+    turns: Turns
+    queues: dict[str, list[Sequence]]  # per tenant, its running sequences not yet served in full, the next last
+    seats: Counter[str]  # running sequences per tenant
+    asking: set[str]  # tenants whose claim to seats counts (WaitingQueue.may_seat)
+    asked: set[str] = field(default_factory=set)  # tenants that asked for a seat this step
+    partly: dict[Sequence, int] = field(default_factory=dict)  # given part of what they ask (more may follow)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  aging_steps: int = 50, preemption_mode: str = "recompute"):
@@ -41,7 +64,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
-        self.waiting = WaitingQueue(aging_steps)
+        self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
+        self.waiting = WaitingQueue(aging_steps, self.shares)
+        self.fair = TokenShares(self.shares)
+        self.asking: set[str] = set()  # tenants that asked for a running seat in the last step
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.step_count = 0
@@ -78,65 +104,138 @@ class Scheduler:
     # ---- the step
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
-        out = SchedulerOutput()
+        queues: dict[str, list[Sequence]] = {}
+        for seq in sorted(self.running, key=lambda s: (s.priority, -s.admitted_order)):  # best last
+            queues.setdefault(seq.request.tenant, []).append(seq)
+        seats = Counter({t: len(q) for t, q in queues.items()})
+        waiting = self.waiting.tenants()
+        tenants = queues.keys() | waiting | {s.request.tenant for s in self.swapped}
         budget = self.max_num_batched_tokens
-        queue = sorted(self.running, key=lambda s: (-s.priority, s.admitted_order))
-        while queue and budget:
-            seq = queue.pop(0)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.allocate(seq, n):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append((seq, n))
-                budget -= n
-        budget = self._swap_in(out, budget)
-        if not self.swapped:
-            self._admit(out, budget)
-        out.copies = self.bm.take_copies()
-        return out
+        asking = self.asking | (waiting - queues.keys())  # asked last step, or has nothing running
+        step = _Step(SchedulerOutput(), budget, self.fair.turns(tenants, budget, seats), queues, seats, asking)
+        while step.budget and (tenant := step.turns.next()) is not None:
+            self._turn(tenant, step)
+        step.turns.end()
+        self.asking = step.asked
+        step.out.scheduled += step.partly.items()
+        step.out.copies = self.bm.take_copies()
+        return step.out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.next(self.step_count, self.running)
-            hits = self.bm.prefix_hits(seq)
-            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-            if not self.bm.allocate(seq, n, hits):
+    def _turn(self, tenant: str, step: _Step) -> None:
+        """Serve ``tenant`` up to one turn's tokens: its running sequences best first, then new ones;
+        done for this step when it has nothing more it can run."""
+        queue, partly, scheduled = step.queues.setdefault(tenant, []), step.partly, step.out.scheduled
+        clock, start, rate = step.turns.clock, step.turns.clock[tenant], step.turns.rate[tenant]
+        left = cap = step.turns.cap(tenant, step.budget)
+        while left:
+            if queue:  # the hot path, kept inline: a decode per running sequence per step
+                seq = queue[-1]
+                given = partly.get(seq, 0) if partly else 0
+                wanted = len(seq.token_ids) - seq.num_computed_tokens - given
+                n = min(wanted, left)
+                if not self.bm.allocate(seq, given + n):
+                    clock[tenant] = start + (cap - left) * rate  # up to date for the victim's choice
+                    if not self._make_room(seq, given, n, step):
+                        continue
+                if n == wanted:
+                    queue.pop()
+                    scheduled.append((seq, given + n))
+                    if given:
+                        del partly[seq]
+                else:
+                    partly[seq] = given + n
+            elif not (n := self._bring_in(tenant, left, step)):
+                step.turns.done(tenant)
                 break
-            self.waiting.remove(seq)
-            self.add_running(seq)
-            out.num_cached_tokens += len(hits) * self.bm.block_size
-            out.scheduled.append((seq, n))
-            budget -= n
+            left -= n
+        clock[tenant] = start + (cap - left) * rate
+        step.budget -= cap - left
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget and len(self.running) < self.max_num_seqs:
-            seq = self.swapped[0]
-            computed = seq.num_computed_tokens
-            blocks = self.bm.swap_in(seq, computed)
-            if blocks is None:
-                break
-            n = min(seq.num_tokens - computed, budget)
-            if not self.bm.allocate(seq, n):
-                self.bm.free_sequence(seq)
-                seq.num_computed_tokens = computed
-                break
-            self.swapped.pop(0)
-            out.swap_in.append((seq, blocks))
-            self.add_running(seq)
-            out.scheduled.append((seq, n))
-            budget -= n
-        return budget
+    def _make_room(self, seq: Sequence, given: int, n: int, step: _Step) -> bool:
+        """Preempt by fairness until the cache has room for ``n`` more new tokens of ``seq`` (``given``
+        already this step). False when ``seq`` itself goes: preempted, or left with what it was given
+        (only sequences already served this step are left to preempt)."""
+        while (victim := self._victim(step)) is not None:
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+            if self.bm.allocate(seq, given + n):
+                return True
+        step.queues[seq.request.tenant].pop()
+        step.out.scheduled.append((seq, step.partly.pop(seq)))  # no victim: it is the one partly served
+        return False
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _victim(self, step: _Step) -> Sequence | None:
+        """Of the tenant furthest over its share (in tokens, then in seats for its weight), the
+        lowest-priority, most recently admitted running sequence not yet served this step."""
+        clock, seats, weight = step.turns.clock, step.seats, self.fair.weight
+        candidates = [((clock[t], seats[t] / weight(t)), q[0]) for t, q in step.queues.items()
+                      if q and q[0] not in step.partly]
+        return max(candidates, key=lambda c: c[0])[1] if candidates else None
+
+    def _bring_in(self, tenant: str, limit: int, step: _Step) -> int:
+        """Make ``tenant``'s next swapped-out or waiting sequence run, with up to ``limit`` tokens; the
+        tokens given, none when it has no such sequence or there is no room (a seat, KV blocks, or a
+        step that has just preempted)."""
+        if step.out.preempted:
+            return 0
+        free = self.max_num_seqs - len(self.running)
+        seq = next((s for s in self.swapped if s.request.tenant == tenant), None) if self.swapped else None
+        if seq is not None:
+            return self._swap_in(seq, limit, step) if free > 0 else 0
+        seq = self.waiting.head(tenant)
+        if seq is None or self.swapped:
+            return 0
+        step.asked.add(tenant)
+        step.asking.add(tenant)
+        if not self.waiting.may_seat(tenant, step.seats, free, self.max_num_seqs, step.asking):
+            return 0
+        hits = self.bm.prefix_hits(seq)
+        n = min(seq.num_tokens - len(hits) * self.bm.block_size, limit)
+        if not self.bm.allocate(seq, n, hits):
+            return 0
+        self.waiting.remove(seq)
+        step.out.num_cached_tokens += len(hits) * self.bm.block_size
+        self._run(seq, n, step)
+        return n
+
+    def _swap_in(self, seq: Sequence, limit: int, step: _Step) -> int:
+        computed = seq.num_computed_tokens
+        blocks = self.bm.swap_in(seq, computed)
+        if blocks is None:
+            return 0
+        n = min(seq.num_tokens - computed, limit)
+        if not self.bm.allocate(seq, n):
+            self.bm.free_sequence(seq)
+            seq.num_computed_tokens = computed
+            return 0
+        self.swapped.remove(seq)
+        step.out.swap_in.append((seq, blocks))
+        self._run(seq, n, step)
+        return n
+
+    def _run(self, seq: Sequence, n: int, step: _Step) -> None:
+        """``seq``, given room for ``n`` tokens, joins the running ones, next in its tenant's queue while
+        it has more to compute."""
+        tenant = seq.request.tenant
+        self.add_running(seq)
+        step.seats[tenant] += 1
+        if n < len(seq.token_ids) - seq.num_computed_tokens:
+            step.partly[seq] = n
+            step.queues[tenant].append(seq)
+        else:
+            step.out.scheduled.append((seq, n))
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        tenant = seq.request.tenant
+        step.queues[tenant].remove(seq)
+        step.seats[tenant] -= 1
         self.running.remove(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        step.out.preempted.append(seq)
         if self.preemption_mode == "swap" and seq.num_computed_tokens:
             computed = seq.num_computed_tokens
-            out.swap_out.append((seq, list(seq.block_table)))
+            step.out.swap_out.append((seq, list(seq.block_table)))
             self.bm.free_sequence(seq)
             seq.num_computed_tokens = computed
             seq.status = SeqStatus.SWAPPED

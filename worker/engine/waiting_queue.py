@@ -1,11 +1,14 @@
-"""Sequences waiting for admission: by priority with aging, and fair between tenants.
+"""Sequences waiting for admission: a queue per tenant, by priority with aging, and seats by weight.
 
 Each tenant keeps its own queue ordered by ``priority * aging_steps - arrival_step``: a request
 gains one priority level for every ``aging_steps`` steps it waits, so an old low-priority request
-eventually passes new high-priority ones and nothing starves. The next admission goes to the
-tenant running the fewest sequences for its share, so tenants with equal shares get equal slots
-(and so equal decode tokens) while both have work waiting; between tenants equally served, to the
-one whose first request has the highest aged priority.
+eventually passes new high-priority ones and nothing starves. Which tenant admits next is the
+scheduler's turn order (tokens by weight: worker/engine/fair_share.py); what this queue adds is
+the seats: a tenant may take a free running seat only while the seats left still cover what every
+other tenant asking for seats is owed (its weight's share of the seats, less those it holds), so a
+tenant that came first cannot keep every seat when another arrives. A tenant asks for a seat when
+its turn finds its running sequences served and a sequence waiting; one whose running work takes
+all its turns (a long prefill) is not asking, and its share of the seats is not held back for it.
 
 Priority orders a tenant's own work, not one tenant against another: a job's priority is the
 tenant's choice, and if it outranked shares, any tenant could take every seat by asking for 9.
@@ -15,15 +18,15 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from worker.engine.request import Sequence
 
 
 class WaitingQueue:
-    def __init__(self, aging_steps: int):
+    def __init__(self, aging_steps: int, shares: dict[str, float] | None = None):
         self.aging_steps = aging_steps
-        self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
+        self.shares = {} if shares is None else shares  # tenant -> weight, 1.0 when not set
         self._queues: dict[str, list[tuple[tuple[int, int], Sequence]]] = {}
 
     def __len__(self) -> int:
@@ -46,19 +49,24 @@ class WaitingQueue:
         queue = self._queues[seq.request.tenant]
         queue.pop(next(i for i, (_, s) in enumerate(queue) if s is seq))
 
-    def level(self, seq: Sequence, step: int) -> int:
-        """Aged priority: one level more for every ``aging_steps`` steps waited."""
-        return seq.priority + (step - seq.request.arrival_step) // self.aging_steps
+    def tenants(self) -> set[str]:
+        """The tenants with sequences waiting."""
+        return {t for t, q in self._queues.items() if q}
 
-    def next(self, step: int, running: Iterable[Sequence]) -> Sequence | None:
-        """The sequence to admit next (it stays queued until ``remove``)."""
-        load = Counter(s.request.tenant for s in running)
-        best, best_rank = None, None
-        for tenant, queue in self._queues.items():
-            if not queue:
-                continue
-            key, head = queue[0]
-            rank = (load[tenant] / self.shares.get(tenant, 1.0), -self.level(head, step), key)
-            if best_rank is None or rank < best_rank:
-                best, best_rank = head, rank
-        return best
+    def head(self, tenant: str) -> Sequence | None:
+        """``tenant``'s sequence to admit next (it stays queued until ``remove``)."""
+        queue = self._queues.get(tenant)
+        return queue[0][1] if queue else None
+
+    def may_seat(self, tenant: str, seats: Counter[str], free: int, total: int, asking: set[str]) -> bool:
+        """Whether ``tenant`` may take one of ``free`` running seats (of ``total``; ``seats`` held per
+        tenant) beside the tenants ``asking`` for seats."""
+        if free <= 0:
+            return False
+        others = [t for t in asking if t != tenant and self._queues.get(t)]
+        if not others:
+            return True
+        active = {t for t, n in seats.items() if n} | set(others) | {tenant}
+        weight = sum(self.shares.get(t, 1.0) for t in active)
+        owed = sum(max(0, int(total * self.shares.get(t, 1.0) / weight) - seats[t]) for t in others)
+        return free - 1 >= owed
