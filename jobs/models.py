@@ -127,6 +127,9 @@ class RequestRow(Base):
     started: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     progress: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Where the request's latest checkpointed state is: a segment of the checkpoint store and the byte
+    # range of the state in it (``worker.checkpoint.format.StateRef``), written by the worker holding it.
+    checkpoint: Mapped[str | None] = mapped_column(String(300))
 
 
 class Result(Base):

@@ -43,6 +43,11 @@ class LocalStore(ObjectStore):
         with self._errors(key):
             return self.path(key).read_bytes()
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        with self._errors(key), open(self.path(key), "rb") as f:
+            f.seek(start)
+            return f.read(max(0, length))
+
     def open(self, key: str) -> BinaryIO:
         with self._errors(key):
             return open(self.path(key), "rb")

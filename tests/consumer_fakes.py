@@ -29,6 +29,7 @@ class Row:
     strikes: int = 0
     last_error: str | None = None
     outcome: Outcome | None = None
+    checkpoint: str | None = None  # where its latest checkpointed state is (``Ledger.checkpointed``)
 
 
 class FakeLedger:
@@ -53,7 +54,7 @@ class FakeLedger:
             out[rid] = Claim(rid, row.job_id, row.model, row.tenant, 0, row.prompt, row.params,
                              row.outcome is None and row.job_live, row.attempts,
                              crashed=row.holder is not None and row.started, progress=row.progress,
-                             strikes=row.strikes, last_error=row.last_error)
+                             strikes=row.strikes, last_error=row.last_error, checkpoint=row.checkpoint)
             row.holder, row.started = worker, False
         return out
 
@@ -71,6 +72,12 @@ class FakeLedger:
         for rid in request_ids:
             self.rows[rid].attempts -= 1
             self.rows[rid].holder = None
+
+    def checkpointed(self, refs, worker):
+        self._check()
+        for rid, ref in refs.items():
+            if rid in self.rows and self.rows[rid].holder == worker:
+                self.rows[rid].checkpoint = ref
 
     def note_error(self, request_id, error):
         self.rows[request_id].last_error = error

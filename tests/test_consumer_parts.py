@@ -168,7 +168,7 @@ class FakeRestorer:
     def pending(self) -> int:
         return len(self.fetching)
 
-    def submit(self, request):
+    def submit(self, request, ref):
         self.fetching.append(request)
 
     def ready(self):
@@ -194,6 +194,8 @@ def test_poison_is_a_request_whose_worker_keeps_dying_without_progress(ledger, b
     ledger.crash(2)  # died running it, but its checkpoint moved on to 8 tokens: not poison, strikes reset
     ledger.rows[3].holder = "dead-host:1"  # held by a dead worker, but no step ever ran it: no strike
     ledger.rows[4].last_error = None  # handed back gracefully (no holder): no strike
+    for i in (1, 2):  # where their checkpoints are, as their rows record it
+        ledger.rows[i].checkpoint = f"checkpoints/v2/states/w/{i:010d}.seg@0+10"
     worker = make_worker(ledger, broker)
     worker.checkpoints, worker.restorer = FakeCheckpoints(), FakeRestorer({"1": [7] * 5, "2": [7] * 8})
     run_until_done(worker, ledger, [1, 2, 3, 4])

@@ -55,7 +55,7 @@ def test_0003_keeps_every_row_of_a_0002_database(backend, tmp_path, request):
             conn.execute(insert(meta.tables[name]), rows)
     before = _dump(engine)
 
-    assert upgrade(url) == head_revision() == "0005"
+    assert upgrade(url) == head_revision()
     after = _dump(engine)
     engine.dispose()
     for name, rows in before.items():

@@ -119,7 +119,7 @@ def test_migrating_a_database_with_jobs_from_0001_to_head_loses_nothing(backend,
         before = _snapshot(conn)
         columns_before = {t: list(conn.execute(text(f"SELECT * FROM {t}")).keys()) for t in TABLES}
 
-    assert upgrade(url) == head_revision() == "0005"
+    assert upgrade(url) == head_revision()
     with engine.connect() as conn:
         after = {t: sorted(tuple(str(v) for v in row[:len(columns_before[t])])
                            for row in conn.execute(text(f"SELECT {', '.join(columns_before[t])} FROM {t}")))

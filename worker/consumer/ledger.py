@@ -40,6 +40,7 @@ class Claim:
     strikes: int  # deliveries in a row that ended so without checkpoint progress
     last_error: str | None
     unreadable: str | None = None
+    checkpoint: str | None = None  # where its latest checkpointed state is (``Ledger.checkpointed``); None: none
 
     @property
     def kv_tokens(self) -> int:
@@ -97,6 +98,12 @@ class Ledger(Protocol):
 
     def release(self, request_ids: list[int]) -> None:
         """Handed back unfinished by a worker told to stop: that delivery was no failed attempt."""
+
+    def checkpointed(self, refs: dict[int, str], worker: str) -> None:
+        """request id -> where its latest checkpointed state is now (``worker.checkpoint.format.StateRef``
+        as text), kept on the row only while ``worker`` holds the request, for its next delivery's claim.
+        Called from the checkpoint writer's thread (never the engine loop's), once a round; on
+        ``LedgerDown`` the writer tries again later."""
 
     def note_error(self, request_id: int, error: str) -> None:
         """The last error seen running a request (shown if it finally fails)."""
