@@ -116,9 +116,9 @@ def main(argv=None) -> dict:
                    "PYTHONPATH": str(ROOT)}
             env.update(dict(e.split("=", 1) for e in args.env))
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(tmp / "in.jsonl"), "-o",
-                                   str(tmp / "out.jsonl"), "--quiet"], env=env, cwd=tmp, capture_output=True,
-                                  text=True)
+            command = [sys.executable, "-m", "jobs.cli", "run", str(tmp / "in.jsonl"), "-o", str(tmp / "out.jsonl"),
+                       "--quiet"]
+            proc = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, check=False)
             seconds = time.perf_counter() - t0
             if proc.returncode:
                 sys.exit(f"berth run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -103,11 +103,11 @@ def stored_states(store: ObjectStore, pointers: dict[str, str]) -> dict[str, Req
     return {rid: read_state(store, ref) for rid, ref in dict(pointers).items()}
 
 
-def segment_puts(store: "ControlledStore") -> int:
+def segment_puts(store: ControlledStore) -> int:
     return sum(n for k, n in store.puts.items() if k.startswith(SEGMENT_PREFIX))
 
 
-def kv_puts(store: "ControlledStore") -> int:
+def kv_puts(store: ControlledStore) -> int:
     return sum(n for k, n in store.puts.items() if k.startswith(KV_PREFIX))
 
 

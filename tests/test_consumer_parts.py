@@ -210,6 +210,28 @@ def test_poison_is_a_request_whose_worker_keeps_dying_without_progress(ledger, b
     assert ledger.rows[4].outcome.completed and ledger.rows[4].strikes == 2
 
 
+def test_a_redelivered_request_is_read_back_from_where_its_row_says_and_only_then(ledger, broker):
+    """The claim carries where the request's latest state is: a request whose row names one is read
+    from there (one read), one whose row names none starts over without reading the store."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    ref = "checkpoints/v2/states/0123/0000000004.seg@17+300"
+    for i in (1, 2):
+        ledger.rows[i] = Row("batch_a", params=params, attempts=1)
+        ledger.crash(i)  # both died with their worker
+        broker.publish_request(i, "batch_a")
+    ledger.rows[1].checkpoint = ref
+    worker = make_worker(ledger, broker)
+    restorer = FakeRestorer({"1": [7] * 3})
+    asked = []
+    restorer.submit = lambda request, where: (asked.append((request.request_id, where)),
+                                              restorer.fetching.append(request))
+    worker.checkpoints, worker.restorer = FakeCheckpoints(), restorer
+    run_until_done(worker, ledger, [1, 2])
+    assert asked == [("1", ref)]
+    assert ledger.rows[1].outcome.completed and ledger.rows[2].outcome.completed
+    assert ledger.rows[1].progress == 3 and ledger.rows[2].progress == 0
+
+
 # ---- blast radius
 def test_a_request_the_engine_fails_fails_alone_with_its_reason(ledger, broker):
     s = Settings(checkpoint_interval=0)

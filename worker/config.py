@@ -108,8 +108,10 @@ class Settings(BaseSettings):
     structured_compile_seconds: float = 60.0  # a constraint whose grammar has not compiled by then fails its request
 
     # --- checkpoints (engine worker)
-    checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints
-    checkpoint_seconds: float = 30.0  # ... or after this many seconds with progress, whichever comes first
+    # A checkpoint round every this many engine steps (a decoding request makes a token a step): every
+    # request with progress since its last one, all their states in one object; 0 = no checkpoints
+    checkpoint_interval: int = 16
+    checkpoint_seconds: float = 30.0  # ... or after this many seconds, whichever comes first
     checkpoint_queue_bytes: int = 256 << 20  # KV block data waiting for upload at most; beyond, blocks wait
     # Threads uploading KV blocks, at the lowest CPU priority. On a CPU worker each takes cycles from the
     # engine (2-core machine, checkpoints to a folder: 1 thread cost 5% of throughput, 2 threads 9%); a GPU
