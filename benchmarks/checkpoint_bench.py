@@ -8,13 +8,15 @@ Two measurements of the checkpoint issue, each optional (``--only``):
    back and once recomputing them by prefill, each timed from ``Restorer.submit`` to the next token
    (median of ``--repeats``, after one untimed try of each). Both must give the undisturbed run's
    next token. It prints which way the Restorer itself would choose at the rates it measured
-   during the run (``Restorer.reads_blocks``), and at its start-up defaults.
+   during the run (``Restorer.reads_blocks``), and at its start-up defaults. (Its checkpoints write
+   every KV block, ``checkpoint_kv`` always, so that there are blocks to read back.)
 2. overhead: the throughput benchmark's workload (``benchmarks/workload.py``), driven as the engine
    worker drives it (every request added, then steps, each followed by ``Checkpointer.after_step``
-   and ``Restorer.observe_step``, and finished requests' checkpoints deleted), with checkpoints off
-   and every ``--interval`` tokens, alternated in ``--rounds`` (off, on, off, on, ...) so that a busy
-   machine slows both; medians of useful output tokens/s, their ratio, the bytes and objects
-   written, the checkpoint lag, and the writer's superseded snapshots and failures.
+   and ``Restorer.observe_step``, and finished requests' checkpoints dropped), with checkpoints off
+   and every ``--interval`` tokens (``--kv``: which KV blocks, berth's default "auto"), interleaved in
+   ``--rounds`` (off then on, then on then off, ...) so that a busy machine slows both alike;
+   medians of useful output tokens/s, their ratio, the PUTs (per second, per round, per 1,000
+   tokens) and bytes written, the checkpoint lag, and the writer's superseded snapshots and failures.
 
 The S3 endpoint is moto's server in a child process (in this process it would take the GIL from the
 engine loop), unless ``--storage-url`` names another store (``s3://...`` with the AWS variables
@@ -52,7 +54,8 @@ from benchmarks.throughput import (WARMUP_PROMPTS, WARMUP_TOKENS, add_workload_o
 from benchmarks.workload import Workload, corpus_token_ids, make_workload  # noqa: E402
 from storage import ObjectStore, open_store  # noqa: E402
 from worker.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from worker.checkpoint.format import KV_PREFIX, STATE_PREFIX, RequestCheckpoint, block_key, state_key  # noqa: E402
+from worker.checkpoint.format import (KV_PREFIX, SEGMENT_PREFIX, RequestCheckpoint, StateRef,  # noqa: E402
+                                      decode_run, kv_key)
 from worker.checkpoint.resume import Restorer, TransferRates  # noqa: E402
 from worker.checkpoint.writer import THREAD_NAME  # noqa: E402
 from worker.config import Settings  # noqa: E402
@@ -78,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--storage-url", default="", help="s3://BUCKET/PREFIX or file:///FOLDER "
                         "(default: a moto S3 server started in a child process)")
     parser.add_argument("--interval", type=int, default=16, help="checkpoint every this many tokens (default: 16)")
+    parser.add_argument("--kv", choices=("auto", "always", "never"), default="auto",
+                        help="overhead: which KV blocks are written (berth's checkpoint_kv; default: %(default)s)")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
                         help="restore: context lengths in tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="restore: timings of each path (default: 3)")
@@ -141,14 +146,15 @@ def fresh_store(base_url: str, name: str) -> ObjectStore:
 
 def empty(store: ObjectStore) -> int:
     """Delete every checkpoint object in ``store``; how many there were."""
-    keys = [o.key for prefix in (STATE_PREFIX, KV_PREFIX) for o in store.list(prefix)]
+    keys = [o.key for prefix in (SEGMENT_PREFIX, KV_PREFIX) for o in store.list(prefix)]
     for key in keys:
         store.delete(key)
     return len(keys)
 
 
 class CountingStore(ObjectStore):
-    """Another store, counting the objects and bytes put under each kind of key (state, kv, other)."""
+    """Another store, counting the objects and bytes put under each kind of key (state segments, kv
+    runs, other)."""
 
     def __init__(self, inner: ObjectStore):
         self.inner = inner
@@ -159,13 +165,16 @@ class CountingStore(ObjectStore):
 
     def put(self, key, data):
         self.inner.put(key, data)
-        kind = "state" if key.startswith(STATE_PREFIX) else "kv" if key.startswith(KV_PREFIX) else "other"
+        kind = "state" if key.startswith(SEGMENT_PREFIX) else "kv" if key.startswith(KV_PREFIX) else "other"
         with self._lock:
             self.objects[kind] += 1
             self.bytes[kind] += len(data)
 
     def get(self, key):
         return self.inner.get(key)
+
+    def get_range(self, key, start, length):
+        return self.inner.get_range(key, start, length)
 
     def open(self, key):
         return self.inner.open(key)
@@ -225,12 +234,13 @@ class SteeredRates(TransferRates):
 # ---------------------------------------------------------------- 1. restore against recompute
 def run_restore(loaded: LoadedModel, args, base_url: str) -> list[dict]:
     settings = Settings(model=args.model, dtype=args.dtype, threads=args.threads, kv_memory=RESTORE_KV_MEMORY,
-                        max_num_batched_tokens=args.max_num_batched_tokens, checkpoint_interval=args.interval)
+                        max_num_batched_tokens=args.max_num_batched_tokens, checkpoint_interval=args.interval,
+                        checkpoint_kv="always")
     engine = Engine(settings, loaded=loaded)
     engine.generate(WARMUP_PROMPTS, greedy_params(WARMUP_TOKENS))
     store = fresh_store(base_url, "restore")
     metrics = WorkerMetrics()
-    checkpoints = Checkpointer(engine, store, settings, metrics)
+    checkpoints = Checkpointer(engine, store, settings, metrics, on_durable=Refs())
     restorer = Restorer(engine, store, checkpoints, metrics, SteeredRates())
     corpus = corpus_token_ids(loaded.tokenizer)
     rng = random.Random(args.seed)
@@ -253,12 +263,12 @@ def restore_context(engine: Engine, checkpoints: Checkpointer, restorer: Restore
     context = len(prompt) + GENERATED
     rid = str(context)
     params = greedy_params(GENERATED + 8)
-    checkpoint, reference = checkpointed_request(engine, checkpoints, restorer, Request(rid, prompt, params))
+    checkpoint, reference, ref = checkpointed_request(engine, checkpoints, restorer, Request(rid, prompt, params))
     stored = stored_sizes(store, checkpoint, engine.fingerprint)
     timings: dict[str, list[dict]] = {"load": [], "recompute": []}
     for repeat in range(args.repeats + 1):  # the first of each is a warm-up (connections, the rates' smoothing)
         for path in ("load", "recompute") if repeat % 2 == 0 else ("recompute", "load"):
-            timing = timed_resume(engine, checkpoints, restorer, Request(rid, prompt, params), path, reference)
+            timing = timed_resume(engine, checkpoints, restorer, Request(rid, prompt, params), path, reference, ref)
             if repeat:
                 timings[path].append(timing)
     num_blocks = len(checkpoint.block_hashes())
@@ -269,9 +279,10 @@ def restore_context(engine: Engine, checkpoints: Checkpointer, restorer: Restore
 
 
 def checkpointed_request(engine: Engine, checkpoints: Checkpointer, restorer: Restorer,
-                         request: Request) -> tuple[RequestCheckpoint, int]:
+                         request: Request) -> tuple[RequestCheckpoint, int, str]:
     """Run ``request`` to ``GENERATED`` tokens with checkpoints on, wait for its checkpoint to be written,
-    and take the next token of the undisturbed run; then drop it. (its stored checkpoint, that token)"""
+    and take the next token of the undisturbed run; then drop it. (its stored checkpoint, that token,
+    its ref)"""
     engine.add_request(request)
     while output_tokens(engine, request.request_id) < GENERATED:
         step(engine, checkpoints, restorer)
@@ -281,28 +292,42 @@ def checkpointed_request(engine: Engine, checkpoints: Checkpointer, restorer: Re
     engine.abort(request.request_id)
     checkpoints.released(request.request_id)
     forget_cached_blocks(engine)
-    checkpoint = RequestCheckpoint.from_json(checkpoints.writer.store.get(state_key(request.request_id)))
+    ref = checkpoints.writer.on_durable[request.request_id]
+    where = StateRef.parse(ref)
+    checkpoint = RequestCheckpoint.from_json(checkpoints.writer.store.get_range(where.key, where.offset,
+                                                                                where.length))
     assert checkpoint.output_tokens == GENERATED, f"the stored state has {checkpoint.output_tokens} tokens"
-    return checkpoint, reference
+    return checkpoint, reference, ref
+
+
+class Refs(dict):
+    """Where each request's latest state is (what the jobs database keeps), as the writer reports it."""
+
+    def __call__(self, refs: dict[str, str]) -> None:
+        self.update(refs)
 
 
 def stored_sizes(store: ObjectStore, checkpoint: RequestCheckpoint, fingerprint: str) -> dict:
-    """Check that the state and every block it names are on the store; their sizes."""
+    """Check that every block the state names is in a run on the store; their sizes."""
     hashes = checkpoint.block_hashes()
-    missing = [h.hex() for h in hashes if not store.exists(block_key(fingerprint, h))]
+    held, nbytes = set(), 0
+    for last in checkpoint.kv_runs:
+        raw = store.get(kv_key(fingerprint, last))
+        held.update(decode_run(raw)[0])
+        nbytes += len(raw)
+    missing = [h.hex() for h in hashes if h not in held]
     assert not missing, f"{len(missing)} KV blocks of the checkpoint are not on the store"
-    block = len(store.get(block_key(fingerprint, hashes[0]))) if hashes else 0
-    return {"kv_blocks": len(hashes), "kv_bytes": block * len(hashes),
-            "state_bytes": len(store.get(state_key(checkpoint.request_id)))}
+    return {"kv_blocks": len(hashes), "kv_runs": len(checkpoint.kv_runs), "kv_bytes": nbytes,
+            "state_bytes": len(checkpoint.to_json())}
 
 
 def timed_resume(engine: Engine, checkpoints: Checkpointer, restorer: Restorer, request: Request, path: str,
-                 reference: int) -> dict:
+                 reference: int, ref: str) -> dict:
     """Resume ``request`` from its checkpoint by ``path``, timed from ``submit`` to its next token."""
     restorer.rates.force = path
     cached, computed = engine.stats.prompt_tokens_cached, _computed(engine.stats)
     t0 = time.perf_counter()
-    restorer.submit(request)
+    restorer.submit(request, ref)
     while restorer.pending:
         for ready in restorer.ready():
             engine.add_request(ready)
@@ -363,10 +388,11 @@ def run_overhead(loaded: LoadedModel, args, base_url: str, server_pid: int | Non
     workload = make_workload(loaded.tokenizer, args.requests, args.seed)
     print(f"[{clock()}] workload: {len(workload)} requests, {workload.prompt_tokens} prompt tokens, "
           f"{workload.output_tokens} output tokens", flush=True)
-    settings = berth_settings(args, workload, loaded.config).model_copy(update={"checkpoint_interval": args.interval})
+    settings = berth_settings(args, workload, loaded.config).model_copy(
+        update={"checkpoint_interval": args.interval, "checkpoint_kv": args.kv})
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for round_ in range(args.rounds):
-        for mode in ("off", "on"):
+        for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):  # neither always goes first
             store = fresh_store(base_url, f"overhead-{round_}") if mode == "on" else None
             run = run_workload(loaded, settings, workload, store, server_pid)
             runs[mode].append(run)
@@ -410,12 +436,18 @@ def run_workload(loaded: LoadedModel, settings: Settings, workload: Workload, st
         if checkpoints is not None:
             sample_lag(metrics, engine, lag)
     seconds = time.perf_counter() - t0
+    during = (dict(counting.objects), dict(counting.bytes)) if counting is not None else None
     result = useful_timing(workload, seconds, [done[str(i)] for i in range(len(workload))])
     result.update(load_average_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
                   forward_seconds=round(engine.stats.forward_seconds, 2), cpu_seconds=cpu.since())
     if checkpoints is not None:
-        result["checkpoints"] = checkpoint_figures(checkpoints, restorer, counting, metrics, lag)
-        result["checkpoints"]["engine_loop_seconds"] = round(in_loop, 3)
+        c = result["checkpoints"] = checkpoint_figures(checkpoints, restorer, counting, metrics, lag)
+        c["engine_loop_seconds"] = round(in_loop, 3)
+        puts, nbytes = sum(during[0].values()), sum(during[1].values())
+        c.update(rounds=checkpoints.rounds, steps=engine.stats.steps,
+                 state_puts_per_round=round(c["objects"]["state"] / max(1, checkpoints.rounds), 3),
+                 puts_per_second=round(puts / seconds, 2), bytes_per_second=round(nbytes / seconds),
+                 puts_per_1000_tokens=round(1000 * sum(c["objects"].values()) / workload.output_tokens, 2))
     return result
 
 
@@ -508,8 +540,11 @@ def print_overhead(o: dict) -> None:
           f"same tokens: {o['same_tokens_on_and_off']}")
     for i, r in enumerate(o["runs"]["on"]):
         c = r["checkpoints"]
-        print(f"  round {i + 1}: wrote {c['objects']['kv']} KV blocks ({c['bytes']['kv'] / 1e6:.1f} MB) and "
-              f"{c['objects']['state']} states ({c['bytes']['state'] / 1e6:.2f} MB); lag tokens mean/max "
+        print(f"  round {i + 1}: wrote {c['blocks_written']} KV blocks in {c['objects']['kv']} runs "
+              f"({c['bytes']['kv'] / 1e6:.1f} MB) and {c['states_written']} states in {c['objects']['state']} "
+              f"segments ({c['bytes']['state'] / 1e6:.2f} MB) over {c['rounds']} rounds "
+              f"({c['state_puts_per_round']} state PUTs a round); {c['puts_per_second']} PUTs/s, "
+              f"{c['bytes_per_second'] / 1e6:.2f} MB/s, {c['puts_per_1000_tokens']} PUTs per 1,000 tokens; lag tokens mean/max "
               f"{c['lag_tokens'].get('mean')}/{c['lag_tokens'].get('max')} "
               f"(per request {c['lag_tokens_per_request'].get('mean')}/{c['lag_tokens_per_request'].get('max')}), "
               f"lag seconds {c['lag_seconds'].get('mean')}/{c['lag_seconds'].get('max')}; superseded "
@@ -537,7 +572,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, DTYPES[args.dtype])
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype,
-              "model": args.model, "interval": args.interval, "machine": machine_info(args.threads),
+              "model": args.model, "interval": args.interval, "kv": args.kv, "machine": machine_info(args.threads),
               "storage": args.storage_url or "moto S3 server (child process)",
               "load_average_1m_start": round(os.getloadavg()[0], 2)}
     with storage(args.storage_url) as (base_url, server_pid):

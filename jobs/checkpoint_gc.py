@@ -1,88 +1,121 @@
 """Collecting checkpoints nothing needs any more: a mark-and-sweep over the checkpoint store.
 
-Workers delete a request's state once its outcome is committed; a worker killed between the commit
-and the delete, or cut off from the store, leaves it behind. So:
+A request's latest state is where its row's ``checkpoint`` ref points (a segment and a range in it);
+nothing else ever reads a state. So:
 
-1. mark: read every state; a state whose request has an outcome, or whose job is closed, is deleted
-   (one unreadable and older than ``min_age`` too); every other state marks the blocks it names;
-2. sweep: delete each KV block no state marked, unless it is younger than ``min_age``: a worker
-   writes a request's blocks before the state naming them, so a block just written may not be named
-   yet;
-3. on a store that keeps temporary files (the local folder: ``sweep_temporaries``), delete those
+1. mark: the refs of the requests still open (no outcome, job live) name the live segments; the
+   states they point at name the live KV runs (each live segment is read once);
+2. sweep: delete each segment and each KV run not marked, unless it is younger than ``min_age``: a
+   worker writes a segment before the rows point at it (and, while the database is down, may point
+   at it much later), and a run before any state naming it;
+3. what berth wrote before segments (``checkpoints/v1/``: a state object per request, an object per
+   block) is deleted once older than ``min_age``: a worker of that version rewrites its states every
+   few seconds, and this one reads none of them;
+4. on a store that keeps temporary files (the local folder: ``sweep_temporaries``), delete those
    older than ``min_age``, left by writers killed half-way (of checkpoints and job files alike).
 
-A block written long ago, forgotten by every state and named again by a new one while the sweep
-runs can be deleted under it; the request then recomputes from that block on when it resumes.
+A run written long ago, named by no live state and named again by a new one while the sweep runs
+can be deleted under it; the request then recomputes those blocks when it resumes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
-from sqlalchemy import or_, select
+from sqlalchemy import select
 
 from jobs.db import Database
 from jobs.lifecycle import LIVE
 from jobs.models import Job, RequestRow, Result
 from storage import ObjectNotFound, ObjectStore
-from worker.checkpoint.format import KV_PREFIX, STATE_PREFIX, CorruptCheckpoint, RequestCheckpoint, block_key
+from worker.checkpoint.format import (
+    KV_PREFIX,
+    LEGACY_PREFIX,
+    SEGMENT_PREFIX,
+    CorruptCheckpoint,
+    RequestCheckpoint,
+    StateRef,
+    kv_key,
+)
 
 log = logging.getLogger("berth.checkpoint")
-
-QUERY_CHUNK = 1000  # request ids per database query
 
 
 @dataclass(frozen=True)
 class Collected:
-    states_deleted: int
-    blocks_deleted: int
-    blocks_kept: int
+    segments_deleted: int
+    segments_kept: int
+    runs_deleted: int
+    runs_kept: int
+    legacy_deleted: int = 0
     temporaries_deleted: int = 0
 
 
 def collect_checkpoints(store: ObjectStore, db: Database, min_age: float) -> Collected:
     now = time.time()
-    states: dict[str, RequestCheckpoint] = {}  # key -> state
-    dead_states = []
-    for info in store.list(STATE_PREFIX):
-        try:
-            states[info.key] = RequestCheckpoint.from_json(store.get(info.key))
-        except ObjectNotFound:  # deleted since the listing
-            continue
-        except CorruptCheckpoint:
-            if now - info.modified >= min_age:
-                dead_states.append(info.key)
-    over = _closed_requests(db, [s.request_id for s in states.values()])
-    dead_states += [key for key, state in states.items() if state.request_id in over]
-    for key in dead_states:
-        store.delete(key)
-    marked = {block_key(s.fingerprint, h) for key, s in states.items() if s.request_id not in over
-              for h in s.block_hashes()}
-    deleted = kept = 0
-    for info in store.list(KV_PREFIX):
-        if info.key in marked or now - info.modified < min_age:
-            kept += 1
+    live = _live_refs(db)
+    segments = defaultdict(list)  # live segment key -> the ranges of its states that are some request's latest
+    for ref in live:
+        segments[ref.key].append(ref)
+    seg_deleted = seg_kept = 0
+    for info in store.list(SEGMENT_PREFIX):
+        if info.key in segments or now - info.modified < min_age:
+            seg_kept += 1
         else:
             store.delete(info.key)
-            deleted += 1
+            seg_deleted += 1
+    kv = list(store.list(KV_PREFIX))
+    marked = _marked_runs(store, segments) if kv else set()
+    runs_deleted = runs_kept = 0
+    for info in kv:
+        if info.key in marked or now - info.modified < min_age:
+            runs_kept += 1
+        else:
+            store.delete(info.key)
+            runs_deleted += 1
+    legacy = 0
+    for info in store.list(LEGACY_PREFIX):
+        if now - info.modified >= min_age:
+            store.delete(info.key)
+            legacy += 1
     sweep = getattr(store, "sweep_temporaries", None)  # the local store's; S3 lists no half-written objects
     temporaries = sweep(min_age) if sweep is not None else 0
-    collected = Collected(len(dead_states), deleted, kept, temporaries)
+    collected = Collected(seg_deleted, seg_kept, runs_deleted, runs_kept, legacy, temporaries)
     log.info("checkpoint collection: %s", collected)
     return collected
 
 
-def _closed_requests(db: Database, request_ids: list[str]) -> set[str]:
-    """The ids among ``request_ids`` of requests with an outcome or in a closed job."""
-    ids = [int(r) for r in request_ids if r.isdigit()]  # other ids are not the jobs database's
-    closed = set()
+def _live_refs(db: Database) -> list[StateRef]:
+    """The refs of requests with no outcome in live jobs (a ref that is not one berth writes is skipped)."""
+    refs = []
     with db.session() as s:
-        for i in range(0, len(ids), QUERY_CHUNK):
-            closed.update(str(r) for r in s.scalars(
-                select(RequestRow.id).join(Job, Job.id == RequestRow.job_id)
-                .outerjoin(Result, Result.request_id == RequestRow.id)
-                .where(RequestRow.id.in_(ids[i:i + QUERY_CHUNK]),
-                       or_(Result.id.is_not(None), Job.status.not_in(LIVE)))))
-    return closed
+        rows = s.execute(select(RequestRow.id, RequestRow.checkpoint).join(Job, Job.id == RequestRow.job_id)
+                         .outerjoin(Result, Result.request_id == RequestRow.id)
+                         .where(RequestRow.checkpoint.is_not(None), Result.id.is_(None), Job.status.in_(LIVE)))
+        for request_id, text in rows:
+            try:
+                refs.append(StateRef.parse(text))
+            except CorruptCheckpoint:
+                log.warning("request %s: its checkpoint reference %r is not one berth writes; ignored", request_id,
+                            text[:100])
+    return refs
+
+
+def _marked_runs(store: ObjectStore, segments: dict[str, list[StateRef]]) -> set[str]:
+    """The keys of the KV runs named by the live states, each live segment read once."""
+    marked = set()
+    for key, refs in segments.items():
+        try:
+            raw = store.get(key)
+        except ObjectNotFound:
+            continue
+        for ref in refs:
+            try:
+                state = RequestCheckpoint.from_json(raw[ref.offset:ref.offset + ref.length])
+            except CorruptCheckpoint:
+                continue
+            marked.update(kv_key(state.fingerprint, last) for last in state.kv_runs)
+    return marked

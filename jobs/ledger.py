@@ -18,7 +18,7 @@ import uuid
 from dataclasses import fields
 
 from sqlalchemy import exc as sql_errors
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 
 from jobs import workers
 from jobs.batch_format import BatchLine, response_line
@@ -137,6 +137,16 @@ class JobsLedger:
             s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(holder=None, started=False))
 
     @_translated
+    def checkpointed(self, refs: dict[int, str], worker: str) -> None:
+        if not refs:
+            return
+        rows = RequestRow.__table__
+        stmt = (update(rows).where(rows.c.id == bindparam("rid"), rows.c.holder == worker[:200])
+                .values(checkpoint=bindparam("ref")))
+        with self.db.session() as s, s.begin():  # one executemany: a round's refs in one round trip
+            s.connection().execute(stmt, [{"rid": rid, "ref": ref} for rid, ref in refs.items()])
+
+    @_translated
     def note_error(self, request_id: int, error: str) -> None:
         with self.db.session() as s, s.begin():
             s.execute(update(RequestRow).where(RequestRow.id == request_id).values(last_error=error[:MAX_ERROR]))
@@ -200,4 +210,4 @@ def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_o
     return Claim(row.id, row.job_id, model, tenant, priority, list(row.prompt_token_ids), params, is_open,
                  row.attempts, crashed=row.holder is not None and row.started, progress=row.progress,
                  strikes=row.strikes, last_error=row.last_error, unreadable=unreadable, suspect=row.suspect,
-                 death=death if row.holder is not None and row.started else None)
+                 death=death if row.holder is not None and row.started else None, checkpoint=row.checkpoint)

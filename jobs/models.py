@@ -134,6 +134,9 @@ class RequestRow(Base):
     # died, its suspect size class: it runs only apart from other work, in a group of at most that many.
     holder_life: Mapped[str | None] = mapped_column(String(32), index=True)
     suspect: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Where the request's latest checkpointed state is: a segment of the checkpoint store and the byte
+    # range of the state in it (``worker.checkpoint.format.StateRef``), written by the worker holding it.
+    checkpoint: Mapped[str | None] = mapped_column(String(300))
 
 
 class Result(Base):

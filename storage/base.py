@@ -52,6 +52,11 @@ class ObjectStore(ABC):
     def get(self, key: str) -> bytes:
         """The object's bytes; ``ObjectNotFound`` when there is none."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from byte ``start`` (fewer at its end); ``ObjectNotFound``
+        when there is none. Stores that can read a range alone override this whole-object read."""
+        return self.get(key)[start:start + length]
+
     @abstractmethod
     def open(self, key: str) -> BinaryIO:
         """The object as a file to read (close it); ``ObjectNotFound`` when there is none."""

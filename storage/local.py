@@ -63,6 +63,11 @@ class LocalStore(ObjectStore):
         with self.open(key) as f, self._errors(key):
             return f.read()
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        with self.open(key) as f, self._errors(key):
+            f.seek(start)
+            return f.read(max(0, length))
+
     def open(self, key: str) -> BinaryIO:
         with self._errors(key), self._folder(key) as (folder, name):
             fd = os.open(name, _READ, dir_fd=folder)

@@ -63,6 +63,13 @@ class S3Store(ObjectStore):
         with self._errors(key):
             return self.client.get_object(Bucket=self.bucket, Key=self._name(key))["Body"].read()
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        with self._errors(key):
+            return self.client.get_object(Bucket=self.bucket, Key=self._name(key),
+                                          Range=f"bytes={start}-{start + length - 1}")["Body"].read()
+
     def open(self, key: str) -> BinaryIO:
         f = tempfile.TemporaryFile()
         try:

@@ -1,5 +1,6 @@
-"""Helpers of the checkpoint tests: a store the tests can slow down or take down, and an engine
-loop that checkpoints as the engine worker does."""
+"""Helpers of the checkpoint tests: a store the tests can slow down or take down, what the jobs
+database keeps of checkpoints (each request's latest ref), and an engine loop that checkpoints as
+the engine worker does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections import Counter
 
 from storage import ObjectStore, StorageError
 from worker.checkpoint.checkpointer import Checkpointer
-from worker.checkpoint.format import KV_PREFIX
+from worker.checkpoint.format import KV_PREFIX, SEGMENT_PREFIX, RequestCheckpoint, StateRef
 from worker.config import Settings
 from worker.engine.engine import Engine
 from worker.engine.request import Request, RequestOutput
@@ -53,6 +54,10 @@ class ControlledStore(ObjectStore):
         self._check()
         return self.inner.get(key)
 
+    def get_range(self, key, start, length):
+        self._check()
+        return self.inner.get_range(key, start, length)
+
     def open(self, key):
         self._check()
         return self.inner.open(key)
@@ -80,8 +85,39 @@ def tiny_engine(loaded, **overrides) -> Engine:
     return Engine(loaded=loaded, **{"kv_memory": "16MiB", "block_size": 16, "threads": 1, **overrides})
 
 
-def checkpointer(engine: Engine, store: ObjectStore, **settings) -> Checkpointer:
-    return Checkpointer(engine, store, Settings(**{"checkpoint_interval": 8, **settings}), WorkerMetrics())
+class Pointers(dict):
+    """What the jobs database keeps of checkpoints, for tests without one: request id -> the ref of its
+    latest recorded state. Called by the writer as ``on_durable``."""
+
+    def __call__(self, refs: dict[str, str]) -> None:
+        self.update(refs)
+
+
+def read_state(store: ObjectStore, ref: str) -> RequestCheckpoint:
+    where = StateRef.parse(ref)
+    return RequestCheckpoint.from_json(store.get_range(where.key, where.offset, where.length))
+
+
+def stored_states(store: ObjectStore, pointers: dict[str, str]) -> dict[str, RequestCheckpoint]:
+    """Each request's latest recorded state, by request id."""
+    return {rid: read_state(store, ref) for rid, ref in dict(pointers).items()}
+
+
+def segment_puts(store: ControlledStore) -> int:
+    return sum(n for k, n in store.puts.items() if k.startswith(SEGMENT_PREFIX))
+
+
+def kv_puts(store: ControlledStore) -> int:
+    return sum(n for k, n in store.puts.items() if k.startswith(KV_PREFIX))
+
+
+def checkpointer(engine: Engine, store: ObjectStore, pointers: Pointers | None = None, **settings) -> Checkpointer:
+    """A checkpointer every 8 tokens (``settings`` override), its refs recorded in ``cp.pointers``."""
+    pointers = Pointers() if pointers is None else pointers
+    cp = Checkpointer(engine, store, Settings(**{"checkpoint_interval": 8, **settings}), WorkerMetrics(),
+                      on_durable=pointers)
+    cp.pointers = pointers
+    return cp
 
 
 def run_steps(engine: Engine, checkpoints: Checkpointer | None, requests: list[Request] = (),

@@ -34,6 +34,7 @@ class Row:
     outcome: Outcome | None = None
     suspect: int = 0
     holder_life: str | None = None
+    checkpoint: str | None = None  # where its latest checkpointed state is (``Ledger.checkpointed``)
 
 
 class FakeLedger:
@@ -62,7 +63,8 @@ class FakeLedger:
             out[rid] = Claim(rid, row.job_id, row.model, row.tenant, 0, row.prompt, row.params,
                              row.outcome is None and row.job_live, row.attempts,
                              crashed=crashed, progress=row.progress,
-                             strikes=row.strikes, last_error=row.last_error, suspect=row.suspect, death=death)
+                             strikes=row.strikes, last_error=row.last_error, suspect=row.suspect, death=death,
+                             checkpoint=row.checkpoint)
         for rid in request_ids:
             if rid in self.rows:
                 row = self.rows[rid]
@@ -122,6 +124,12 @@ class FakeLedger:
         for rid in request_ids:
             self.rows[rid].attempts -= 1
             self.rows[rid].holder = None
+
+    def checkpointed(self, refs, worker):
+        self._check()
+        for rid, ref in refs.items():
+            if rid in self.rows and self.rows[rid].holder == worker:
+                self.rows[rid].checkpoint = ref
 
     def note_error(self, request_id, error):
         self.rows[request_id].last_error = error

@@ -1,6 +1,7 @@
-"""The checkpointer beside a real engine (the tiny model): what it writes and when, each KV block
-once, a slow store that never slows the engine, states never torn, an outage and the recovery, and
-the collection of what nothing needs."""
+"""The checkpointer beside a real engine (the tiny model): what it writes and when (a round's states as
+one segment, KV only where it pays, in runs, each once), a slow store that never slows the engine,
+states never torn, an outage of the store and of the database, and the collection of what nothing
+needs."""
 
 from __future__ import annotations
 
@@ -14,17 +15,34 @@ import torch
 
 from jobs.checkpoint_gc import collect_checkpoints
 from storage import ObjectNotFound, open_store
-from tests.checkpoint_support import ControlledStore, checkpointer, prompts, run_steps, tiny_engine
+from tests.checkpoint_support import (
+    ControlledStore,
+    Pointers,
+    checkpointer,
+    kv_puts,
+    prompts,
+    read_state,
+    run_steps,
+    segment_puts,
+    stored_states,
+    tiny_engine,
+)
 from worker.checkpoint import writer as checkpoint_writer
+from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.costs import KvPolicy, TransferRates
 from worker.checkpoint.format import (
     KV_PREFIX,
-    STATE_PREFIX,
+    LEGACY_PREFIX,
+    SEGMENT_PREFIX,
     RequestCheckpoint,
     SampleCheckpoint,
-    block_key,
-    state_key,
+    decode_run,
+    kv_key,
+    segment_states,
 )
-from worker.checkpoint.writer import CheckpointWriter, Snapshot
+from worker.checkpoint.writer import CheckpointWriter, KvRun, Snapshot
+from worker.config import Settings
+from worker.consumer.ledger import LedgerDown
 from worker.engine.request import Request, SamplingParams
 from worker.metrics import WorkerMetrics
 
@@ -34,36 +52,17 @@ def store(tmp_path):
     return ControlledStore(open_store(f"file://{tmp_path / 'store'}"))
 
 
-def _states(store) -> dict[str, RequestCheckpoint]:
-    return {o.key: RequestCheckpoint.from_json(store.inner.get(o.key)) for o in store.inner.list(STATE_PREFIX)}
+def _states(cp) -> dict[str, RequestCheckpoint]:
+    return stored_states(cp.writer.store.inner, cp.pointers)
 
 
-def _blocks(store) -> list[str]:
-    return [o.key for o in store.inner.list(KV_PREFIX)]
+def _runs(store) -> dict[str, list[bytes]]:
+    """Every KV run on the store: its key -> the hashes of the blocks it holds."""
+    return {o.key: decode_run(store.inner.get(o.key))[0] for o in store.inner.list(KV_PREFIX)}
 
 
 def _metric(cp, name: str) -> float:
     return cp.metrics.registry.get_sample_value(name)
-
-
-def test_a_prefix_shared_by_many_requests_is_stored_once(tiny_loaded, store):
-    engine = tiny_engine(tiny_loaded)
-    cp = checkpointer(engine, store)
-    prefix = prompts([64])[0]  # four full blocks
-    requests = [Request(str(i), prefix + prompts([8], seed=i + 1)[0],
-                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) for i in range(8)]
-    run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 8 * 30)
-    assert cp.writer.flush(30)
-    states = _states(store)
-    assert len(states) == 8 and all(s.output_tokens >= 24 and s.fingerprint == engine.fingerprint
-                                    for s in states.values())
-    block_puts = {k: n for k, n in store.puts.items() if k.startswith(KV_PREFIX)}
-    assert set(block_puts.values()) == {1}, "a KV block was written twice"
-    named = {block_key(s.fingerprint, h) for s in states.values() for h in s.block_hashes()}
-    assert named == set(block_puts) == set(_blocks(store))
-    prefixes = {tuple(s.samples[0].block_hashes[:4]) for s in states.values()}
-    assert len(prefixes) == 1, "the shared prompt's blocks should be the same four in every state"
-    cp.close()
 
 
 def _until(condition, timeout: float = 30) -> None:
@@ -73,32 +72,130 @@ def _until(condition, timeout: float = 30) -> None:
         time.sleep(0.01)
 
 
-def test_a_state_written_before_its_blocks_is_written_again_once_they_are(store):
-    """A state never names a block not yet on the store, so one written while its blocks wait is
-    short of them; once they are through it goes again, so that after ``flush`` it names them all
-    (an older state waiting so never overwrites a newer one)."""
-    writer = CheckpointWriter(store, "fp", WorkerMetrics(), max_pending_bytes=1 << 20)
-    hashes = [bytes([i]) * 16 for i in range(3)]
-    key = state_key("1")
+def test_a_round_is_one_put_and_short_requests_write_no_kv(tiny_loaded, store):
+    """The recovery issue's regression guard, counted on the store (no clocks): with the defaults a
+    user gets (every 16 tokens, KV "auto"), a worker running 24 requests writes one state object a
+    round, not one per request, and no KV for requests this short: a handful of writes per 1,000
+    generated tokens (berth 0.x wrote a state per request every 16 tokens and every full block: >100)."""
+    engine = tiny_engine(tiny_loaded)
+    settings = Settings()
+    assert (settings.checkpoint_interval, settings.checkpoint_kv) == (16, "auto")
+    cp = Checkpointer(engine, store, settings, WorkerMetrics())
+    requests = [Request(str(i), p, SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([20 + 3 * i for i in range(24)]))]
+    steps = 0
 
-    def snapshot(tokens: int, blocks: dict) -> Snapshot:
+    def stepped():
+        nonlocal steps
+        steps += 1
+        return False
+
+    run_steps(engine, cp, requests, until=stepped)
+    assert cp.writer.flush(30)
+    cp.close()
+    generated = engine.stats.output_tokens
+    assert generated == 24 * 160
+    state_puts = segment_puts(store)
+    rounds = -(-steps // 16)
+    assert 0 < state_puts <= rounds, f"{state_puts} state PUTs in {rounds} rounds of 16 steps"
+    assert kv_puts(store) == 0, "KV blocks were written for requests that end long before a crash is likely"
+    writes = sum(store.puts.values())
+    assert 1000 * writes / generated <= 10, f"{writes} writes for {generated} tokens"
+
+
+def test_the_kv_decision_weighs_a_crash_against_the_write():
+    rates = TransferRates(prefill_tokens_per_second=500.0, storage_bytes_per_second=100e6,
+                          write_bytes_per_second=100e6, put_seconds=0.02, step_seconds=0.1)
+    args = dict(block_size=16, block_bytes=737_280, objects=1)
+    short, long = 100, 200_000  # steps left: 10 s, or 5.6 hours
+    policy = KvPolicy("auto", mtbf=6 * 3600)
+    assert not policy.worth_writing(rates, blocks=8, written_blocks=8, remaining_steps=short, **args)
+    assert policy.worth_writing(rates, blocks=8, written_blocks=8, remaining_steps=long, **args)
+    # a crash expected within the short request's 10 s: worth it for it too; at 10 minutes not yet
+    assert KvPolicy("auto", mtbf=10).worth_writing(rates, blocks=8, written_blocks=8, remaining_steps=short, **args)
+    assert not KvPolicy("auto", mtbf=600).worth_writing(rates, blocks=8, written_blocks=8, remaining_steps=short,
+                                                        **args)
+    # reading back no faster than computing: never worth writing
+    slow_store = TransferRates(prefill_tokens_per_second=1e6, storage_bytes_per_second=1e6)
+    assert not policy.worth_writing(slow_store, blocks=8, written_blocks=8, remaining_steps=long, **args)
+    assert KvPolicy("always").worth_writing(rates, blocks=8, written_blocks=8, remaining_steps=short, **args)
+    assert not KvPolicy("never").worth_writing(rates, blocks=8, written_blocks=8, remaining_steps=long, **args)
+    assert policy.crash_chance(6 * 3600) == pytest.approx(1 - 1 / 2.718281828, rel=1e-6)
+
+
+class _SlowPrefill(TransferRates):
+    """Rates of an engine that computes KV slowly (the tiny model computes it faster than any store)."""
+
+    def observe_step(self, stats):
+        pass
+
+
+def test_kv_is_written_once_recomputing_it_would_cost_more_than_writing_it(tiny_loaded, store):
+    """"auto" with what the worker measures: where prefill is slow and workers die often, the same
+    short requests' KV blocks pay for their writes."""
+    engine = tiny_engine(tiny_loaded)
+    rates = _SlowPrefill(prefill_tokens_per_second=20.0)
+    cp = Checkpointer(engine, store, Settings(checkpoint_interval=16, checkpoint_mtbf=1.0), WorkerMetrics(),
+                      on_durable=Pointers(), rates=rates)
+    cp.pointers = cp.writer.on_durable
+    requests = [Request(str(i), p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([40, 50]))]
+    run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 2 * 33)
+    assert cp.writer.flush(30)
+    assert kv_puts(store) >= 2 and all(s.kv_runs for s in _states(cp).values())
+    cp.close()
+
+
+def test_a_prefix_shared_by_many_requests_is_stored_once(tiny_loaded, store):
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store, checkpoint_kv="always")
+    prefix = prompts([64])[0]  # four full blocks
+    requests = [Request(str(i), prefix + prompts([8], seed=i + 1)[0],
+                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) for i in range(8)]
+    run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 8 * 30)
+    assert cp.writer.flush(30)
+    states = _states(cp)
+    assert len(states) == 8 and all(s.output_tokens >= 24 and s.fingerprint == engine.fingerprint
+                                    for s in states.values())
+    run_puts = {k: n for k, n in store.puts.items() if k.startswith(KV_PREFIX)}
+    assert set(run_puts.values()) == {1}, "a KV run was written twice"
+    runs = _runs(store)
+    held = [h for hashes in runs.values() for h in hashes]
+    assert len(held) == len(set(held)), "a KV block is stored in two runs"
+    named = {kv_key(s.fingerprint, last) for s in states.values() for last in s.kv_runs}
+    assert named == set(run_puts) == set(runs)
+    prefixes = {tuple(s.samples[0].block_hashes[:4]) for s in states.values()}
+    assert len(prefixes) == 1 and len(runs) == 1, "the shared prompt's four blocks should be one run in every state"
+    assert runs[kv_key(engine.fingerprint, prefixes.pop()[-1])], "the run is named by the prefix's last block"
+    cp.close()
+
+
+def test_a_state_written_before_its_blocks_is_written_again_once_they_are(store):
+    """A state never names a run not yet on the store, so one written while its run waits is short of
+    its blocks; once they are through it goes again, so that after ``flush`` it names them all (an
+    older state waiting so never overwrites a newer one)."""
+    pointers = Pointers()
+    writer = CheckpointWriter(store, "fp", WorkerMetrics(), max_pending_bytes=1 << 20, on_durable=pointers)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+
+    def snapshot(tokens: int, runs: list) -> Snapshot:
         state = RequestCheckpoint("1", "fp", "digest", 4, [SampleCheckpoint(0, [5] * tokens, hashes)], 0.0)
-        return Snapshot(state, blocks)
+        return Snapshot(state, runs)
 
     def stored() -> RequestCheckpoint | None:
-        return _states(store).get(key)
+        return read_state(store.inner, pointers["1"]) if "1" in pointers else None
 
-    store.kv_gate.clear()  # the blocks wait
-    writer.submit(snapshot(10, {h: torch.zeros(4) for h in hashes}))
+    store.kv_gate.clear()  # the run waits
+    writer.submit_round([snapshot(10, [KvRun(hashes, torch.zeros(1, 2, 3, 1, 1, 4))])])
     _until(lambda: stored() is not None)
     assert stored().output_tokens == 10 and not stored().block_hashes()
-    writer.submit(snapshot(20, {}))  # newer progress while the blocks still wait
+    writer.submit_round([snapshot(20, [])])  # newer progress while the run still waits
     _until(lambda: stored().output_tokens == 20)
     assert not stored().block_hashes()
     store.kv_gate.set()
     assert writer.flush(30)
-    assert stored().output_tokens == 20 and stored().block_hashes() == hashes
-    assert store.puts[key] == 3, "the older state was written again, or the newer one not"
+    assert stored().output_tokens == 20 and stored().block_hashes() == hashes and stored().kv_runs == [hashes[-1]]
+    assert segment_puts(store) == 3, "the older state was written again, or the newer one not"
     writer.close()
 
 
@@ -106,7 +203,7 @@ def test_a_stalled_store_makes_checkpoints_lag_and_never_stops_the_engine(tiny_l
     engine = tiny_engine(tiny_loaded)
     kv = engine.kv_usage()
     budget = 6 * kv["kv_bytes"] // kv["blocks_total"]  # six blocks
-    cp = checkpointer(engine, store, checkpoint_interval=4, checkpoint_queue_bytes=budget)
+    cp = checkpointer(engine, store, checkpoint_interval=4, checkpoint_queue_bytes=budget, checkpoint_kv="always")
     store.gate.clear()  # every write now hangs until the test lets it through
     unstall = threading.Timer(120, store.gate.set)  # a regression fails below instead of hanging
     unstall.start()
@@ -130,54 +227,52 @@ def test_a_stalled_store_makes_checkpoints_lag_and_never_stops_the_engine(tiny_l
 
 def test_states_never_wait_behind_kv_blocks_and_a_finished_requests_blocks_are_dropped(tiny_loaded, store):
     engine = tiny_engine(tiny_loaded)
-    cp = checkpointer(engine, store, checkpoint_interval=4)
-    store.kv_gate.clear()  # KV block writes hang; states go through
+    cp = checkpointer(engine, store, checkpoint_interval=4, checkpoint_kv="always")
+    store.kv_gate.clear()  # KV writes hang; states go through
     unstall = threading.Timer(120, store.kv_gate.set)  # a regression fails below instead of hanging
     unstall.start()
     requests = [Request(str(i), p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
                 for i, p in enumerate(prompts([40, 50, 60, 70]))]
     run_steps(engine, cp, requests)
-    deadline = time.monotonic() + 30
-    while cp.writer.lag_seconds() > 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    states = _states(store)
+    _until(lambda: cp.writer.lag_seconds() == 0)
+    states = _states(cp)
     assert len(states) == 4 and all(s.output_tokens >= 20 for s in states.values()), \
         "states waited behind the KV blocks"
-    assert not _blocks(store) and not any(s.block_hashes() for s in states.values()), \
+    assert not _runs(store) and not any(s.block_hashes() or s.kv_runs for s in states.values()), \
         "a state named a block that is not on the store"
-    in_flight = checkpoint_writer.BLOCK_THREADS * (engine.kv_usage()["kv_bytes"] // engine.kv_usage()["blocks_total"])
-    assert cp.writer.pending_block_bytes > in_flight, "the test needs KV blocks queued behind the stalled ones"
+    uploading = sum(r.nbytes for r in cp.writer._uploading.values())
+    assert cp.writer.pending_block_bytes > uploading, "the test needs KV runs queued behind the stalled one"
     for r in requests:
         cp.finished(r.request_id)
-    assert cp.writer.pending_block_bytes <= in_flight, "a finished request's queued blocks were kept"
+    assert cp.writer.pending_block_bytes == uploading, "a finished request's queued runs were kept"
     store.kv_gate.set()
     unstall.cancel()
     assert cp.writer.flush(30)
-    assert len(_blocks(store)) <= checkpoint_writer.BLOCK_THREADS and not _states(store)
+    assert len(_runs(store)) <= checkpoint_writer.BLOCK_THREADS
     cp.close()
 
 
 def test_states_are_never_torn_and_name_only_blocks_on_the_store(tiny_loaded, store):
     engine = tiny_engine(tiny_loaded)
-    cp = checkpointer(engine, store, checkpoint_interval=2)
+    cp = checkpointer(engine, store, checkpoint_interval=2, checkpoint_kv="always")
     requests = [Request(str(i), p, SamplingParams(max_tokens=100, temperature=0.8, seed=i, ignore_eos=True))
                 for i, p in enumerate(prompts([30, 45]))]
     stop, problems, reads = threading.Event(), [], [0]
     last_tokens: dict[str, int] = {}
 
     def reader():
-        blocks = set()
+        seen = set()
         while not stop.is_set():
-            for key, state in _states(store).items():  # from_json raises on a torn object
+            for rid, state in _states(cp).items():  # from_json raises on a torn object
                 reads[0] += 1
-                if state.output_tokens < last_tokens.get(key, 0):
-                    problems.append(f"{key} went back from {last_tokens[key]} to {state.output_tokens} tokens")
-                last_tokens[key] = state.output_tokens
-                for h in state.block_hashes():
-                    k = block_key(state.fingerprint, h)
-                    if k not in blocks and not store.inner.exists(k):
-                        problems.append(f"{key} names {k}, which is not on the store")
-                    blocks.add(k)
+                if state.output_tokens < last_tokens.get(rid, 0):
+                    problems.append(f"{rid} went back from {last_tokens[rid]} to {state.output_tokens} tokens")
+                last_tokens[rid] = state.output_tokens
+                for last in state.kv_runs:
+                    k = kv_key(state.fingerprint, last)
+                    if k not in seen and not store.inner.exists(k):
+                        problems.append(f"{rid} names {k}, which is not on the store")
+                    seen.add(k)
 
     thread = threading.Thread(target=reader)
     thread.start()
@@ -189,6 +284,7 @@ def test_states_are_never_torn_and_name_only_blocks_on_the_store(tiny_loaded, st
         thread.join()
     assert not problems, problems[:3]
     assert reads[0] > 10 and max(last_tokens.values()) >= 90
+    assert any(s.kv_runs for s in _states(cp).values())
     cp.close()
 
 
@@ -219,27 +315,78 @@ def test_an_outage_pauses_checkpoints_once_and_they_resume(tiny_loaded, store, c
     assert sum("is back" in w for w in warnings) == 1, warnings
     assert _metric(cp, "berth_checkpoint_storage_up") == 1
     assert _metric(cp, "berth_checkpoint_states_total") > states_before
-    assert all(s.output_tokens >= 100 for s in _states(store).values())
+    assert all(s.output_tokens >= 100 for s in _states(cp).values())
     cp.close()
 
 
-def test_finished_requests_lose_their_state_and_handed_back_keep_it(tiny_loaded, store):
+def test_a_database_outage_keeps_writing_states_and_records_them_once_it_is_back(tiny_loaded, store, caplog,
+                                                                                  monkeypatch):
+    """Recording where the states are fails while the database is down: the segments are written all
+    the same, the progress does not count as durable (a crash would resume from the last recorded
+    state), and the newest refs are recorded once it is back; the engine never waits on any of it."""
+    monkeypatch.setattr(checkpoint_writer, "RECORD_BACKOFF", (0.05, 0.2))
+    database = Pointers()
+    down = threading.Event()
+    calls = [0]
+
+    def record(refs):
+        calls[0] += 1
+        if down.is_set():
+            raise LedgerDown("the database is down")
+        database(refs)
+
+    engine = tiny_engine(tiny_loaded)
+    cp = checkpointer(engine, store, database, checkpoint_interval=4)
+    cp.writer.on_durable = record
+    requests = [Request(str(i), p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([20, 30]))]
+    run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 40)
+    assert cp.writer.flush(30)
+    recorded = stored_states(store.inner, database)
+    down.set()
+    segments = segment_puts(store)
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        run_steps(engine, cp, until=lambda: engine.stats.output_tokens >= 200)
+        assert segment_puts(store) > segments + 5, "states stopped being written while the database was down"
+        assert _metric(cp, "berth_checkpoint_lag_tokens") > 100, "unrecorded progress counted as durable"
+        assert stored_states(store.inner, database) == recorded
+        assert not cp.writer.flush(0.3)
+        down.clear()
+        assert cp.writer.flush(30)
+    latest = stored_states(store.inner, database)
+    assert all(latest[r].output_tokens > recorded[r].output_tokens >= 16 for r in recorded)
+    assert set(cp.writer.durable_tokens) == set(recorded) and calls[0] > 1
+    assert sum("could not record" in r.getMessage() for r in caplog.records) == 1
+    assert any("recorded again" in r.getMessage() for r in caplog.records)
+    cp.close()
+
+
+def test_finished_requests_write_no_more_and_handed_back_keep_theirs(tiny_loaded, store):
     engine = tiny_engine(tiny_loaded)
     cp = checkpointer(engine, store, checkpoint_interval=4)
-    requests = [Request(str(i), p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    requests = [Request(str(i), p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
                 for i, p in enumerate(prompts([20, 30]))]
     run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 20)
-    assert cp.save_all(timeout=30) and len(_states(store)) == 2
-    cp.finished("0")
-    cp.released("1")
+    assert cp.save_all(timeout=30)
+    before = _states(cp)
+    assert set(before) == {"0", "1"}
+    store.gate.clear()  # the next states wait to be written
+    run_steps(engine, cp, until=lambda: engine.stats.output_tokens >= 60)
+    assert not cp.save_all(timeout=0.2)
+    cp.finished("0")  # its result is in: its waiting state is not worth writing
+    cp.released("1")  # handed back: its state is what the next worker continues from
+    for r in requests:
+        engine.abort(r.request_id)
+    store.gate.set()
     assert cp.writer.flush(30)
-    assert list(_states(store)) == [state_key("1")]
+    after = _states(cp)
+    assert after["1"].output_tokens >= 28 > before["1"].output_tokens
+    assert after["0"] == before["0"], "a finished request's waiting state was still written and recorded"
     cp.close()
 
 
-def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_llama_dir, store,
-                                                            tmp_path):
-    from sqlalchemy import select
+def test_collection_keeps_the_latest_states_and_what_they_name(tiny_loaded, tiny_llama_dir, store, tmp_path):
+    from sqlalchemy import select, update
 
     from jobs import api
     from jobs.db import open_database
@@ -254,39 +401,52 @@ def test_collection_keeps_what_states_name_and_young_blocks(tiny_loaded, tiny_ll
     with db.session() as s:
         ids = [str(i) for i in s.scalars(select(RequestRow.id).where(RequestRow.job_id == job.id))]
     engine = tiny_engine(tiny_loaded)
-    cp = checkpointer(engine, store, checkpoint_interval=4)
+    cp = checkpointer(engine, store, checkpoint_interval=4, checkpoint_kv="always")
     requests = [Request(rid, p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
                 for rid, p in zip(ids, prompts([40, 40]))]
     run_steps(engine, cp, requests, until=lambda: engine.stats.output_tokens >= 40)
     assert cp.writer.flush(30)
     cp.close()
-    state_of = _states(store)
-    named = {k: {block_key(s.fingerprint, h) for h in s.block_hashes()} for k, s in state_of.items()}
-    only_first = named[state_key(ids[0])] - named[state_key(ids[1])]
-    assert only_first
+    with db.session() as s, s.begin():  # what the worker's ledger records
+        for rid, ref in cp.pointers.items():
+            s.execute(update(RequestRow).where(RequestRow.id == int(rid)).values(checkpoint=ref))
+    state_of = _states(cp)
+    runs_of = {rid: {kv_key(s.fingerprint, last) for last in s.kv_runs} for rid, s in state_of.items()}
+    assert runs_of[ids[0]] and runs_of[ids[1]] and not runs_of[ids[0]] & runs_of[ids[1]]
+    latest_segments = {cp.pointers[rid].split("@")[0] for rid in ids}
+    segments = [o.key for o in store.inner.list(SEGMENT_PREFIX)]
+    assert len(segments) > len(latest_segments)
     record_outcomes(db, [ResultRecord.failure(int(ids[0]), job.id, "test", "done")])  # request 0 has its outcome
     old = time.time() - 7200
-    for key in _blocks(store):
+    for key in segments + list(_runs(store)):
         os.utime(store.inner.path(key), (old, old))
-    store.inner.put(block_key(engine.fingerprint, b"\x01" * 16), b"young and unnamed")
-    store.inner.put(state_key("garbage"), b"{not json")
-    os.utime(store.inner.path(state_key("garbage")), (old, old))
-    killed = store.inner.path(block_key(engine.fingerprint, b"\x02" * 16)).with_name(".02.kv.x1.berth-tmp")
+    young_run = kv_key(engine.fingerprint, b"\x01" * 16)
+    store.inner.put(young_run, b"young and unnamed")
+    young_segment = f"{SEGMENT_PREFIX}{'a' * 16}/0000000000.seg"
+    store.inner.put(young_segment, b"a worker's segment, its refs not recorded yet")
+    for name, age in (("state/1.json", old), ("kv/f/0a.kv", time.time())):
+        store.inner.put(LEGACY_PREFIX + name, b"berth before segments")
+        os.utime(store.inner.path(LEGACY_PREFIX + name), (age, age))
+    killed = store.inner.path(young_run).with_name(".02.kv.x1.berth-tmp")
     killed.write_bytes(b"a writer killed half-way")
     os.utime(killed, (old, old))
     writing = killed.with_name(".03.kv.x2.berth-tmp")
     writing.write_bytes(b"a writer at work")
 
     collected = collect_checkpoints(store.inner, db, min_age=3600)
-    left = set(_blocks(store))
-    assert collected.states_deleted == 2  # request 0's (it has its outcome) and the unreadable one
+    left_segments = {o.key for o in store.inner.list(SEGMENT_PREFIX)}
+    left_runs = {o.key for o in store.inner.list(KV_PREFIX)}
+    assert left_segments == {cp.pointers[ids[1]].split("@")[0], young_segment}, "only the latest state's segment"
+    assert collected.segments_deleted == len(segments) - 1
+    assert runs_of[ids[1]] <= left_runs, "a run the latest state of an open request names was collected"
+    assert not runs_of[ids[0]] & left_runs, "runs only a finished request named were kept"
+    assert young_run in left_runs, "a run younger than min_age was collected"
+    assert [o.key for o in store.inner.list(LEGACY_PREFIX)] == [LEGACY_PREFIX + "kv/f/0a.kv"]
     assert collected.temporaries_deleted == 1 and not killed.exists() and writing.exists()
-    assert not store.inner.exists(state_key(ids[0])) and store.inner.exists(state_key(ids[1]))
-    assert named[state_key(ids[1])] <= left, "a block a live state names was collected"
-    assert not (only_first & left), "blocks only a finished request named were kept"
-    assert block_key(engine.fingerprint, b"\x01" * 16) in left, "a block younger than min_age was collected"
+    assert read_state(store.inner, cp.pointers[ids[1]]) == state_of[ids[1]]
+    assert ids[1] in segment_states(store.inner.get(cp.pointers[ids[1]].split("@")[0]))
     with pytest.raises(ObjectNotFound):
-        store.inner.get(state_key("garbage"))
+        store.inner.get(segments[0] if segments[0] not in left_segments else segments[1])
 
 
 def test_bookkeeping_is_kept_only_for_requests_in_the_engine(tiny_loaded, store):
@@ -305,5 +465,5 @@ def test_bookkeeping_is_kept_only_for_requests_in_the_engine(tiny_loaded, store)
     cp.resumed(RequestCheckpoint("9", "fp", "d", 1, [], 0.0))  # never added
     run_steps(engine, cp, until=lambda: engine.stats.output_tokens >= 40)
     assert set(cp._progress) == set(cp.writer.durable_tokens) == {"2"}
-    assert set(_states(store)) == {state_key(r) for r in "012"}, "a request's state was lost"
+    assert set(_states(cp)) == set("012"), "a request's state was lost"
     cp.close()

@@ -11,16 +11,19 @@ from dataclasses import replace
 import pytest
 
 from storage import open_store
-from tests.checkpoint_support import checkpointer, prompts, run_steps, tiny_engine, tokens
+from tests.checkpoint_support import Pointers, checkpointer, prompts, run_steps, stored_states, tiny_engine, tokens
 from worker.checkpoint.format import (
-    KV_PREFIX,
-    STATE_PREFIX,
     CorruptCheckpoint,
     EngineLimits,
     RequestCheckpoint,
     SampleCheckpoint,
+    StateRef,
+    decode_run,
+    encode_segment,
+    kv_key,
     request_digest,
-    state_key,
+    runs_holding,
+    segment_key,
 )
 from worker.checkpoint.resume import Restorer, TransferRates
 from worker.engine.block_manager import chain_hash, hash_root
@@ -50,25 +53,33 @@ def store(tmp_path):
 
 
 @pytest.fixture
-def killed_half_way(tiny_loaded, store):
-    """Run the requests with checkpoints until each has about half its tokens, then drop the engine."""
+def pointers():
+    """Where each request's latest state is, as the jobs database would keep it."""
+    return Pointers()
+
+
+@pytest.fixture
+def killed_half_way(tiny_loaded, store, pointers):
+    """Run the requests with checkpoints (KV blocks too) until each has about half its tokens, then
+    drop the engine; their latest states by request id."""
     engine = tiny_engine(tiny_loaded)
-    cp = checkpointer(engine, store, checkpoint_interval=8)
+    cp = checkpointer(engine, store, pointers, checkpoint_interval=8, checkpoint_kv="always")
     run_steps(engine, cp, _requests(), until=lambda: engine.stats.output_tokens >= 24 * 4)
     assert cp.writer.flush(30)
     cp.close()
-    states = {o.key: RequestCheckpoint.from_json(store.get(o.key)) for o in store.list(STATE_PREFIX)}
+    states = stored_states(store, pointers)
     assert len(states) == 3 and all(s.output_tokens >= 16 * len(s.samples) for s in states.values())
+    assert all(s.kv_runs for s in states.values())
     return states
 
 
-def _resume(tiny_loaded, store, rates: TransferRates):
-    """A fresh engine restoring every request; run to the end. (outputs, engine, metrics)"""
+def _resume(tiny_loaded, store, rates: TransferRates, pointers: dict[str, str]):
+    """A fresh engine restoring every request from ``pointers``; run to the end. (outputs, engine, metrics)"""
     engine = tiny_engine(tiny_loaded)
     cp = checkpointer(engine, store)
     restorer = Restorer(engine, store, cp, cp.metrics, rates)
     for request in _requests():
-        restorer.submit(request)
+        restorer.submit(request, pointers[request.request_id])
     ready, deadline = [], time.monotonic() + 30
     while restorer.pending:
         assert time.monotonic() < deadline
@@ -99,8 +110,8 @@ def _tokens_at_checkpoint(states) -> int:
     return sum(s.prompt_tokens + s.output_tokens for s in states.values())
 
 
-def test_resume_reading_kv_blocks_continues_token_for_token(tiny_loaded, store, killed_half_way, undisturbed):
-    outputs, engine, metrics = _resume(tiny_loaded, store, READ)
+def test_resume_reading_kv_blocks_continues_token_for_token(tiny_loaded, store, pointers, killed_half_way, undisturbed):
+    outputs, engine, metrics = _resume(tiny_loaded, store, READ, pointers)
     assert outputs == undisturbed
     assert engine.stats.output_tokens == _generated_after_resume(undisturbed, killed_half_way)
     assert _restores(metrics, "loaded") == 3 and _restores(metrics, "recomputed") == 0
@@ -111,21 +122,21 @@ def test_resume_reading_kv_blocks_continues_token_for_token(tiny_loaded, store, 
         s.output_tokens for s in killed_half_way.values())
 
 
-def test_resume_recomputing_kv_continues_token_for_token(tiny_loaded, store, killed_half_way, undisturbed):
-    outputs, engine, metrics = _resume(tiny_loaded, store, RECOMPUTE)
+def test_resume_recomputing_kv_continues_token_for_token(tiny_loaded, store, pointers, killed_half_way, undisturbed):
+    outputs, engine, metrics = _resume(tiny_loaded, store, RECOMPUTE, pointers)
     assert outputs == undisturbed
     assert engine.stats.output_tokens == _generated_after_resume(undisturbed, killed_half_way)
     assert _restores(metrics, "recomputed") == 3 and _restores(metrics, "loaded") == 0
     assert _computed(engine) >= _tokens_at_checkpoint(killed_half_way) - 3 * 16
 
 
-def test_a_checkpoint_of_another_model_or_corrupt_is_ignored(tiny_loaded, store, killed_half_way, undisturbed,
+def test_a_checkpoint_of_another_model_or_corrupt_is_ignored(tiny_loaded, store, pointers, killed_half_way, undisturbed,
                                                              caplog):
-    other = RequestCheckpoint.from_json(store.get(state_key("0")))
-    store.put(state_key("0"), other.to_json().replace(other.fingerprint.encode(), b"0" * 32))
-    store.put(state_key("1"), b'{"version": 1, "request_id": "1", "samp')
+    other = killed_half_way["0"]
+    _point(store, pointers, "0", other.to_json().replace(other.fingerprint.encode(), b"0" * 32))
+    _point(store, pointers, "1", b'{"version": 2, "request_id": "1", "samp')
     with caplog.at_level(logging.WARNING, "berth.checkpoint"):
-        outputs, _, metrics = _resume(tiny_loaded, store, READ)
+        outputs, _, metrics = _resume(tiny_loaded, store, READ, pointers)
     assert outputs == undisturbed
     assert _restores(metrics, "loaded") == 1
     text = caplog.text
@@ -133,35 +144,65 @@ def test_a_checkpoint_of_another_model_or_corrupt_is_ignored(tiny_loaded, store,
     assert "request 1 starts over: its checkpoint cannot be read" in text
 
 
-def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, killed_half_way, undisturbed, caplog):
-    state = killed_half_way[state_key("1")]
+def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, pointers, killed_half_way, undisturbed, caplog):
+    state = killed_half_way["1"]
     victim = state.samples[0].block_hashes[1]
-    key = next(o.key for o in store.list(KV_PREFIX) if victim.hex() in o.key)
+    run = runs_holding(state)[victim]
+    key = kv_key(state.fingerprint, run)
+    assert victim in decode_run(store.get(key))[0]
     raw = bytearray(store.get(key))
     raw[-5] ^= 0xFF
     store.put(key, bytes(raw))
     with caplog.at_level(logging.WARNING, "berth.checkpoint"):
-        outputs, _, _ = _resume(tiny_loaded, store, READ)
+        outputs, _, _ = _resume(tiny_loaded, store, READ, pointers)
     assert outputs == undisturbed
-    assert f"KV block {victim.hex()} cannot be read back (not a berth KV block: checksum mismatch)" in caplog.text
+    assert f"the KV run {run.hex()} cannot be read back (not a berth KV run: checksum mismatch)" in caplog.text
 
 
-def _forge(store, state: RequestCheckpoint, **changes) -> None:
+def test_a_reference_to_a_missing_segment_or_another_key_starts_over(tiny_loaded, store, pointers, killed_half_way,
+                                                                     undisturbed, caplog):
+    pointers["0"] = str(StateRef(segment_key("gone", 7), 0, 100))
+    pointers["1"] = "jobs/batch_1/input.jsonl@0+100"  # a ref is read only if it names a segment
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        outputs, _, metrics = _resume(tiny_loaded, store, READ, pointers)
+    assert outputs == undisturbed
+    assert _restores(metrics, "loaded") == 1
+    assert "request 0 starts over: the segment of its checkpoint" in caplog.text
+    assert "request 1 starts over: its checkpoint cannot be read: 'jobs/batch_1/input.jsonl@0+100' is not" in caplog.text
+
+
+_forged = [0]
+
+
+def _point(store, pointers, request_id: str, raw: bytes) -> None:
+    """Write ``raw`` as the state of ``request_id`` in a segment of its own, and point there."""
+    _forged[0] += 1
+    key = segment_key("forged", _forged[0])
+    store.put(key, b"padding" + raw)
+    pointers[request_id] = str(StateRef(key, len(b"padding"), len(raw)))
+
+
+def _forge(store, pointers, state: RequestCheckpoint, kv_runs=None, **changes) -> None:
     """Write ``state`` with every sample changed by ``changes`` (values: functions of the sample)."""
     samples = [replace(s, **{k: f(s) for k, f in changes.items()}) for s in state.samples]
-    store.put(state_key(state.request_id), replace(state, samples=samples).to_json())
+    forged = replace(state, samples=samples, kv_runs=state.kv_runs if kv_runs is None else kv_runs)
+    raw, where = encode_segment([forged])
+    _forged[0] += 1
+    key = segment_key("forged", _forged[0])
+    store.put(key, raw)
+    pointers[state.request_id] = str(StateRef(key, *where[state.request_id]))
 
 
-def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, store, killed_half_way, undisturbed,
+def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, store, pointers, killed_half_way, undisturbed,
                                                                   caplog):
     """Anyone with the store can write a checkpoint: one the engine could never have written is
     ignored, never run (too many tokens ran past max_tokens; an id past the vocabulary crashed the step)."""
-    states = [killed_half_way[state_key(str(i))] for i in range(3)]
-    _forge(store, states[0], output_token_ids=lambda s: s.output_token_ids + [5] * 60)
-    _forge(store, states[1], output_token_ids=lambda s: s.output_token_ids[:-1] + [10 ** 7])
-    _forge(store, states[2], block_hashes=lambda s: [s.block_hashes[0], bytes(16)] + s.block_hashes[2:])
+    states = [killed_half_way[str(i)] for i in range(3)]
+    _forge(store, pointers, states[0], output_token_ids=lambda s: s.output_token_ids + [5] * 60)
+    _forge(store, pointers, states[1], output_token_ids=lambda s: s.output_token_ids[:-1] + [10 ** 7])
+    _forge(store, pointers, states[2], block_hashes=lambda s: [s.block_hashes[0], bytes(16)] + s.block_hashes[2:])
     with caplog.at_level(logging.WARNING, "berth.checkpoint"):
-        outputs, engine, metrics = _resume(tiny_loaded, store, READ)
+        outputs, engine, metrics = _resume(tiny_loaded, store, READ, pointers)
     assert outputs == undisturbed
     assert _restores(metrics, "loaded") == 0 and _restores(metrics, "recomputed") == 0
     assert engine.stats.output_tokens == sum(len(t) for samples in undisturbed.values() for t in samples)
@@ -172,14 +213,16 @@ def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, st
     assert "request 2 starts over: its checkpoint does not apply: sample 0: KV block 1 is named 0000" in text
 
 
-def test_a_checkpoint_holds_at_most_max_tokens_minus_one(tiny_loaded, store, killed_half_way, undisturbed, caplog):
+def test_a_checkpoint_holds_at_most_max_tokens_minus_one(tiny_loaded, store, pointers, killed_half_way, undisturbed, caplog):
     """The engine ends a sample in the step that reaches max_tokens, so it never checkpoints one
     that long: a state one token short resumes (and samples the last one), a state at max_tokens is forged."""
-    states = [killed_half_way[state_key(str(i))] for i in range(2)]
-    _forge(store, states[0], output_token_ids=lambda s: undisturbed["0"][0][:47], block_hashes=lambda s: [])
-    _forge(store, states[1], output_token_ids=lambda s: undisturbed["1"][0][:48], block_hashes=lambda s: [])
+    states = [killed_half_way[str(i)] for i in range(2)]
+    _forge(store, pointers, states[0], [], output_token_ids=lambda s: undisturbed["0"][0][:47],
+           block_hashes=lambda s: [])
+    _forge(store, pointers, states[1], [], output_token_ids=lambda s: undisturbed["1"][0][:48],
+           block_hashes=lambda s: [])
     with caplog.at_level(logging.WARNING, "berth.checkpoint"):
-        outputs, engine, metrics = _resume(tiny_loaded, store, RECOMPUTE)
+        outputs, engine, metrics = _resume(tiny_loaded, store, RECOMPUTE, pointers)
     assert outputs == undisturbed
     assert [len(t) for t in outputs["0"]] == [48]
     assert _restores(metrics, "recomputed") == 2  # requests 0 and 2
@@ -216,6 +259,8 @@ def test_what_a_checkpoint_holds_is_checked_against_the_engine():
     for reason, samples in forged.items():
         assert reason in (checkpoint(samples).mismatch(request, "fp", limits) or ""), reason
     assert "it counts 39 prompt tokens" in checkpoint(good, 39).mismatch(request, "fp", limits)
+    too_many_runs = replace(checkpoint(good), kv_runs=[bytes(16), b"\x01" * 16, b"\x02" * 16])
+    assert "it names 3 KV runs for 2 blocks" in too_many_runs.mismatch(request, "fp", limits)
     raw = checkpoint(good).to_json()
     for bad in (raw.replace(b"[9,9,9]", b'[9,"9",9]'), raw.replace(b"[9,9,9]", b"[9,9.5,9]"),
                 raw.replace(b"[9,9,9]", b"[9,true,9]"), raw.replace(b'"index":1', b'"index":"1"')):

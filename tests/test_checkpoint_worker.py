@@ -1,18 +1,24 @@
 """The engine worker with checkpoints, on RabbitMQ, PostgreSQL and S3 (moto): told to stop mid-job it
-checkpoints what it hands back; the next worker resumes those requests from their checkpoints, and
-the job's output equals an uninterrupted run."""
+checkpoints what it hands back and records in each request's row where its state is; the next worker
+resumes those requests from there, and the job's output equals an uninterrupted run. The collection
+then finds every segment garbage."""
 
 from __future__ import annotations
 
 import json
 
+from sqlalchemy import select
+
 from jobs import api
+from jobs.checkpoint_gc import collect_checkpoints
+from jobs.db import open_database
 from jobs.engine_worker import engine_worker
 from jobs.generate import generate_file
-from jobs.models import JobStatus
+from jobs.models import JobStatus, RequestRow
 from storage import open_store
+from tests.checkpoint_support import read_state
 from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_settings
-from worker.checkpoint.format import STATE_PREFIX, RequestCheckpoint
+from worker.checkpoint.format import SEGMENT_PREFIX
 from worker.engine.engine import Engine
 
 
@@ -30,15 +36,24 @@ def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_
     first = engine_worker(settings, engine, eager_tasks=True)
     first.run(until=lambda: engine.stats.output_tokens >= 4 * 40)  # a graceful stop, as on SIGTERM
     store = open_store(settings.storage_url)
-    states = [RequestCheckpoint.from_json(store.get(o.key)) for o in store.list(STATE_PREFIX)]
+    db = open_database(pg_url)
+    with db.session() as s:
+        refs = dict(s.execute(select(RequestRow.id, RequestRow.checkpoint).where(RequestRow.job_id == job.id)).all())
+    states = [read_state(store, ref) for ref in refs.values()]
     assert len(states) == 4 and all(40 <= s.output_tokens < 400 for s in states)
+    assert len({ref.split("@")[0] for ref in refs.values()}) == 1, "the handed-back states went in one segment"
+    segments = first.metrics.registry.get_sample_value("berth_checkpoint_segments_total")
+    assert segments <= first.engine.stats.steps // 16 + 2, "more than a state object a round"
 
     second = engine_worker(settings, Engine(settings), eager_tasks=True)
     second.run(until=lambda: api.status(job.id, settings).status.is_final)
     metrics = second.metrics.registry
-    assert metrics.get_sample_value("berth_checkpoint_restores_total", {"kv": "loaded"}) == 4
+    # requests this short: their KV was not worth writing (KV "auto"), so it is computed again
+    assert metrics.get_sample_value("berth_checkpoint_restores_total", {"kv": "recomputed"}) == 4
     assert metrics.get_sample_value("berth_checkpoint_restored_tokens_total") == sum(s.output_tokens for s in states)
-    assert list(store.list(STATE_PREFIX)) == [], "finished requests keep their checkpoints"
+    collected = collect_checkpoints(store, db, min_age=0)
+    assert list(store.list(SEGMENT_PREFIX)) == [] and collected.segments_deleted > 0, \
+        "finished requests keep their checkpoints"
 
     view = api.status(job.id, settings)
     assert view.status is JobStatus.COMPLETED and (view.completed, view.failed) == (4, 0)

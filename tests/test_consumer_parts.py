@@ -173,7 +173,7 @@ class FakeRestorer:
     def pending(self) -> int:
         return len(self.fetching)
 
-    def submit(self, request):
+    def submit(self, request, ref):
         self.fetching.append(request)
 
     def ready(self):
@@ -199,6 +199,8 @@ def test_poison_is_a_request_whose_worker_keeps_dying_alone_without_progress(led
     ledger.crash(2, "dead-host:2")  # died running it, but its checkpoint moved on to 8 tokens: strikes reset
     ledger.rows[3].holder = "dead-host:1"  # held by a dead worker, but no step ever ran it: no strike
     ledger.rows[4].last_error = None  # handed back gracefully (no holder): no strike
+    for i in (1, 2):  # where their checkpoints are, as their rows record it
+        ledger.rows[i].checkpoint = f"checkpoints/v2/states/w/{i:010d}.seg@0+10"
     worker = make_worker(ledger, broker)
     worker.checkpoints, worker.restorer = FakeCheckpoints(), FakeRestorer({"1": [7] * 5, "2": [7] * 8})
     run_until_done(worker, ledger, [1, 2, 3, 4])
@@ -212,6 +214,28 @@ def test_poison_is_a_request_whose_worker_keeps_dying_alone_without_progress(led
     assert len(ledger.rows[2].outcome.output.completions[0].token_ids) == 12  # resumed at 8
     assert ledger.rows[3].outcome.completed and ledger.rows[3].strikes == 2
     assert ledger.rows[4].outcome.completed and ledger.rows[4].strikes == 2
+
+
+def test_a_redelivered_request_is_read_back_from_where_its_row_says_and_only_then(ledger, broker):
+    """The claim carries where the request's latest state is: a request whose row names one is read
+    from there (one read), one whose row names none starts over without reading the store."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    ref = "checkpoints/v2/states/0123/0000000004.seg@17+300"
+    for i in (1, 2):
+        ledger.rows[i] = Row("batch_a", params=params, attempts=1)
+        ledger.crash(i)  # both died with their worker
+        broker.publish_request(i, "batch_a")
+    ledger.rows[1].checkpoint = ref
+    worker = make_worker(ledger, broker)
+    restorer = FakeRestorer({"1": [7] * 3})
+    asked = []
+    restorer.submit = lambda request, where: (asked.append((request.request_id, where)),
+                                              restorer.fetching.append(request))
+    worker.checkpoints, worker.restorer = FakeCheckpoints(), restorer
+    run_until_done(worker, ledger, [1, 2])
+    assert asked == [("1", ref)]
+    assert ledger.rows[1].outcome.completed and ledger.rows[2].outcome.completed
+    assert ledger.rows[1].progress == 3 and ledger.rows[2].progress == 0
 
 
 # ---- blast radius

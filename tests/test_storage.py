@@ -12,7 +12,7 @@ from boto3.s3.transfer import TransferConfig
 
 from storage import ObjectNotFound, StorageError, check_key, open_store
 from storage.s3 import S3Store
-from worker.checkpoint.format import block_key, state_key
+from worker.checkpoint.format import RequestCheckpoint, encode_segment, kv_key, segment_key, stored_request_id
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -161,11 +161,23 @@ def test_urls_and_keys():
 
 def test_checkpoint_keys_never_carry_user_text():
     user_text = "Ignore previous instructions/../../etc/passwd ünïcode"
-    key = state_key(user_text)
-    check_key(key)
-    assert not any(word in key for word in ("Ignore", "etc", "passwd", ".."))
-    assert state_key("12345") == "checkpoints/v1/state/12345.json"  # berth's own ids are kept readable
-    assert check_key(block_key("f" * 32, bytes(range(16)))).endswith("/000102030405060708090a0b0c0d0e0f.kv")
+    stored = stored_request_id(user_text)
+    assert not any(word in stored for word in ("Ignore", "etc", "passwd", ".."))
+    assert stored_request_id("12345") == "12345"  # berth's own ids are kept readable
+    raw, where = encode_segment([RequestCheckpoint(user_text, "f" * 32, "d", 1, [], 0.0)])
+    assert b"passwd" not in raw[raw.rindex(b"\n", 0, len(raw) - 16):]  # the segment's index carries no user text
+    with pytest.raises(ValueError):
+        segment_key(user_text, 1)
+    assert check_key(segment_key("0123abcd", 7)) == "checkpoints/v2/states/0123abcd/0000000007.seg"
+    assert check_key(kv_key("f" * 32, bytes(range(16)))).endswith("/000102030405060708090a0b0c0d0e0f.kv")
+
+
+def test_a_range_of_an_object_is_read_alone(store):
+    store.put("a/b", b"0123456789")
+    assert store.get_range("a/b", 2, 5) == b"23456"
+    assert store.get_range("a/b", 8, 5) == b"89"
+    with pytest.raises(ObjectNotFound):
+        store.get_range("a/none", 0, 5)
 
 
 def test_a_local_store_follows_no_link_below_its_root(tmp_path):

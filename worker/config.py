@@ -160,14 +160,24 @@ class Settings(BaseSettings):
         return v
 
     # --- checkpoints (engine worker)
-    checkpoint_interval: int = 16  # checkpoint a request every this many generated tokens; 0 = no checkpoints
-    checkpoint_seconds: float = 30.0  # ... or after this many seconds with progress, whichever comes first
+    # A checkpoint round every this many engine steps (a decoding request makes a token a step): every
+    # request with progress since its last one, all their states in one object; 0 = no checkpoints
+    checkpoint_interval: int = 16
+    checkpoint_seconds: float = 30.0  # ... or after this many seconds, whichever comes first
     checkpoint_queue_bytes: int = 256 << 20  # KV block data waiting for upload at most; beyond, blocks wait
     # Threads uploading KV blocks, at the lowest CPU priority. On a CPU worker each takes cycles from the
     # engine (2-core machine, checkpoints to a folder: 1 thread cost 5% of throughput, 2 threads 9%); a GPU
     # worker with idle cores and a distant store may want more.
     checkpoint_kv_threads: int = 1
     checkpoint_gc_min_age: float = 3600.0  # seconds a KV block no checkpoint names is kept before collection
+    # Which KV blocks are written (worker/checkpoint/costs.py): "auto" writes a request's blocks once the
+    # expected cost of computing them again after a crash (their tokens over the measured prefill rate,
+    # times the chance that the worker dies before the request ends, from checkpoint_mtbf) exceeds the
+    # cost of writing them (bytes over the measured store bandwidth, plus a cost per PUT); "always"
+    # writes every full block (in runs of 8), "never" none. States go every checkpoint_interval steps
+    # either way, all of a worker's due requests in one object.
+    checkpoint_kv: Literal["auto", "always", "never"] = "auto"
+    checkpoint_mtbf: float = 6 * 3600.0  # seconds between a worker's crashes that "auto" assumes (6 hours)
 
     # --- jobs: queue and engine worker
     queue_prefix: str = "berth"  # names the exchanges, queues and Celery's queue, so deployments can share a broker
@@ -206,6 +216,13 @@ class Settings(BaseSettings):
         if value < 0:
             raise ValueError("must be auto, a size or a fraction of free memory, not negative")
         return value
+
+    @field_validator("checkpoint_mtbf")
+    @classmethod
+    def _mtbf(cls, v):
+        if not v > 0:
+            raise ValueError("must be a positive number of seconds (checkpoint_kv never writes no KV at all)")
+        return v
 
     @field_validator("checkpoint_kv_threads")
     @classmethod

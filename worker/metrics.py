@@ -43,6 +43,12 @@ class WorkerMetrics:
                                         registry=r)
         self.checkpoint_states = Counter("berth_checkpoint_states", "Request states written", registry=r)
         self.checkpoint_blocks = Counter("berth_checkpoint_blocks", "KV blocks written", registry=r)
+        self.checkpoint_segments = Counter("berth_checkpoint_segments", "Checkpoint segments written: one PUT "
+                                           "each, the states of every request due in a round", registry=r)
+        self.checkpoint_kv_runs = Counter("berth_checkpoint_kv_runs", "KV runs written: one PUT each, up to 8 "
+                                          "consecutive blocks", registry=r)
+        self.checkpoint_unrecorded = Gauge("berth_checkpoint_unrecorded", "Requests whose latest stored state "
+                                           "waits to be recorded in the jobs database", registry=r)
         self.checkpoint_superseded = Counter("berth_checkpoint_superseded",
                                              "Snapshots replaced by a newer one before they were written", registry=r)
         self.checkpoint_failures = Counter("berth_checkpoint_failures", "Checkpoint writes that failed", registry=r)

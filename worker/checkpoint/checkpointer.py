@@ -1,33 +1,40 @@
 """Checkpoints of running requests, taken in the engine thread between steps and written by the
 ``CheckpointWriter``'s threads, so that a request whose worker dies continues elsewhere.
 
-After every step, a request is due when it has generated ``checkpoint_interval`` tokens since its
-last snapshot, or ``checkpoint_seconds`` have passed with any progress. Its snapshot is its state
-(tokens so far per sample) and a CPU copy of those of its full KV blocks that the store has not
-got and that no earlier snapshot carries: one ``read_kv_blocks`` call per step for every due
-request, each distinct block once. Blocks past the writer's byte budget are left for a later
-snapshot; the state still goes.
+Checkpoints go in rounds: every ``checkpoint_interval`` steps (a decoding request makes one token a
+step), or after ``checkpoint_seconds`` if that comes first, every running request with progress since
+its last snapshot is snapshotted, and the writer stores all their states as one segment: one PUT a
+round, however many requests run. A request's snapshot is its state (tokens so far per sample) and a
+CPU copy of those of its KV blocks worth writing (``KvPolicy``, from the measured ``TransferRates``)
+that the store has not got: one ``read_kv_blocks`` call a round, each distinct block once.
+
+KV goes in runs of up to ``RUN_BLOCKS`` consecutive blocks of one chain, aligned: a run holds blocks
+``[k * RUN_BLOCKS, ...]`` of its chain and ends at the window's end, or at the prompt's last full
+block while the window is not full yet (generated blocks of a window wait until it fills). So what a
+run holds follows from its name (the hash of its last block), two workers write the same bytes under
+one name, and a prefix shared by many requests is stored once per window. Runs past the writer's
+byte budget are left for a later round; the state still goes.
 
 Not checkpointed (they start over after a crash), because the engine cannot resume them exactly
 yet: requests asking for logprobs (the engine does not take back the logprobs of restored tokens)
 and requests with a finished sample among several (it would not know that sample had finished).
 Their last checkpoint from before stays valid.
 
-What is kept per request (its last snapshot's progress here, its tokens on the store in the
-writer) is kept only for requests in the engine: ``finished`` and ``released`` drop it, and each
-step drops what they missed (a request resumed but never added because it was dropped while its
-checkpoint was read, a released request whose state was written after, a delete the store refused),
-so a long-lived worker's bookkeeping is bounded by what it runs.
+What is kept per request (its last snapshot's progress here, its tokens recorded in the writer) is
+kept only for requests in the engine: ``finished`` and ``released`` drop it, and each step drops what
+they missed, so a long-lived worker's bookkeeping is bounded by what it runs.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from storage import ObjectStore
-from worker.checkpoint.format import RequestCheckpoint, SampleCheckpoint, request_digest
-from worker.checkpoint.writer import CheckpointWriter, Snapshot
+from worker.checkpoint.costs import KvPolicy, TransferRates
+from worker.checkpoint.format import RUN_BLOCKS, RequestCheckpoint, SampleCheckpoint, request_digest, runs_holding
+from worker.checkpoint.writer import CheckpointWriter, KvRun, Snapshot
 from worker.config import Settings
 from worker.engine.engine import Engine, RequestState
 from worker.engine.request import Request
@@ -40,19 +47,38 @@ class _Progress:
     at: float  # its monotonic time
 
 
+@dataclass
+class _Window:
+    """A run to write: blocks ``start..end`` (inclusive) of one sample's chain."""
+
+    hashes: list[bytes]
+    block_ids: list[int]
+    shared: bool
+    new: int  # how many of its blocks the store has not got
+
+
 class Checkpointer:
-    def __init__(self, engine: Engine, store: ObjectStore, settings: Settings, metrics: WorkerMetrics):
+    def __init__(self, engine: Engine, store: ObjectStore, settings: Settings, metrics: WorkerMetrics,
+                 on_durable: Callable[[dict[str, str]], None] | None = None, rates: TransferRates | None = None):
+        """``on_durable``: where each request's latest state is, once stored (``CheckpointWriter``)."""
         self.engine = engine
         self.metrics = metrics
         self.interval = settings.checkpoint_interval
         self.seconds = settings.checkpoint_seconds
+        self.policy = KvPolicy(settings.checkpoint_kv, settings.checkpoint_mtbf)
+        self.rates = rates or TransferRates()
         self.fingerprint = engine.fingerprint
         self.block_size = engine.settings.block_size
         kv = engine.kv_usage()
         self.block_bytes = kv["kv_bytes"] // kv["blocks_total"]
         self.writer = CheckpointWriter(store, self.fingerprint, metrics, settings.checkpoint_queue_bytes,
-                                       block_threads=settings.checkpoint_kv_threads)
+                                       block_threads=settings.checkpoint_kv_threads, on_durable=on_durable,
+                                       rates=self.rates)
+        self.rounds = 0  # rounds that snapshotted something
         self._progress: dict[str, _Progress] = {}
+        self._steps = 0  # since the last round
+        self._round_at = time.monotonic()
+        self._last_step: float | None = None
 
     @property
     def store_up(self) -> bool:
@@ -61,26 +87,32 @@ class Checkpointer:
 
     # ---- the engine loop
     def after_step(self) -> None:
-        """Snapshot the requests that are due (call between engine steps)."""
+        """Count the step; on a round's step, snapshot every request with progress (call between steps)."""
         now = time.monotonic()
+        if self._last_step is not None:
+            self.rates.observe_step_time(now - self._last_step)
+        self._last_step = now
+        self.rates.observe_step(self.engine.stats)
         self._forget_ended()
-        due = self._due(now, lambda tokens, last: tokens - last.tokens >= self.interval
-                        or now - last.at >= self.seconds)
+        self._steps += 1
+        with_progress = self._with_progress(now)
         self.metrics.checkpoint_lag_seconds.set(self.writer.lag_seconds())
-        if due and self.writer.up:
-            self._snapshot(due, now)
+        if self._steps >= self.interval or now - self._round_at >= self.seconds:
+            self._steps, self._round_at = 0, now
+            if with_progress and self.writer.up:
+                self._snapshot(with_progress, now)
 
     def save_all(self, timeout: float) -> bool:
         """Before stopping: snapshot every running request with progress since its last snapshot, and
-        wait up to ``timeout`` seconds for everything to be written (False if it was not)."""
+        wait up to ``timeout`` seconds for everything to be written and recorded (False if it was not)."""
         if not self.writer.up:
             return False
         now = time.monotonic()
-        self._snapshot(self._due(now, lambda tokens, last: True), now)
+        self._snapshot(self._with_progress(now), now)
         return self.writer.flush(timeout)
 
     def finished(self, request_id: str) -> None:
-        """The request's result is committed (or it was dropped): delete its checkpoint."""
+        """The request's result is committed (or it was dropped): nothing more of it is written."""
         self._progress.pop(request_id, None)
         self.writer.delete(request_id)
 
@@ -88,11 +120,13 @@ class Checkpointer:
         """The request left this worker unfinished: its checkpoint stays for the next one."""
         self._progress.pop(request_id, None)
 
-    def resumed(self, checkpoint: RequestCheckpoint) -> None:
-        """A request continues from ``checkpoint``: its tokens and blocks are on the store already."""
+    def resumed(self, checkpoint: RequestCheckpoint, bad_runs: set[bytes] = frozenset()) -> None:
+        """A request continues from ``checkpoint``: its tokens and runs are on the store already (but
+        ``bad_runs``, found unreadable: their blocks are written again)."""
         self._progress[checkpoint.request_id] = _Progress(checkpoint.output_tokens, time.monotonic())
         self.writer.durable_tokens[checkpoint.request_id] = checkpoint.output_tokens
-        self.writer.mark_written(checkpoint.block_hashes())
+        held = runs_holding(checkpoint, RUN_BLOCKS)
+        self.writer.mark_written({h: last for h, last in held.items() if last not in bad_runs})
 
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
@@ -106,50 +140,86 @@ class Checkpointer:
                 book.pop(request_id, None)
 
     # ---- snapshots
-    def _due(self, now: float, due) -> list[str]:
-        """Requests with progress since their last snapshot for which ``due(tokens, last)`` holds
-        (and, on the way, the gauge of tokens not yet on the store)."""
+    def _with_progress(self, now: float) -> list[str]:
+        """Requests with progress since their last snapshot that can be resumed (and, on the way, the
+        gauge of tokens not yet in a recorded state)."""
         found, behind = [], 0
         for request_id, request in self.engine.requests.items():
             tokens = sum(s.num_output_tokens for s in request.sequences)
             last = self._progress.setdefault(request_id, _Progress(0, now))
             behind += tokens - self.writer.durable_tokens.get(request_id, 0)
-            if tokens > last.tokens and _resumable(request) and due(tokens, last):
+            if tokens > last.tokens and _resumable(request):
                 found.append(request_id)
         self.metrics.checkpoint_lag_tokens.set(behind)
         return found
 
     def _snapshot(self, request_ids: list[str], now: float) -> None:
         states = [s for s in map(self.engine.request_state, request_ids) if s is not None and s.samples]
+        if not states:
+            return
         room = self.writer.room()
-        new: dict[bytes, int] = {}  # blocks to copy out: hash -> block id, in chain order
-        shared: set[bytes] = set()
+        chosen: list[tuple[str, _Window]] = []
+        planned: set[bytes] = set()  # last hashes of the runs chosen this round
         for state in states:
-            prompt_blocks = len(state.prompt_token_ids) // self.block_size
-            for sample in state.samples:
-                for i, (h, block) in enumerate(zip(sample.block_hashes, sample.block_ids)):
-                    if h in new or self.writer.knows(h):
-                        continue
-                    if room < self.block_bytes:
-                        break
-                    new[h] = block
-                    room -= self.block_bytes
-                    if i < prompt_blocks:
-                        shared.add(h)
-        data = self.engine.read_kv_blocks(list(new.values())) if new else None
-        copies = {h: data[:, :, i] for i, h in enumerate(new)}
+            windows = [w for w in self._windows(state) if w.hashes[-1] not in planned]
+            if not windows:
+                continue
+            nbytes = sum(len(w.hashes) for w in windows) * self.block_bytes
+            if nbytes > room or not self.policy.worth_writing(
+                    self.rates, blocks=sum(w.new for w in windows), block_size=self.block_size,
+                    block_bytes=self.block_bytes, written_blocks=nbytes // self.block_bytes,
+                    objects=len(windows), remaining_steps=_remaining_steps(state)):
+                continue
+            room -= nbytes
+            for w in windows:
+                planned.add(w.hashes[-1])
+                chosen.append((state.request_id, w))
+        runs: dict[str, list[KvRun]] = {}
+        if chosen:
+            data = self.engine.read_kv_blocks([b for _, w in chosen for b in w.block_ids])
+            at = 0
+            for request_id, w in chosen:
+                n = len(w.hashes)
+                runs.setdefault(request_id, []).append(KvRun(w.hashes, data[:, :, at:at + n], w.shared))
+                at += n
         saved_at = time.time()
+        snapshots = []
         for state in states:
             checkpoint = self._checkpoint(state, saved_at)
-            blocks = {h: copies.pop(h) for h in checkpoint.block_hashes() if h in copies}
-            self.writer.submit(Snapshot(checkpoint, blocks, shared & blocks.keys(), now))
+            snapshots.append(Snapshot(checkpoint, runs.get(state.request_id, []), now))
             self._progress[state.request_id] = _Progress(checkpoint.output_tokens, now)
+        self.writer.submit_round(snapshots)
+        self.rounds += 1
+
+    def _windows(self, state: RequestState) -> list[_Window]:
+        """The runs that would give the store every block of ``state`` it lacks, in its samples' chain
+        order: each aligned window of ``RUN_BLOCKS`` blocks with a block the store has not got, whole
+        (from the window's first block), once the window is full or reaches the prompt's last full block."""
+        prompt_blocks = len(state.prompt_token_ids) // self.block_size
+        found: dict[bytes, _Window] = {}
+        for sample in state.samples:
+            hashes, ids = sample.block_hashes, sample.block_ids
+            for start in range(0, len(hashes), RUN_BLOCKS):
+                end = min(start + RUN_BLOCKS, len(hashes))  # exclusive
+                if end - start < RUN_BLOCKS:  # the last window, not full yet
+                    if not start < prompt_blocks <= end:
+                        break  # generated blocks alone: they wait until the window fills
+                    end = prompt_blocks  # the prompt's last full block ends a run of its own
+                new = sum(not self.writer.knows(h) for h in hashes[start:end])
+                if new and hashes[end - 1] not in found:
+                    found[hashes[end - 1]] = _Window(hashes[start:end], ids[start:end], start < prompt_blocks, new)
+        return list(found.values())
 
     def _checkpoint(self, state: RequestState, saved_at: float) -> RequestCheckpoint:
         samples = [SampleCheckpoint(s.sample_index, s.output_token_ids, s.block_hashes) for s in state.samples]
         digest = request_digest(state.prompt_token_ids, state.params)
         return RequestCheckpoint(state.request_id, self.fingerprint, digest, len(state.prompt_token_ids), samples,
                                  saved_at, params=asdict(state.params))
+
+
+def _remaining_steps(state: RequestState) -> int:
+    """Steps the request has at most left: its longest sample's tokens to go."""
+    return max(state.params.max_tokens - len(s.output_token_ids) for s in state.samples)
 
 
 def _resumable(request: Request) -> bool:

@@ -1,14 +1,28 @@
-"""What a checkpoint is on the store: a request's state as a small JSON object, and KV blocks as
-binary objects named by what they hold.
+"""What a checkpoint is on the store: the states of a round's requests together in one segment
+object, and KV blocks in runs of consecutive blocks named by what they hold.
 
-    checkpoints/v1/state/<request id>.json               one per running request, replaced as it grows
-    checkpoints/v1/kv/<fingerprint>/<block hash>.kv      one per distinct full KV block, written once
+    checkpoints/v2/states/<writer>/<round>.seg     one per checkpoint round of a worker: the due states
+                                                   of all its requests, written once, never replaced
+    checkpoints/v2/kv/<fingerprint>/<hash>.kv      a run of consecutive full KV blocks of one chain,
+                                                   named by the hash of its last block, written once
 
-A block's name is the engine's fingerprint (model files, dtype, block size) and the hash chained
-over every token up to the block's end, so a prefix shared by many requests is stored once and a
-block is only ever read by an engine that computes the same numbers. A state lists, per sample, the
-hashes of its blocks in order; a block is written before any state that lists it. A request id
-other than berth's own (a database integer) is hashed into the key: keys never carry user text.
+Why segments: a state object per request made a worker's PUTs grow with its running requests (a GPU
+worker decoding 256 requests at 30 tokens/s wrote ~480 a second). A segment holds every state a round
+wrote, so a worker PUTs one object per round, whatever it runs. A request finds its latest state
+through a ``StateRef`` (the segment's key and the byte range of its state in it) that the worker
+records where the request lives (the jobs database's row): one ranged read, never a search. Segments
+are immutable: a reader sees a whole state of a whole segment or none, never a torn mix; a newer
+state is a newer segment and a newer ref.
+
+Why runs: a block per object made a request's KV as many PUTs as it has blocks. A run holds several
+consecutive blocks of one hash chain; its header lists their hashes, so a block is found by its hash
+inside the run. A run is named by the hash chained over every token up to its last block (the
+engine's fingerprint first: model files, dtype, block size), so identical content gets one name, and
+the first run of a request ends at its prompt's last full block: a later prefix store can look up a
+prompt's blocks by the hash of that block (``kv_key(fingerprint, hash)``: one GET), then follow the
+run's first hash back to the run before it. A state lists the runs that hold its blocks; a run is
+written before any state that lists it. A request id other than berth's own (a database integer) is
+hashed into what is stored: keys never carry user text.
 """
 
 from __future__ import annotations
@@ -25,27 +39,76 @@ from worker.engine.block_manager import chain_hash, hash_root
 from worker.engine.request import Request, SamplingParams
 from worker.model.rotary import long_rope
 
-VERSION = 1
+VERSION = 2
 ROOT = f"checkpoints/v{VERSION}"
-STATE_PREFIX = f"{ROOT}/state/"
+SEGMENT_PREFIX = f"{ROOT}/states/"
 KV_PREFIX = f"{ROOT}/kv/"
 PROBE_KEY = f"{ROOT}/probe"  # written to learn whether the store is back
+LEGACY_PREFIX = "checkpoints/v1/"  # berth's per-request states and per-block objects, before segments
 _DATABASE_ID = re.compile(r"[0-9]{1,30}")
-_BLOCK_MAGIC = b"berth-kv\x01"
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_RUN_MAGIC = b"berth-kvrun\x01"
+_SEGMENT_MAGIC = b"berth-segment\x01\n"
+_REF = re.compile(rf"({re.escape(SEGMENT_PREFIX)}[A-Za-z0-9_-]{{1,64}}/[0-9]{{1,20}}\.seg)@([0-9]{{1,15}})\+([0-9]{{1,12}})")
+MAX_STATE_BYTES = 64 << 20  # a ref naming a longer range is not one berth wrote
+RUN_BLOCKS = 8  # blocks a KV run holds at most: one aligned window of its chain (128 tokens at block size 16)
 
 
 class CorruptCheckpoint(ValueError):
     """A stored object that is not a checkpoint this version of berth wrote."""
 
 
-def state_key(request_id: str) -> str:
-    """berth's request ids (database integers) name the state as they are; any other id is hashed."""
-    name = request_id if _DATABASE_ID.fullmatch(request_id) else "h-" + hashlib.sha256(request_id.encode()).hexdigest()
-    return f"{STATE_PREFIX}{name}.json"
+def segment_key(writer: str, round_: int) -> str:
+    """The segment of ``writer``'s (a name made once per checkpoint writer) round number ``round_``."""
+    if not _NAME.fullmatch(writer):
+        raise ValueError(f"{writer!r} is not a segment writer name (1-64 letters, digits, '_' or '-')")
+    return f"{SEGMENT_PREFIX}{writer}/{round_:010d}.seg"
 
 
-def block_key(fingerprint: str, block_hash: bytes) -> str:
-    return f"{KV_PREFIX}{fingerprint}/{block_hash.hex()}.kv"
+def kv_key(fingerprint: str, last_block_hash: bytes) -> str:
+    """The run of KV blocks whose last block has ``last_block_hash`` (a prefix's lookup key too)."""
+    return f"{KV_PREFIX}{fingerprint}/{last_block_hash.hex()}.kv"
+
+
+def stored_request_id(request_id: str) -> str:
+    """A request id as a segment stores it: berth's own ids (database integers) as they are, any other hashed."""
+    return request_id if _DATABASE_ID.fullmatch(request_id) else "h-" + hashlib.sha256(request_id.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Where a request's latest state is: a segment and the byte range of the state in it. Written as
+    text (``str``) where the request lives (its database row), read back with ``parse``."""
+
+    key: str
+    offset: int
+    length: int
+
+    def __str__(self) -> str:
+        return f"{self.key}@{self.offset}+{self.length}"
+
+    @classmethod
+    def parse(cls, text: str) -> StateRef:
+        """``CorruptCheckpoint`` for anything but a ref berth writes (it names only segments)."""
+        m = _REF.fullmatch(text or "")
+        if not m or int(m.group(3)) > MAX_STATE_BYTES:
+            raise CorruptCheckpoint(f"{(text or '')[:120]!r} is not a checkpoint state reference")
+        return cls(m.group(1), int(m.group(2)), int(m.group(3)))
+
+
+def runs_holding(checkpoint: RequestCheckpoint, run_blocks: int = RUN_BLOCKS) -> dict[bytes, bytes]:
+    """Which of ``checkpoint``'s runs holds each of its blocks: block hash -> the run's last hash. A run
+    named by block ``j`` of a chain holds that chain's blocks from the start of ``j``'s aligned window
+    of ``run_blocks`` blocks to ``j`` (``Checkpointer`` writes them so)."""
+    runs, held = set(checkpoint.kv_runs), {}
+    for s in checkpoint.samples:
+        chain = s.block_hashes
+        for i, h in enumerate(chain):
+            window_end = min((i // run_blocks + 1) * run_blocks, len(chain))
+            last = next((chain[j] for j in range(i, window_end) if chain[j] in runs), None)
+            if last is not None:
+                held.setdefault(h, last)
+    return held
 
 
 _LATER_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
@@ -92,6 +155,7 @@ class RequestCheckpoint:
     saved_at: float  # unix time the engine's state was read
     version: int = VERSION
     params: dict = field(default_factory=dict)  # the sampling parameters (seed among them), for people to read
+    kv_runs: list[bytes] = field(default_factory=list)  # last block hashes of the runs holding its blocks
 
     @property
     def output_tokens(self) -> int:
@@ -102,12 +166,14 @@ class RequestCheckpoint:
         return list(dict.fromkeys(h for s in self.samples for h in s.block_hashes))
 
     def keep_blocks(self, durable) -> RequestCheckpoint:
-        """The checkpoint listing, per sample, only the leading blocks found in ``durable``."""
+        """The checkpoint listing, per sample, only the leading blocks found in ``durable`` (a mapping
+        of block hash to the last hash of the run on the store that holds it), and those runs."""
         samples = []
         for s in self.samples:
-            n = next((i for i, h in enumerate(s.block_hashes) if h not in durable), len(s.block_hashes))
+            n = next((i for i, h in enumerate(s.block_hashes) if durable.get(h) is None), len(s.block_hashes))
             samples.append(SampleCheckpoint(s.index, s.output_token_ids, s.block_hashes[:n]))
-        return replace(self, samples=samples)
+        kept = replace(self, samples=samples)
+        return replace(kept, kv_runs=list(dict.fromkeys(durable.get(h) for h in kept.block_hashes())))
 
     def mismatch(self, request: Request, fingerprint: str, limits: EngineLimits) -> str | None:
         """Why this checkpoint cannot continue ``request`` on an engine with ``fingerprint`` and
@@ -121,6 +187,8 @@ class RequestCheckpoint:
             return f"it was made by another model, dtype or block size (fingerprint {self.fingerprint})"
         if self.prompt_tokens != len(request.prompt_token_ids):
             return f"it counts {self.prompt_tokens} prompt tokens, the request has {len(request.prompt_token_ids)}"
+        if len(self.kv_runs) > len(self.block_hashes()):
+            return f"it names {len(self.kv_runs)} KV runs for {len(self.block_hashes())} blocks"
         if sorted(s.index for s in self.samples) != list(range(request.params.n)):
             return (f"its samples are numbered {sorted(s.index for s in self.samples)}, "
                     f"the request asks for {request.params.n} numbered from 0")
@@ -134,6 +202,7 @@ class RequestCheckpoint:
         data = asdict(self)
         for s in data["samples"]:
             s["block_hashes"] = [h.hex() for h in s["block_hashes"]]
+        data["kv_runs"] = [h.hex() for h in self.kv_runs]
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -144,7 +213,8 @@ class RequestCheckpoint:
                 raise CorruptCheckpoint(f"checkpoint version {data.get('version')!r}, this berth reads {VERSION}")
             samples = [SampleCheckpoint(_int(s["index"]), [_int(t) for t in s["output_token_ids"]],
                                         [bytes.fromhex(h) for h in s["block_hashes"]]) for s in data.pop("samples")]
-            checkpoint = cls(samples=samples, **data)
+            kv_runs = [bytes.fromhex(h) for h in data.pop("kv_runs", [])]
+            checkpoint = cls(samples=samples, kv_runs=kv_runs, **data)
             if not (isinstance(checkpoint.request_id, str) and isinstance(checkpoint.fingerprint, str)):
                 raise TypeError("request_id and fingerprint must be strings")
             return checkpoint
@@ -192,12 +262,48 @@ def _sample_mismatch(sample: SampleCheckpoint, request: Request, limits: EngineL
     return None
 
 
-def encode_block(data: torch.Tensor) -> bytes:
-    """One block's K and V, ``[layers, 2, block_size, kv_heads, head_dim]``, with a checksum."""
+def encode_segment(states: list[RequestCheckpoint]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """One round's states as one object, and where each is in it (request id -> offset, length).
+
+    The states as JSON one after another, each on a line of its own, then an index (a JSON line of
+    stored request id -> [offset, length]) and the index's offset as 16 digits: a state is read by
+    its range alone, the index serves people and the collection."""
+    parts, offset, where = [_SEGMENT_MAGIC], len(_SEGMENT_MAGIC), {}
+    for state in states:
+        raw = state.to_json()
+        where[state.request_id] = (offset, len(raw))
+        parts += [raw, b"\n"]
+        offset += len(raw) + 1
+    index = {stored_request_id(rid): list(span) for rid, span in where.items()}
+    parts += [json.dumps(index, separators=(",", ":")).encode(), b"\n", b"%016d" % offset]
+    return b"".join(parts), where
+
+
+def segment_states(raw: bytes) -> dict[str, RequestCheckpoint]:
+    """Every state of a segment, by request id; ``CorruptCheckpoint`` for anything else."""
+    try:
+        if not raw.startswith(_SEGMENT_MAGIC) or len(raw) < len(_SEGMENT_MAGIC) + 16:
+            raise ValueError("no segment header")
+        index = json.loads(raw[int(raw[-16:]):-16])
+        states = {}
+        for offset, length in index.values():
+            state = RequestCheckpoint.from_json(raw[_int(offset):_int(offset) + _int(length)])
+            states[state.request_id] = state
+        return states
+    except CorruptCheckpoint:
+        raise
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpoint(f"not a berth checkpoint segment: {exc}") from None
+
+
+def encode_run(hashes: list[bytes], data: torch.Tensor) -> bytes:
+    """A run of consecutive blocks, ``data`` ``[layers, 2, len(hashes), block_size, kv_heads, head_dim]``,
+    with their hashes in order and a checksum."""
     payload = _c_order_bytes(data)
     header = json.dumps({"dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+                         "hashes": [h.hex() for h in hashes],
                          "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
-    return _BLOCK_MAGIC + len(header).to_bytes(4, "little") + header + payload
+    return _RUN_MAGIC + len(header).to_bytes(4, "little") + header + payload
 
 
 def _c_order_bytes(data: torch.Tensor) -> bytes:
@@ -210,18 +316,24 @@ def _c_order_bytes(data: torch.Tensor) -> bytes:
     return np.ascontiguousarray(data.view(torch.uint8).numpy()).tobytes()
 
 
-def decode_block(raw: bytes) -> torch.Tensor:
-    """The tensor ``encode_block`` wrote; ``CorruptCheckpoint`` for anything else or a bad checksum."""
+def decode_run(raw: bytes) -> tuple[list[bytes], torch.Tensor]:
+    """The hashes and blocks ``encode_run`` wrote; ``CorruptCheckpoint`` for anything else or a bad checksum."""
     try:
-        if not raw.startswith(_BLOCK_MAGIC):
-            raise ValueError("no KV block header")
-        start = len(_BLOCK_MAGIC) + 4
-        end = start + int.from_bytes(raw[len(_BLOCK_MAGIC):start], "little")
+        if not raw.startswith(_RUN_MAGIC):
+            raise ValueError("no KV run header")
+        start = len(_RUN_MAGIC) + 4
+        end = start + int.from_bytes(raw[len(_RUN_MAGIC):start], "little")
         header = json.loads(raw[start:end])
         payload = raw[end:]
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
             raise ValueError("checksum mismatch")
+        hashes = [bytes.fromhex(h) for h in header["hashes"]]
+        shape = [_int(d) for d in header["shape"]]
+        if len(shape) != 6 or shape[2] != len(hashes):
+            raise ValueError(f"{len(hashes)} hashes for blocks of shape {shape}")
         dtype = getattr(torch, header["dtype"])
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{header['dtype']!r} is not a dtype")
+        return hashes, torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
-        raise CorruptCheckpoint(f"not a berth KV block: {exc}") from None
+        raise CorruptCheckpoint(f"not a berth KV run: {exc}") from None

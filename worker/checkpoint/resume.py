@@ -1,17 +1,18 @@
 """Resuming a request from its checkpoint, on whichever worker it is delivered to next.
 
-``submit`` reads the request's state from the store on a background thread. A state made by
+``submit`` reads the request's state from the store on a background thread: one ranged read of the
+segment its ref names (the ref is where the request's row says its latest state is). A state made by
 another model, dtype or block size, for another prompt or sampling parameters, unreadable, or
 holding what this engine would never have written (too many tokens, ids outside the vocabulary,
 blocks that are not its tokens' hash chain: ``RequestCheckpoint.mismatch``), is ignored with a
 warning: the request starts over. Otherwise the request gets its generated tokens back
-(``Request.resume_output_ids``) and its KV blocks are either read back from the store or left for
-the engine to recompute by prefill, whichever ``TransferRates`` estimates is faster.
-``ready`` (engine thread) puts fetched blocks into the engine's prefix cache and hands back the
-requests to add: the engine takes the cached blocks instead of computing them, and samples the
-rest exactly as it would have (randomness depends only on seed, sample and position). A request
-with a structured output gets its matchers back from the engine, which has each accept the tokens
-its sample already has before the request is scheduled.
+(``Request.resume_output_ids``) and its KV blocks are either read back from the store (the few runs
+its state names) or left for the engine to recompute by prefill, whichever ``TransferRates``
+estimates is faster. ``ready`` (engine thread) puts fetched blocks into the engine's prefix cache
+and hands back the requests to add: the engine takes the cached blocks instead of computing them,
+and samples the rest exactly as it would have (randomness depends only on seed, sample and
+position). A request with a structured output gets its matchers back from the engine, which has
+each accept the tokens its sample already has before the request is scheduled.
 """
 
 from __future__ import annotations
@@ -25,56 +26,15 @@ import torch
 
 from storage import ObjectNotFound, ObjectStore, StorageError
 from worker.checkpoint.checkpointer import Checkpointer
-from worker.checkpoint.format import (
-    CorruptCheckpoint,
-    EngineLimits,
-    RequestCheckpoint,
-    block_key,
-    decode_block,
-    state_key,
-)
-from worker.engine.engine import Engine, EngineStats
+from worker.checkpoint.costs import TransferRates
+from worker.checkpoint.format import CorruptCheckpoint, EngineLimits, RequestCheckpoint, StateRef, decode_run, kv_key
+from worker.engine.engine import Engine
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
 
+__all__ = ["Restorer", "TransferRates"]
+
 log = logging.getLogger("berth.checkpoint")
-
-DEFAULT_PREFILL_TOKENS_PER_SECOND = 2_000.0  # until a step measures it
-DEFAULT_STORAGE_BYTES_PER_SECOND = 100e6  # until a read measures it
-SMOOTHING = 0.3  # weight of a new measurement
-
-
-@dataclass
-class TransferRates:
-    """What a block costs to read back versus to compute again, measured as the worker runs."""
-
-    prefill_tokens_per_second: float = DEFAULT_PREFILL_TOKENS_PER_SECOND
-    storage_bytes_per_second: float = DEFAULT_STORAGE_BYTES_PER_SECOND
-    _seen: tuple[int, int, float] = field(default=(0, 0, 0.0), repr=False)  # engine totals last seen
-
-    def observe_step(self, stats: EngineStats) -> None:
-        """After a step: the forward pass's tokens/s, from steps that were mostly prefill."""
-        prefill = stats.prompt_tokens_computed + stats.recomputed_tokens
-        d_prefill, d_output = prefill - self._seen[0], stats.output_tokens - self._seen[1]
-        d_seconds = stats.forward_seconds - self._seen[2]
-        self._seen = (prefill, stats.output_tokens, stats.forward_seconds)
-        if d_prefill >= d_output and d_prefill > 0 and d_seconds > 0:
-            self.prefill_tokens_per_second = _smooth(self.prefill_tokens_per_second,
-                                                     (d_prefill + d_output) / d_seconds)
-
-    def observe_read(self, nbytes: int, seconds: float) -> None:
-        if nbytes and seconds > 0:
-            self.storage_bytes_per_second = _smooth(self.storage_bytes_per_second, nbytes / seconds)
-
-    def load_seconds(self, num_blocks: int, block_bytes: int) -> float:
-        return num_blocks * block_bytes / self.storage_bytes_per_second
-
-    def recompute_seconds(self, num_blocks: int, block_size: int) -> float:
-        return num_blocks * block_size / self.prefill_tokens_per_second
-
-
-def _smooth(old: float, new: float) -> float:
-    return (1 - SMOOTHING) * old + SMOOTHING * new
 
 
 @dataclass
@@ -83,16 +43,18 @@ class _Fetched:
     checkpoint: RequestCheckpoint | None = None  # None: start over
     block_hashes: list[bytes] = field(default_factory=list)  # read back, in the order of ``data``
     data: torch.Tensor | None = None  # [layers, 2, len(block_hashes), block_size, kv_heads, head_dim]
+    bad_runs: set[bytes] = field(default_factory=set)  # runs it names that could not be read back
 
 
 class Restorer:
     def __init__(self, engine: Engine, store: ObjectStore, checkpointer: Checkpointer, metrics: WorkerMetrics,
                  rates: TransferRates | None = None):
+        """``rates``: by default the checkpointer's, measured by its steps and its writes."""
         self.engine = engine
         self.store = store
         self.checkpointer = checkpointer
         self.metrics = metrics
-        self.rates = rates or TransferRates()
+        self.rates = rates or checkpointer.rates
         self.fingerprint = checkpointer.fingerprint
         self.block_bytes = checkpointer.block_bytes
         self.block_size = checkpointer.block_size
@@ -106,9 +68,10 @@ class Restorer:
     def pending(self) -> int:
         return len(self._fetching)
 
-    def submit(self, request: Request) -> None:
-        """Look for ``request``'s checkpoint in the background; ``ready`` hands the request back."""
-        self._fetching.append((request, self._pool.submit(self._fetch, request)))
+    def submit(self, request: Request, ref: str) -> None:
+        """Read ``request``'s checkpoint at ``ref`` (``str(StateRef)``) in the background; ``ready``
+        hands the request back."""
+        self._fetching.append((request, self._pool.submit(self._fetch, request, ref)))
 
     def ready(self) -> list[Request]:
         """Requests whose checkpoint is read (or absent), to add to the engine; call between steps."""
@@ -129,13 +92,14 @@ class Restorer:
                     self.engine.load_kv_blocks(fetched.block_hashes, fetched.data)
                 samples = sorted(checkpoint.samples, key=lambda s: s.index)
                 fetched.request.resume_output_ids = [list(s.output_token_ids) for s in samples]
-                self.checkpointer.resumed(checkpoint)
+                self.checkpointer.resumed(checkpoint, fetched.bad_runs)
                 self.metrics.restores.labels("loaded" if fetched.block_hashes else "recomputed").inc()
                 self.metrics.restored_tokens.inc(checkpoint.output_tokens)
             requests.append(fetched.request)
         return requests
 
     def observe_step(self) -> None:
+        """After a step (when the rates are the checkpointer's, its ``after_step`` measured it already)."""
         self.rates.observe_step(self.engine.stats)
 
     def estimate(self, num_blocks: int) -> tuple[float, float]:
@@ -153,11 +117,13 @@ class Restorer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the fetching threads
-    def _fetch(self, request: Request) -> _Fetched:
+    def _fetch(self, request: Request, ref: str) -> _Fetched:
         rid = request.request_id
         try:
-            checkpoint = RequestCheckpoint.from_json(self.store.get(state_key(rid)))
+            where = StateRef.parse(ref)
+            checkpoint = RequestCheckpoint.from_json(self.store.get_range(where.key, where.offset, where.length))
         except ObjectNotFound:
+            log.warning("request %s starts over: the segment of its checkpoint (%s) is gone", rid, ref)
             return _Fetched(request)
         except (StorageError, CorruptCheckpoint) as exc:
             log.warning("request %s starts over: its checkpoint cannot be read: %s", rid, exc)
@@ -173,22 +139,33 @@ class Restorer:
                  rid, checkpoint.output_tokens, len(hashes), "read" if read else "recomputed", load, recompute)
         if not read:
             return _Fetched(request, checkpoint)
-        return _Fetched(request, checkpoint, *self._read_blocks(rid, hashes))
+        return _Fetched(request, checkpoint, *self._read_blocks(rid, hashes, checkpoint.kv_runs))
 
-    def _read_blocks(self, rid: str, hashes: list[bytes]) -> tuple[list[bytes], torch.Tensor | None]:
-        """The blocks up to the first that cannot be read (the engine computes the rest)."""
-        blocks, nbytes, t0 = [], 0, time.perf_counter()
-        for h in hashes:
-            try:
-                raw = self.store.get(block_key(self.fingerprint, h))
-                block = decode_block(raw)
-                if tuple(block.shape) != self.block_shape:
-                    raise CorruptCheckpoint(f"a KV block of shape {tuple(block.shape)}, not {self.block_shape}")
-            except (ObjectNotFound, StorageError, CorruptCheckpoint) as exc:
-                log.warning("request %s: KV block %s cannot be read back (%s); the engine recomputes from there",
-                            rid, h.hex(), exc)
+    def _read_blocks(self, rid: str, hashes: list[bytes],
+                     runs: list[bytes]) -> tuple[list[bytes], torch.Tensor | None, set[bytes]]:
+        """The blocks up to the first that cannot be read (the engine computes the rest): the runs
+        are read in order until every block is found or one fails."""
+        found: dict[bytes, torch.Tensor] = {}
+        bad: set[bytes] = set()
+        nbytes, t0 = 0, time.perf_counter()
+        for last in runs:
+            if all(h in found for h in hashes):
                 break
-            blocks.append(block)
+            try:
+                raw = self.store.get(kv_key(self.fingerprint, last))
+                run_hashes, data = decode_run(raw)
+                if tuple(data[:, :, 0].shape) != self.block_shape:
+                    raise CorruptCheckpoint(f"KV blocks of shape {tuple(data[:, :, 0].shape)}, not {self.block_shape}")
+            except (ObjectNotFound, StorageError, CorruptCheckpoint) as exc:
+                log.warning("request %s: the KV run %s cannot be read back (%s); the engine recomputes what it held",
+                            rid, last.hex(), exc)
+                bad.add(last)
+                break
             nbytes += len(raw)
+            for i, h in enumerate(run_hashes):
+                found.setdefault(h, data[:, :, i])
         self.rates.observe_read(nbytes, time.perf_counter() - t0)
-        return hashes[:len(blocks)], torch.stack(blocks, dim=2) if blocks else None
+        n = next((i for i, h in enumerate(hashes) if h not in found), len(hashes))
+        if n < len(hashes) and n and runs:
+            log.info("request %s: %d of its %d KV blocks read back, the engine computes the rest", rid, n, len(hashes))
+        return hashes[:n], torch.stack([found[h] for h in hashes[:n]], dim=2) if n else None, bad

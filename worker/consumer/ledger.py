@@ -52,6 +52,7 @@ class Claim:
     unreadable: str | None = None
     suspect: int = 0  # 0: innocent; k: was running when a worker died: runs apart, in a group of at most k suspects
     death: Death | None = None  # when ``crashed``: the death of the worker that was running it
+    checkpoint: str | None = None  # where its latest checkpointed state is (``Ledger.checkpointed``); None: none
 
     @property
     def kv_tokens(self) -> int:
@@ -123,6 +124,12 @@ class Ledger(Protocol):
 
     def release(self, request_ids: list[int]) -> None:
         """Handed back unfinished by a worker told to stop: that delivery was no failed attempt."""
+
+    def checkpointed(self, refs: dict[int, str], worker: str) -> None:
+        """request id -> where its latest checkpointed state is now (``worker.checkpoint.format.StateRef``
+        as text), kept on the row only while ``worker`` holds the request, for its next delivery's claim.
+        Called from the checkpoint writer's thread (never the engine loop's), once a round; on
+        ``LedgerDown`` the writer tries again later."""
 
     def note_error(self, request_id: int, error: str) -> None:
         """The last error seen running a request (shown if it finally fails)."""

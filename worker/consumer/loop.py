@@ -54,10 +54,13 @@ SIGTERM (or Ctrl-C): stop consuming, hand back at once the requests not started,
 ones finish for up to ``Settings.drain_timeout`` seconds, checkpoint and hand back the rest (reject
 with requeue), exit. A second signal stops at once, handing everything back.
 
-Checkpoints (``Settings.checkpoint_interval`` > 0): after each step the ``Checkpointer`` snapshots
-the running requests that are due and threads write them to ``Settings.storage_url``. A request
-delivered before is first looked up there by the ``Restorer`` in the background and added to the
-engine with its generated tokens (and KV blocks, when reading them is faster than computing them).
+Checkpoints (``Settings.checkpoint_interval`` > 0): every ``checkpoint_interval`` steps the
+``Checkpointer`` snapshots the running requests with progress and a thread writes their states to
+``Settings.storage_url`` as one segment, then records where each state is in the requests' rows
+(``Ledger.checkpointed``, from that thread: the loop never waits on it). A request whose claim names
+a checkpoint is first read from there by the ``Restorer`` in the background and added to the engine
+with its generated tokens (and KV blocks, when they were worth writing and reading them is faster
+than computing them).
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class EngineWorker:
         self.restorer: Restorer | None = None
         if settings.checkpoint_interval:
             store = open_store(settings.storage_url)
-            self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics)
+            self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics, on_durable=self._checkpointed)
             self.restorer = Restorer(self.engine, store, self.checkpoints, self.metrics)
         self.kv_capacity = self.engine.kv_usage()["blocks_total"] * self.engine.settings.block_size
         self.inflight: dict[str, Inflight] = {}
@@ -270,9 +273,8 @@ class EngineWorker:
                 item = Inflight(claim, Request(str(claim.request_id), list(claim.prompt_token_ids), claim.params,
                                                priority=claim.priority, tenant=claim.tenant), delivery)
                 self.inflight[item.request.request_id] = item
-                delivered_before = claim.attempts > 1 or claim.crashed or delivery.redelivered
-                if delivered_before and self.restorer is not None and self.checkpoints.store_up:
-                    self.restorer.submit(item.request)  # begins once its checkpoint is read (``_add_restored``)
+                if claim.checkpoint and self.restorer is not None and self.checkpoints.store_up:
+                    self.restorer.submit(item.request, claim.checkpoint)  # begins once it is read (``_add_restored``)
                 else:
                     starting.append(item)
         self._record(failures)
@@ -340,6 +342,11 @@ class EngineWorker:
             return
         size = claim.kv_tokens
         self.mean_kv_tokens = size if self.mean_kv_tokens is None else 0.9 * self.mean_kv_tokens + 0.1 * size
+
+    def _checkpointed(self, refs: dict[str, str]) -> None:
+        """On the checkpoint writer's thread: record in the requests' rows where their latest states are
+        (``LedgerDown`` propagates: the writer tries again later). Never called by the engine loop."""
+        self.ledger.checkpointed({int(r): ref for r, ref in refs.items() if r.isdigit()}, self.name)
 
     def _on_start(self, request_ids: list[str]) -> None:
         """Before the engine's step that first runs these: say so, so that a crash in it counts. Before
