@@ -226,7 +226,7 @@ class Settings(BaseSettings):
 
     @field_validator("checkpoint_kv_threads")
     @classmethod
-    def _at_least_one(cls, v):
+    def _kv_threads(cls, v):
         if v < 1:
             raise ValueError("must be at least 1 (checkpoint_interval 0 turns checkpoints off)")
         return v
