@@ -35,7 +35,11 @@ from tests.test_checkpoint_crash import _metric, _results, _wait_generating
 from tests.test_jobs_end_to_end import _free_port
 
 N, MAX_TOKENS, KILLS = 60, 192, 5
-LIFE = (0.5, 3.0)  # seconds a worker generates before it is killed, drawn at random
+FIRST_LIFE = (0.5, 1.0)  # seconds the first worker generates before it is killed, drawn at random
+# Later lives: a random share of the time the job would still take at the speed the last worker
+# measured, split among the kills left, so that every kill lands before the job ends on a quiet machine
+# as on a busy one; still a time drawn at random, never an amount of progress.
+LIFE_SHARE = (0.3, 1.0)
 
 
 def _job(tmp_path: Path, n: int, max_tokens: int, name: str = "requests") -> Path:
@@ -99,7 +103,12 @@ def test_a_worker_killed_at_random_times_fails_no_request(tmp_path, tiny_llama_d
         proc, port = _start(env, tmp_path / f"worker{i}.log")
         try:
             _wait_generating(proc, port, timeout=240)
-            life = rng.uniform(*LIFE)  # a time, not an amount of progress
+            if lives:  # tokens a second of the last life; what the job still holds at that speed
+                rate = max(lives[-1][1], 1.0) / lives[-1][0]
+                left = (N - _results(db)[0]) * MAX_TOKENS / rate
+                life = rng.uniform(*LIFE_SHARE) * left / (KILLS - i + 1)
+            else:
+                life = rng.uniform(*FIRST_LIFE)
             time.sleep(life)
             assert proc.poll() is None, f"the worker died on its own: see {tmp_path / f'worker{i}.log'}"
             lives.append((life, _metric(port, "berth_output_tokens_total")))

@@ -209,12 +209,15 @@ def test_s3_stopped_mid_job_and_started_again(tmp_path, tiny_llama_dir, pg_url, 
         requests = _job(tmp_path, lengths)
         job = api.submit(requests, settings, eager=True)
         db = open_database(pg_url)
-        env = {**os.environ, **tiny_env(settings), "BERTH_CHECKPOINT_INTERVAL": "16"}
+        # KV written whatever it costs (the default writes it only where it pays, never for requests this
+        # short), so that the outage meets KV uploads too, and objects to find again after moto's restart
+        env = {**os.environ, **tiny_env(settings), "BERTH_CHECKPOINT_INTERVAL": "16", "BERTH_CHECKPOINT_KV": "always"}
         worker = Worker(env, tmp_path / "worker.log")
         try:
             worker.run_until(0.15 * total)
             worker.wait("checkpoints written", lambda: worker.metric("berth_checkpoint_states_total") >= 8)
-            before = {k for k in _keys(s3, bucket) if k.endswith(".kv")}  # KV blocks: never deleted
+            worker.wait("KV written", lambda: any(k.endswith(".kv") for k in _keys(s3, bucket)))
+            before = {k for k in _keys(s3, bucket) if k.endswith(".kv")}  # KV runs: never deleted
             assert before
             assert _results(db)[0] < len(lengths), "the job ended before the outage: make the requests longer"
 
