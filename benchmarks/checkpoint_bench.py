@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="restore: context lengths in tokens (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="restore: timings of each path (default: 3)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead: off/on pairs (default: 3)")
+    parser.add_argument("--interleave", choices=("steps", "runs"), default="steps",
+                        help="overhead: alternate the arms step by step in one loop (default), or run by run")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: benchmarks/results/checkpoint-<dtype>[-quick].json)")
     args = parse_workload_args(parser, argv, "checkpoint")
@@ -392,13 +394,90 @@ def run_overhead(loaded: LoadedModel, args, base_url: str, server_pid: int | Non
         update={"checkpoint_interval": args.interval, "checkpoint_kv": args.kv})
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for round_ in range(args.rounds):
+        if args.interleave == "steps":
+            pair = run_interleaved(loaded, settings, workload, fresh_store(base_url, f"overhead-{round_}"),
+                                   server_pid)
+            for mode in ("off", "on"):
+                runs[mode].append(pair[mode])
+                print(f"[{clock()}] round {round_ + 1} checkpoints {mode}: {pair[mode]['seconds']:.1f} s charged, "
+                      f"{pair[mode]['tokens_per_s']:.1f} useful tok/s", flush=True)
+            continue
         for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):  # neither always goes first
             store = fresh_store(base_url, f"overhead-{round_}") if mode == "on" else None
             run = run_workload(loaded, settings, workload, store, server_pid)
             runs[mode].append(run)
             print(f"[{clock()}] round {round_ + 1} checkpoints {mode}: {run['seconds']:.1f} s, "
                   f"{run['tokens_per_s']:.1f} useful tok/s", flush=True)
-    return summarize_overhead(runs, workload)
+    return {"interleave": args.interleave, **summarize_overhead(runs, workload)}
+
+
+def run_interleaved(loaded: LoadedModel, settings: Settings, workload: Workload, store: ObjectStore,
+                    server_pid: int | None) -> dict[str, dict]:
+    """Both arms at once, so that a busy machine slows them alike: two fresh engines of the same model,
+    one checkpointing to ``store``, stepped in turn in one loop (which goes first alternates), each
+    step timed with what the worker does after it (for the on-arm: ``after_step``, ``observe_step``,
+    ``finished``). An arm's seconds are the sum of its own steps; the on-arm is also charged the CPU
+    seconds of the writer's threads and of the store's server, which ran beside both arms' steps."""
+    engines, metrics, done, spent = {}, {}, {}, {}
+    for mode in ("off", "on"):
+        engines[mode] = Engine(settings, loaded=loaded)
+        engines[mode].generate(WARMUP_PROMPTS, greedy_params(WARMUP_TOKENS))
+        engines[mode].stats = EngineStats()
+        metrics[mode], done[mode], spent[mode] = WorkerMetrics(), {}, 0.0
+    counting = CountingStore(store)
+    checkpoints = Checkpointer(engines["on"], counting, settings, metrics["on"])
+    restorer = Restorer(engines["on"], counting, checkpoints, metrics["on"])
+    lag = {"tokens": [], "seconds": [], "tokens_per_request": []}
+    cpu = CpuClock(server_pid)
+    in_loop = 0.0
+    load_before = os.getloadavg()[0]
+    for engine in engines.values():
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+            engine.add_request(Request(str(i), list(prompt), greedy_params(n)))
+    t_start, turn = time.perf_counter(), 0
+    while any(e.has_unfinished() for e in engines.values()):
+        for mode in ("off", "on") if turn % 2 == 0 else ("on", "off"):
+            engine = engines[mode]
+            if not engine.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            metrics[mode].observe_step(engine, time.perf_counter() - t0)
+            c0 = time.perf_counter()
+            if mode == "on":
+                checkpoints.after_step()
+                restorer.observe_step()
+            for out in outputs:
+                done[mode][out.request_id] = out.completions[0].token_ids
+                if mode == "on":
+                    checkpoints.finished(out.request_id)
+            t1 = time.perf_counter()
+            spent[mode] += t1 - t0
+            if mode == "on":
+                in_loop += t1 - c0
+                sample_lag(metrics["on"], engine, lag)  # the benchmark's own reading: not charged
+        turn += 1
+    wall = time.perf_counter() - t_start
+    during = (dict(counting.objects), dict(counting.bytes))
+    background = cpu.since()
+    charged = {"off": spent["off"], "on": spent["on"] + background["writer_threads"] + background["store_server"]}
+    result = {}
+    for mode in ("off", "on"):
+        run = useful_timing(workload, charged[mode], [done[mode][str(i)] for i in range(len(workload))])
+        run.update(step_seconds=round(spent[mode], 3), wall_seconds_both_arms=round(wall, 2),
+                   load_average_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+                   forward_seconds=round(engines[mode].stats.forward_seconds, 2))
+        result[mode] = run
+    result["on"]["cpu_seconds"] = result["off"]["cpu_seconds"] = background
+    c = result["on"]["checkpoints"] = checkpoint_figures(checkpoints, restorer, counting, metrics["on"], lag)
+    c["engine_loop_seconds"] = round(in_loop, 3)
+    puts, nbytes = sum(during[0].values()), sum(during[1].values())
+    seconds = charged["on"]
+    c.update(rounds=checkpoints.rounds, steps=engines["on"].stats.steps,
+             state_puts_per_round=round(c["objects"]["state"] / max(1, checkpoints.rounds), 3),
+             puts_per_second=round(puts / seconds, 2), bytes_per_second=round(nbytes / seconds),
+             puts_per_1000_tokens=round(1000 * sum(c["objects"].values()) / workload.output_tokens, 2))
+    return result
 
 
 def run_workload(loaded: LoadedModel, settings: Settings, workload: Workload, store: ObjectStore | None,
@@ -529,13 +608,15 @@ def summarize_overhead(runs: dict[str, list[dict]], workload: Workload) -> dict:
     return {"workload": workload.summary(), "median_tokens_per_s": {"off": statistics.median(off),
                                                                    "on": statistics.median(on)},
             "ratio_on_off": round(ratio, 4), "round_ratios": [round(b / a, 4) for a, b in zip(off, on)],
+            "median_round_ratio": round(statistics.median(b / a for a, b in zip(off, on)), 4),
             "meets_target": ratio >= TARGET_RATIO, "same_tokens_on_and_off": same, "runs": runs}
 
 
 def print_overhead(o: dict) -> None:
     m = o["median_tokens_per_s"]
     print(f"\ncheckpoints off: {m['off']:.1f} useful tok/s, on: {m['on']:.1f} (medians of {len(o['runs']['on'])} "
-          f"rounds); on/off = {o['ratio_on_off']:.3f} (per round {o['round_ratios']}); "
+          f"rounds); on/off = {o['ratio_on_off']:.3f} (per round {o['round_ratios']}, median "
+          f"{o['median_round_ratio']:.3f}; arms interleaved by {o.get('interleave', 'runs')}); "
           f"target {TARGET_RATIO}: {'met' if o['meets_target'] else 'NOT met'}; "
           f"same tokens: {o['same_tokens_on_and_off']}")
     for i, r in enumerate(o["runs"]["on"]):
