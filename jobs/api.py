@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from jobs.db import open_database, upgrade
 from jobs.files import JobFiles
@@ -23,13 +23,16 @@ from jobs.lifecycle import cancel as cancel_job
 from jobs.models import JobStatus
 from jobs.status import JobView, get_job
 from jobs.status import list_jobs as query_jobs
-from jobs.submit import JobSpec, create_job
-from jobs.tasks import INGEST, finalize_later, make_app
 from jobs.tenants import allow_broker_user as allow_user
 from jobs.tenants import remove_broker_user as remove_user
 from jobs.tenants import set_weight
 from jobs.tenants import webhook_secret as tenant_secret
 from worker.config import Settings
+
+# jobs.submit (line checks: the tokenizer, the grammar library) and jobs.tasks (Celery, ingest and finalize)
+# are imported by the functions that use them: `berth status`, `list` and `results` read rows and files only.
+if TYPE_CHECKING:
+    from jobs.submit import JobSpec
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ def submit(path: str | Path, settings: Settings | None = None, *, spec: JobSpec 
            eager: bool | None = None) -> JobView:
     """Accept a request file as a job. Its lines are checked and queued by the ingest task: in this
     process on the embedded default (or with ``eager=True``), else on a Celery worker."""
+    from jobs.submit import JobSpec, create_job
+    from jobs.tasks import INGEST, make_app
+
     settings = settings or Settings()
     db = open_database(settings.database_url)
     job_id = create_job(db, JobFiles(settings.storage_url), path, settings.served_model_name(), spec or JobSpec(),
@@ -62,6 +68,8 @@ def list_jobs(settings: Settings | None = None, tenant: str | None = None, statu
 
 def cancel(job_id: str, settings: Settings | None = None) -> JobView:
     """Cancel a job: running requests are aborted within a second, the rest fail as cancelled."""
+    from jobs.tasks import finalize_later, make_app
+
     settings = settings or Settings()
     db = open_database(settings.database_url)
     cancel_job(db, job_id)
@@ -116,6 +124,7 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
 def retry(job_id: str, settings: Settings | None = None, eager: bool | None = None) -> JobView:
     """A new job of the failed lines of a finished job (``jobs.retry``), ingested as ``submit`` does."""
     from jobs.retry import retry_job
+    from jobs.tasks import INGEST, make_app
 
     settings = settings or Settings()
     db = open_database(settings.database_url)

@@ -133,20 +133,27 @@ def job_spec(flags: dict):
     return spec
 
 
+# berth's errors that reach the user as one line, by module and name. They are looked up among the modules
+# already imported, never imported to be named: an error of a module nobody imported cannot have been
+# raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
+USER_ERRORS = (("jobs.db", "SchemaError"), ("jobs.lifecycle", "JobNotFound"), ("jobs.lifecycle", "JobStateError"),
+               ("jobs.tenants", "TenantNotFound"), ("jobs.validate", "InputError"),
+               ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    loaded = tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
+    return (ConfigError, FileNotFoundError, ValueError, *loaded)
+
+
 @contextmanager
 def user_errors():
     """berth's own errors become one line for the user, not a traceback."""
-    from jobs.db import SchemaError
-    from jobs.lifecycle import JobNotFound, JobStateError
-    from jobs.tenants import TenantNotFound
-    from jobs.validate import InputError
-    from worker.engine.engine import RequestRejected
-    from worker.model.base import ModelLoadError
-
     try:
         yield
-    except (ConfigError, ModelLoadError, RequestRejected, SchemaError, JobNotFound, JobStateError, InputError,
-            TenantNotFound, FileNotFoundError, ValueError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, user_error_types()):
+            raise
         raise click.ClickException(str(exc)) from None
 
 

@@ -36,7 +36,8 @@ import jsonschema
 
 from jobs.line_text import bad_text, shown
 from worker.config import Settings
-from worker.engine.grammar import CompileRules, GrammarError, check
+from worker.engine.grammar_compile import GrammarError
+from worker.engine.grammar_pool import CompileRules
 from worker.engine.request import StructuredOutput
 from worker.engine.schema_bounds import over_bounds
 
@@ -98,6 +99,8 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
         return None
     param, kind, value = asked[0]
     spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
+    from worker.engine.grammar import check  # torch: paid by the first constraint, not by every door's import
+
     try:
         check(spec, tokenizer, limits.compile, tenant)
     except GrammarError as exc:

@@ -23,7 +23,6 @@ import threading
 
 from celery import Celery
 
-from jobs.checkpoint_gc import collect_checkpoints
 from jobs.db import open_database
 from jobs.file_removal import expire_files
 from jobs.files import JobFiles
@@ -92,6 +91,8 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=CHECKPOINT_GC, shared=False)
     def collect_checkpoint_garbage() -> None:
+        from jobs.checkpoint_gc import collect_checkpoints  # reads checkpoints with torch: not at every `berth cancel`
+
         collect_checkpoints(open_store(settings.storage_url), db(), settings.checkpoint_gc_min_age)
 
     return app

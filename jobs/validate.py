@@ -29,8 +29,6 @@ from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from worker.config import Settings
 from worker.engine.request import Request
 from worker.model.architectures import context_length
-from worker.model.loader import load_config
-from worker.model.tokenizer import load_tokenizer
 
 __all__ = ["MAX_CUSTOM_ID", "InputError", "LineValidator", "ModelInfo", "RawLine", "copy_checked",
            "check_file_size", "model_info", "read_lines"]
@@ -69,6 +67,9 @@ class ModelInfo:
 
 @functools.lru_cache(maxsize=4)
 def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
+    from worker.model.loader import load_config  # torch: paid where lines are checked, not where jobs are read
+    from worker.model.tokenizer import load_tokenizer
+
     config = load_config(path)
     context = context_length(config)  # the model's whole context, as the engine takes it
     return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context), config.vocab_size)

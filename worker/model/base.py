@@ -7,8 +7,10 @@ A file of their own, below the loaders (``gguf.loader``, ``safetensors_loader``)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only named in an annotation: the CLI's error handling imports this file without torch
+    import torch
 
 
 class ModelLoadError(RuntimeError):

@@ -1,0 +1,144 @@
+"""The commands that read or change job rows (`status`, `list`, `results`, `cancel`, `key`, `tenant`,
+`--help`, ...) start in a fraction of a second because they never import the engine's packages:
+torch alone takes seconds to import. Each command runs here in a fresh process, on an embedded
+SQLite database, with an import hook that records who imported a forbidden package first, so a new
+import chain (a door module reaching the engine for a constant) fails with the chain named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs import api
+from jobs.db import open_database
+from jobs.files import JobFiles
+from jobs.submit import JobSpec, create_job
+from worker.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]  # this tree's berth, not another one installed
+FORBIDDEN = ("torch", "xgrammar", "transformers", "triton", "worker.engine.engine", "worker.model.loader")
+
+# Runs `berth ARGS...` in this process, then writes the exit code and, for each forbidden module that
+# was imported, the stack of berth's own frames at its first import.
+RUN = r"""
+import json, runpy, sys, traceback
+
+FORBIDDEN, REPORT, ARGS = json.loads(sys.argv[1])
+first = {}
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name in FORBIDDEN and name not in first:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/site-packages/" not in f.filename
+                      and "<frozen" not in f.filename]
+            first[name] = [f"{f.filename}:{f.lineno} {f.line}" for f in frames]
+        return None  # the import itself goes on as usual
+
+sys.meta_path.insert(0, Watch())
+sys.argv = ["berth", *ARGS]
+code = 0
+try:
+    runpy.run_module("jobs.cli", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+with open(REPORT, "w") as f:
+    json.dump({"code": code, "imported": {m: first.get(m) for m in FORBIDDEN if m in sys.modules}}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def jobs_db(tmp_path_factory):
+    """An embedded database holding a finished job (its one line failed validation: no engine ran)
+    and a job still validating (created, never ingested), and the environment that points at it."""
+    tmp = tmp_path_factory.mktemp("cli_imports")
+    settings = Settings(database_url=f"sqlite:///{tmp / 'berth.db'}", storage_url=f"file://{tmp / 'store'}")
+    bad = tmp / "bad.jsonl"
+    bad.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": settings.served_model_name(), "messages": "not a list"}}) + "\n")
+    finished = api.submit(bad, settings)
+    assert finished.status.is_final, finished
+    waiting = create_job(open_database(settings.database_url), JobFiles(settings.storage_url), bad,
+                         settings.served_model_name(), JobSpec(), settings)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_") or k == "BERTH_CACHE_DIR"}
+    env.update(BERTH_DATABASE_URL=settings.database_url, BERTH_STORAGE_URL=settings.storage_url,
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return {"env": env, "dir": tmp, "finished": finished.id, "waiting": waiting}
+
+
+def berth(jobs_db, *args: str, forbidden=FORBIDDEN) -> dict:
+    report = jobs_db["dir"] / "report.json"
+    done = subprocess.run([sys.executable, "-c", RUN, json.dumps([list(forbidden), str(report), list(args)])],
+                          env=jobs_db["env"], cwd=jobs_db["dir"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(report.read_text())
+    result["out"], result["err"] = done.stdout, done.stderr
+    return result
+
+
+def assert_light(result: dict, args) -> None:
+    chains = "\n\n".join(f"{module} first imported from:\n  " + "\n  ".join(stack or ["?"])
+                         for module, stack in result["imported"].items())
+    assert not result["imported"], f"`berth {' '.join(args)}` imported the engine's packages:\n{chains}"
+
+
+READ_ONLY = [
+    ["--help"],
+    ["status", "--help"],
+    ["status", "{finished}"],
+    ["status", "{finished}", "--json"],
+    ["list"],
+    ["list", "--json", "--tenant", "default"],
+    ["results", "{finished}", "-o", "{dir}/out.jsonl"],
+    ["key", "list"],
+    ["webhook-secret", "default"],
+]
+
+
+@pytest.mark.parametrize("args", READ_ONLY, ids=lambda a: " ".join(a).replace("{", "").replace("}", ""))
+def test_a_command_that_reads_jobs_imports_no_engine(jobs_db, args):
+    args = [a.format(**{k: str(v) for k, v in jobs_db.items() if k != "env"}) for a in args]
+    result = berth(jobs_db, *args)
+    assert result["code"] == 0, result["err"]
+    assert_light(result, args)
+    if args[0] in ("status", "list") and "--help" not in args:
+        assert jobs_db["finished"] in result["out"]
+
+
+def test_results_copy_the_errors_file_without_the_engine(jobs_db):
+    result = berth(jobs_db, "results", jobs_db["finished"], "-o", str(jobs_db["dir"] / "got.jsonl"))
+    assert result["code"] == 0, result["err"]
+    assert_light(result, ["results"])
+    errors = [json.loads(line) for line in (jobs_db["dir"] / "got.errors.jsonl").read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["a"]
+
+
+def test_commands_that_change_rows_import_no_engine(jobs_db):
+    for args in (["cancel", jobs_db["waiting"]], ["tenant", "default", "--weight", "2"],
+                 ["key", "create", "--tenant", "default"], ["webhook-secret", "default", "--rotate"]):
+        result = berth(jobs_db, *args)
+        assert result["code"] == 0, (args, result["err"])
+        assert_light(result, args)
+    key = berth(jobs_db, "key", "list")["out"].split()[0].rstrip(".")
+    result = berth(jobs_db, "key", "revoke", key)
+    assert result["code"] == 0 and "revoked 1 key" in result["out"], (key, result["err"])
+    assert_light(result, ["key", "revoke"])
+    status = berth(jobs_db, "status", jobs_db["waiting"], "--json")
+    assert json.loads(status["out"])["status"] == "cancelled"
+
+
+def test_an_error_of_a_module_never_imported_is_still_one_line(jobs_db):
+    result = berth(jobs_db, "status", "no-such-job")
+    assert result["code"] == 1 and "Traceback" not in result["err"] and "no job 'no-such-job'" in result["err"]
+    assert_light(result, ["status"])
+
+
+def test_the_hook_names_the_chain_of_an_import(jobs_db):
+    """The check itself, on a package `status` does import: its first importer among berth's lines."""
+    result = berth(jobs_db, "status", jobs_db["finished"], forbidden=("sqlalchemy",))
+    stack = result["imported"]["sqlalchemy"]
+    assert any("jobs/db.py" in line and "import" in line for line in stack), stack
