@@ -5,19 +5,25 @@
         ...
 
 The schema comes only from ``migrations/``; ``upgrade(url)`` (``berth db upgrade``) applies them.
+Checking that a database is at the newest migration reads Alembic's version table and the
+migrations' ``revision`` lines without Alembic: importing it and loading every migration module cost
+`berth status` more than the rest of the command did. Alembic itself runs only to migrate.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATION_WAIT = 60.0  # seconds to wait for another process migrating the same empty database
+VERSION_TABLE = "alembic_version"  # Alembic's default name, which migrations/env.py keeps
 
 
 class SchemaError(RuntimeError):
@@ -113,16 +119,51 @@ def alembic_config(connection=None):
 
 
 def head_revision() -> str:
-    from alembic.script import ScriptDirectory
+    """The newest migration: the one revision of ``migrations/versions`` that no other revises."""
+    import migrations
 
-    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+    return _head_of(Path(migrations.__file__).parent / "versions")
+
+
+@functools.cache
+def _head_of(folder: Path) -> str:
+    revisions, revised = set(), set()
+    for path in sorted(folder.glob("*.py")):
+        fields = _literal_assignments(path)
+        if "revision" in fields:
+            revisions.add(fields["revision"])
+            down = fields.get("down_revision")
+            revised.update(down if isinstance(down, (tuple, list)) else [down] if down else [])
+    heads = revisions - revised
+    if len(heads) != 1:
+        raise SchemaError(f"the migrations in {folder} have {len(heads)} heads ({sorted(heads)}), not one")
+    return heads.pop()
+
+
+def _literal_assignments(path: Path) -> dict:
+    """The module-level ``name = literal`` (and ``name: type = literal``) lines of a Python file."""
+    fields = {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) and node.value is not None else None
+        if isinstance(target, ast.Name):
+            try:
+                fields[target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return fields
 
 
 def schema_revision(engine: Engine) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
+    """The revision the database is at; None when it has none (no version table, or an empty one)."""
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        if not inspect(conn).has_table(VERSION_TABLE):
+            return None
+        versions = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    if len(versions) > 1:
+        raise SchemaError(f"the database is at {len(versions)} migrations at once ({sorted(versions)}): "
+                          "it was migrated by something other than `berth db upgrade`")
+    return versions[0] if versions else None
 
 
 def upgrade(target: str | Engine, revision: str = "head") -> str:

@@ -35,3 +35,23 @@ def test_a_database_not_made_by_berth_is_refused_with_what_to_run(tmp_path):
     engine.dispose()
     with pytest.raises(SchemaError, match="run `berth db upgrade`"):
         open_database(url)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_schema_check_without_alembic_agrees_with_alembic(backend, tmp_path, request):
+    """``open_database`` reads the head and the database's revision itself (Alembic costs a read-only
+    command more than the command); Alembic must read the same."""
+    from alembic.script import ScriptDirectory
+
+    from jobs.db import alembic_config, schema_revision, upgrade
+
+    assert head_revision() == ScriptDirectory.from_config(alembic_config()).get_current_head()
+    url = f"sqlite:///{tmp_path / 'berth.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    engine = make_engine(url)
+    assert schema_revision(engine) is None
+    for revision in ("0001", "head"):
+        upgrade(engine, revision)
+        with engine.connect() as conn:
+            assert schema_revision(engine) == MigrationContext.configure(conn).get_current_revision()
+    assert schema_revision(engine) == head_revision()
+    engine.dispose()
