@@ -32,8 +32,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
-
 from jobs.line_text import bad_text, shown
 from worker.config import Settings
 from worker.engine.grammar_compile import GrammarError
@@ -211,6 +209,8 @@ def _schema_text(param: str, schema: Any, limits: StructuredLimits) -> str:
     _within(param, "the schema, as compact JSON,", text, limit, "SCHEMA")
     if why := bad_text(text, nul=False):
         raise SpecError(param, why)
+    import jsonschema  # paid by the first schema checked, not by every process that imports the door
+
     try:
         jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
