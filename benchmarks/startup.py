@@ -11,11 +11,13 @@ out from git in the same run (``--baseline``, default the commit before the star
 - ``worker``: seconds from a ``berth worker`` process start (embedded defaults: SQLite, the
   embedded queue and a local folder, in a temporary folder) to its log line that it consumes
   (``ready``) and to its first generated token (the Prometheus counter ``berth_output_tokens_total``);
+- ``commands``: seconds of the commands that read jobs and never run the engine (``berth status``,
+  ``list``, ``--help``), each the best of three, on a job submitted to an embedded database;
 - the KV cache's resident memory after start and after the first token: the pages of the cache
   tensors present in memory (``/proc/self/pagemap``), beside the bytes reserved;
 - which heavy packages the generate path imported before its first token.
 
-    python benchmarks/startup.py                    # this tree against 8736624, best of 2
+    python benchmarks/startup.py                    # this tree against 7fa1c06, best of 2
     python benchmarks/startup.py --repeat 3 --baseline HEAD~3
 
 Caches are warm in both (the converted tokenizer, the C kernel, the model file in the page
@@ -42,7 +44,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BASELINE = "8736624"
+DEFAULT_BASELINE = "7fa1c06"  # main when issue 23 (start-up: worker in 1 s, `berth status` in 0.5 s) was filed
 HEAVY = ("transformers", "sqlalchemy", "celery", "kombu", "fastapi", "boto3", "jsonschema", "triton", "jinja2",
          "tokenizers", "gguf", "pydantic")
 
@@ -210,10 +212,37 @@ def time_worker(tree: Path, work: Path, timeout: float = 300.0) -> dict:
     return {"ready": ready, "first_token": first_token, "log": [f"{t:6.2f}s {text}" for t, text in lines[:12]]}
 
 
+COMMANDS = {"status": ["status", "{job}"], "list": ["list"], "help": ["--help"]}
+
+
+def time_commands(tree: Path, work: Path, tries: int = 3) -> dict[str, dict[str, float]]:
+    """Wall-clock and CPU seconds of each of ``COMMANDS`` (the best of ``tries``) on an embedded
+    database holding one submitted job."""
+    env = {**variant_env(tree, work), "BERTH_DATABASE_URL": f"sqlite:///{work / 'berth.db'}",
+           "BERTH_STORAGE_URL": f"file://{work / 'store'}"}
+    requests = work / "one.jsonl"
+    requests.write_text(json.dumps(ONE_REQUEST) + "\n")
+    job = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", str(requests)], cwd=work, env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    figures = {}
+    for name, args in COMMANDS.items():
+        walls, cpus = [], []
+        for _ in range(tries):
+            cpu, start = _cpu_seconds_of_children(), time.perf_counter()
+            subprocess.run([sys.executable, "-m", "jobs.cli", *(a.format(job=job) for a in args)], cwd=work, env=env,
+                           check=True, capture_output=True)
+            walls.append(time.perf_counter() - start)
+            cpus.append(_cpu_seconds_of_children() - cpu)
+        figures[name] = {"wall": min(walls), "cpu": min(cpus)}
+    return figures
+
+
 def one_run(tree: Path) -> dict:
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c:
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c, \
+            tempfile.TemporaryDirectory() as d:
         wall, cpu = time_generate(tree, Path(a))
-        return {"generate": wall, "generate_cpu": cpu, "phases": phases(tree, Path(b)), "worker": time_worker(tree, Path(c))}
+        return {"generate": wall, "generate_cpu": cpu, "phases": phases(tree, Path(b)), "worker": time_worker(tree, Path(c)),
+                "commands": time_commands(tree, Path(d))}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -226,6 +255,8 @@ def summary(runs: list[dict]) -> dict:
                        for k in ("imports", "read_model", "build_engine", "first_token")},
             "kv": {k: best["phases"][k] for k in ("kv_reserved", "kv_resident_after_start",
                                                    "kv_resident_after_token", "kv_blocks")},
+            "commands": {name: {k: min(r["commands"][name][k] for r in runs) for k in ("wall", "cpu")}
+                         for name in COMMANDS},
             "heavy_imports": best["phases"]["heavy_imports"],
             "worker_log": runs[-1]["worker"]["log"], "runs": runs}
 
@@ -240,6 +271,10 @@ def report(before: dict, after: dict, baseline: str) -> None:
             ("berth worker: start to first token (s)", before["worker_first_token"], after["worker_first_token"])]
     rows += [(f"  phase: {k.replace('_', ' ')} (s)", before["phases"][k], after["phases"][k])
              for k in before["phases"]]
+    for name, args in COMMANDS.items():
+        shown = " ".join(a.replace("{job}", "JOB") for a in args)
+        rows += [(f"berth {shown} (s)", before["commands"][name]["wall"], after["commands"][name]["wall"]),
+                 ("  the same in CPU seconds", before["commands"][name]["cpu"], after["commands"][name]["cpu"])]
     rows += [("KV cache reserved (MiB)", before["kv"]["kv_reserved"] / mib, after["kv"]["kv_reserved"] / mib),
              ("KV resident after start (MiB)", before["kv"]["kv_resident_after_start"] / mib,
               after["kv"]["kv_resident_after_start"] / mib),
