@@ -59,8 +59,14 @@ t0 = time.perf_counter()
 import jobs.cli, jobs.generate
 t1 = time.perf_counter()
 from worker.config import Settings
-from worker.engine.engine import DTYPES, Engine
-from worker.model.loader import load_model
+try:
+    from worker.engine.engine import DTYPES, Engine
+    from worker.engine.request import SamplingParams
+    from worker.model.loader import load_model
+except ModuleNotFoundError:  # a baseline from before the wings (worker/engine/, worker/model/): one flat worker/
+    from worker.engine import DTYPES, Engine
+    from worker.model_loader import load_model
+    from worker.request import SamplingParams
 settings = Settings()
 loaded = load_model(settings.model_path(), DTYPES[settings.dtype])
 t2 = time.perf_counter()
@@ -72,7 +78,6 @@ def kv_resident():
 
 kv_after_start = kv_resident()
 t3b = time.perf_counter()
-from worker.engine.request import SamplingParams
 ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
 ids = list(ids if isinstance(ids, list) else ids["input_ids"])
 engine.generate([ids], SamplingParams(max_tokens=1, temperature=0))
