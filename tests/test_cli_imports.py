@@ -131,6 +131,18 @@ def test_commands_that_change_rows_import_no_engine(jobs_db):
     assert json.loads(status["out"])["status"] == "cancelled"
 
 
+def test_submit_to_a_broker_imports_no_engine(jobs_db, queue_prefix):
+    """With a broker the ingest (which reads the model's config and tokenizer) runs on a Celery
+    worker: `berth submit` stores the file, makes the job and sends the task, all without torch."""
+    from tests.jobs_support import AMQP_URL
+
+    result = berth(jobs_db, "submit", str(jobs_db["dir"] / "bad.jsonl"), "--broker-url", AMQP_URL,
+                   "--queue-prefix", queue_prefix)
+    assert result["code"] == 0, result["err"]
+    assert_light(result, ["submit", "--broker-url"])
+    assert result["out"].strip().startswith("batch_")
+
+
 def test_an_error_of_a_module_never_imported_is_still_one_line(jobs_db):
     result = berth(jobs_db, "status", "no-such-job")
     assert result["code"] == 1 and "Traceback" not in result["err"] and "no job 'no-such-job'" in result["err"]
