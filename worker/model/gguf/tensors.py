@@ -23,6 +23,12 @@ _FLOATS = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.int
 # The block quantisations of llama.cpp's common file types (Q4_K_M holds Q4_K and Q6_K, etc.)
 QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = (*_FLOATS, *QUANTISED)
+# GGML type id -> (name, values per block, bytes per block) of the types above, as GGUF files number and
+# size them (tests/test_gguf_dequant.py holds it equal to the gguf package's GGML_QUANT_SIZES). Written
+# here so that reading the common files needs no `import gguf` (its metadata module brings PyYAML).
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18),
+              3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84),
+              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 _BLOCKS_PER_CHUNK = 4096
 
 
@@ -33,14 +39,11 @@ def open_data(path: str) -> np.memmap:
 
 def read_tensor(data: np.memmap, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     """``info``'s tensor from the mapped file ``data``, shaped ``info.shape``, in ``dtype``."""
-    import gguf
-
-    type_name = gguf.GGMLQuantizationType(info.ggml_type).name
-    if type_name not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"tensor {info.name} is stored as {type_name}, which berth cannot read; "
-                             f"it reads {', '.join(SUPPORTED_TYPES)}: pick a file quantised to one of those")
+    if info.ggml_type not in GGML_TYPES:
+        raise ModelLoadError(f"tensor {info.name} is stored as {_type_name(info.ggml_type)}, which berth cannot "
+                             f"read; it reads {', '.join(SUPPORTED_TYPES)}: pick a file quantised to one of those")
+    type_name, block_size, type_size = GGML_TYPES[info.ggml_type]
     n = int(np.prod(info.shape))
-    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
     raw = data[info.offset:info.offset + n // block_size * type_size]
     if type_name in _FLOATS:
         np_dtype, view_as = _FLOATS[type_name]
@@ -52,8 +55,19 @@ def read_tensor(data: np.memmap, info: TensorInfo, dtype: torch.dtype) -> torch.
     blocks = raw.reshape(-1, type_size)
     tensor = dequantise(type_name, torch.from_numpy(blocks), dtype)
     if tensor is None:
+        import gguf.quants
+
         tensor = _dequantise(getattr(gguf.quants, type_name), blocks, dtype)
     return tensor.reshape(info.shape)
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"GGML type {ggml_type}"
 
 
 def _dequantise(quant, blocks: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
