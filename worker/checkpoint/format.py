@@ -254,7 +254,7 @@ def _sample_mismatch(sample: SampleCheckpoint, request: Request, limits: EngineL
     tokens = list(prompt) + list(out)
     if len(sample.block_hashes) > (len(tokens) - 1) // limits.block_size:
         return f"{len(sample.block_hashes)} KV blocks named, more than its {len(tokens)} tokens fill"
-    parent = hash_root(long_rope(limits.long_rope_from, len(tokens)))
+    parent = hash_root(long_rope(limits.long_rope_from, len(tokens)), request.cache_key)
     for i, h in enumerate(sample.block_hashes):
         parent = chain_hash(parent, tokens[i * limits.block_size:(i + 1) * limits.block_size])
         if h != parent:

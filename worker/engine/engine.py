@@ -70,6 +70,16 @@ class RequestState:
     samples: list[SampleState]  # empty until the prompt is computed (and n samples exist)
 
 
+@dataclass
+class SharedPrefix:
+    """Leading blocks of a request's prompt that it found in the prefix cache: a prefix that more than
+    one request has used, worth offering to other workers (``worker.checkpoint.prefix_store``)."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]  # where those blocks are now (valid until the next step)
+
+
 class RequestRejected(ValueError):
     """A request the engine can never run (too long for the model or the KV cache)."""
 
@@ -140,6 +150,8 @@ class Engine:
         self._swapped_kv: dict[int, torch.Tensor] = {}
         self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
         self._compiling: list[Request] = []  # waiting for their grammar, outside the scheduler
+        self.watch_shared_prefixes = False  # keep ``SharedPrefix``es for ``take_shared_prefixes``
+        self._shared: list[SharedPrefix] = []
         # Told the ids of requests about to run for the first time, before the step that runs them: a
         # worker that dies in that step has said which requests it was running (poison counts them).
         self.on_start: Callable[[list[str]], None] | None = None
@@ -276,6 +288,28 @@ class Engine:
             self.runner.write_blocks([b for _, b in targets], data[:, :, [i for i, _ in targets]])
         return len(targets)
 
+    def prefix_block_hashes(self, request: Request) -> list[bytes]:
+        """The names of the full blocks of ``request``'s prompt that admitting it could take from the
+        prefix cache (all but the block of its last token), as the block manager will name them."""
+        seq = Sequence(request=request, sample_index=0, token_ids=list(request.prompt_token_ids),
+                       num_prompt_tokens=len(request.prompt_token_ids),
+                       long_rope=long_rope(self.long_rope_from, len(request.prompt_token_ids)))
+        self.block_manager.hash_full_blocks(seq, seq.num_tokens - 1)
+        return seq.block_hashes
+
+    def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many of ``block_hashes``, from the first, the prefix cache holds now."""
+        if not self.block_manager.enable_prefix_cache:
+            return 0
+        cached = self.block_manager.cached
+        return next((i for i, h in enumerate(block_hashes) if h not in cached), len(block_hashes))
+
+    def take_shared_prefixes(self) -> list[SharedPrefix]:
+        """The prefixes requests found in the prefix cache since the last call (with
+        ``watch_shared_prefixes`` on); call between steps."""
+        shared, self._shared = self._shared, []
+        return shared
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """Names the KV cache's meaning: model files, dtype and block size. Checkpointed blocks are
@@ -403,6 +437,9 @@ class Engine:
         for seq, n in scheduled:  # their keys and values are in the cache now
             self._count_computed(seq, n)
             seq.num_computed_tokens += n
+        if self.watch_shared_prefixes:
+            self._shared += [SharedPrefix(seq.request.request_id, seq.block_hashes[:n], seq.block_table[:n])
+                             for seq, n in plan.prefix_hits]
         if self.stats.steps % 8 == 1:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
         try:
@@ -593,7 +630,8 @@ class Engine:
                 text = text[:seq.stop_text_end]
             completions.append(Completion(seq.sample_index, ids, text, seq.finish_reason,
                                           seq.logprobs if request.params.logprobs is not None else None))
-        return RequestOutput(request.request_id, request.prompt_token_ids, completions)
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions,
+                             num_cached_prompt_tokens=request.cached_prompt_tokens or 0)
 
     def _count_computed(self, seq: Sequence, n: int) -> None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n

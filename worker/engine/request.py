@@ -165,10 +165,22 @@ class Request:
     isolated: bool = False  # stepped apart from every other request until ``Engine.release`` (``Engine.step``)
     grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
     grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
+    # Who may share its cached prefix blocks: None is its tenant alone; requests with the same salt share
+    # (the worker passes a tenant group's or a request's own ``cache_salt`` here, already namespaced).
+    cache_salt: str | None = None
+    cached_prompt_tokens: int | None = None  # of its prompt, taken from the prefix cache when first admitted
 
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
+
+    @property
+    def cache_key(self) -> str:
+        """What enters its blocks' hash chain (``block_manager.hash_root``): its salt, else its tenant
+        (the default tenant's is empty: the names its blocks had before tenants were kept apart)."""
+        if self.cache_salt is not None:
+            return self.cache_salt
+        return "" if self.tenant == "default" else f"tenant:{self.tenant}"
 
     @property
     def is_finished(self) -> bool:
