@@ -274,6 +274,21 @@ def _logit_bias(line: BatchLine, limit: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+MAX_CACHE_SALT = 256  # characters of a line's cache_salt
+
+
+def cache_salt(line: BatchLine) -> str | None:
+    """The line's ``cache_salt`` (vLLM's) as the engine keys it: requests that give the same one share
+    cached prompt prefixes, whatever their tenant; None (absent): the tenant's own, or its group's."""
+    salt = line.body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT or bad_text(salt):
+        raise LineError(line.line, "body.cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT} characters, "
+                        f"got {shown(salt)}", line.custom_id)
+    return f"salt:{salt}"
+
+
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
                priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
                structured_limits: StructuredLimits = DEFAULT_LIMITS) -> Request:
@@ -310,7 +325,7 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
         raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
     if structured is not None:
         params = replace(params, structured=structured)
-    return Request(request_id, ids, params, priority=priority, tenant=tenant)
+    return Request(request_id, ids, params, priority=priority, tenant=tenant, cache_salt=cache_salt(line))
 
 
 def response_line(line: BatchLine, output: RequestOutput, model_name: str, tokenizer) -> dict:
@@ -330,7 +345,8 @@ def response_line(line: BatchLine, output: RequestOutput, model_name: str, token
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model_name, "choices": choices,
             "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(output.prompt_token_ids) + completion_tokens}}
+                      "total_tokens": len(output.prompt_token_ids) + completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": output.num_cached_prompt_tokens}}}
     return {"id": f"batch_req_{output.request_id}", "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": output.request_id, "body": body}, "error": None}
 

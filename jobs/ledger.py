@@ -85,15 +85,15 @@ class JobsLedger:
             # the write first: it takes the rows' locks (SQLite: the database's) before they are read
             s.execute(update(RequestRow).where(ids).values(attempts=RequestRow.attempts + 1, delivered_at=now()))
             rows = s.execute(
-                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Result.id)
+                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Tenant.cache_group, Result.id)
                 .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
                 .outerjoin(Result, Result.request_id == RequestRow.id).where(ids)).all()
             dead = {_life(row): row.holder for row, *_, result_id in rows
                     if result_id is None and row.holder is not None and row.started}
             deaths = workers.found_dead(s, dead)
             claims = {row.id: _claim(row, status, model, priority, tenant, result_id is None and status in LIVE,
-                                     deaths.get(_life(row)))
-                      for row, status, model, priority, tenant, result_id in rows}
+                                     deaths.get(_life(row)), group)
+                      for row, status, model, priority, tenant, group, result_id in rows}
             s.execute(update(RequestRow).where(ids).values(holder=worker[:200], holder_life=self.life, started=False))
         return claims
 
@@ -177,7 +177,8 @@ class JobsLedger:
         output = outcome.output
         line = response_line(BatchLine(0, "", url or "", {}), output, self.model_name, self.tokenizer)
         return ResultRecord(outcome.request_id, outcome.job_id, ResultStatus.COMPLETED, response=line["response"],
-                            prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens)
+                            prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens,
+                            cached_tokens=output.num_cached_prompt_tokens)
 
     @_translated
     def closed_jobs(self, job_ids: set[str]) -> set[str]:
@@ -200,8 +201,16 @@ def _life(row: RequestRow) -> str | None:
     return row.holder_life or row.holder[:32]
 
 
+def cache_salt_of(row: RequestRow, group: str | None) -> str | None:
+    """Who a request shares cached prefixes with (``Request.cache_salt``): those giving its line's
+    cache_salt, else its tenant's sharing group, else (None) its tenant alone."""
+    if row.cache_salt:
+        return row.cache_salt
+    return f"group:{group}" if group else None
+
+
 def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool,
-           death: Death | None) -> Claim:
+           death: Death | None, group: str | None = None) -> Claim:
     params, unreadable = None, None
     try:
         params = params_from_dict(dict(row.params))
@@ -210,4 +219,5 @@ def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_o
     return Claim(row.id, row.job_id, model, tenant, priority, list(row.prompt_token_ids), params, is_open,
                  row.attempts, crashed=row.holder is not None and row.started, progress=row.progress,
                  strikes=row.strikes, last_error=row.last_error, unreadable=unreadable, suspect=row.suspect,
-                 death=death if row.holder is not None and row.started else None, checkpoint=row.checkpoint)
+                 death=death if row.holder is not None and row.started else None, checkpoint=row.checkpoint,
+                 cache_salt=cache_salt_of(row, group))

@@ -23,7 +23,7 @@ COMPLETIONS_URL = "/v1/completions"
 _BOTH = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "logprobs",
     "min_tokens", "ignore_eos", "stream", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "logit_bias", "min_p",
+    "logit_bias", "min_p", "cache_salt",
     # structured outputs (jobs.structured_outputs reads them, and refuses the last three with a reason)
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "guided_json_object", "guided_whitespace_pattern", "structural_tag",
@@ -39,7 +39,6 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "user": (_is_str, "a string"),
     "safety_identifier": (_is_str, "a string"),
     "prompt_cache_key": (_is_str, "a string"),  # berth's prefix cache needs no key
-    "cache_salt": (_is_str, "a string"),  # vLLM: separates prefix caches; berth's holds no secrets across jobs
     "request_id": (_is_str, "a string"),  # vLLM: names the request in its logs; berth names it by custom_id
     "metadata": (lambda v: isinstance(v, dict), "an object"),
     "store": (lambda v: isinstance(v, bool), "true or false"),
