@@ -209,3 +209,25 @@ def _run_grouped(settings, jobs, loaded_engine, tmp_path):
     assert computed == prompt + (2 * LINES - 1) * (prompt - shared), "the group's prompt was computed more than once"
     assert b.prefixes.loaded_blocks == SHARED_BLOCKS
     assert len(list(store.list(KV_PREFIX))) == RUNS
+
+
+def test_a_prefix_run_is_written_once_however_many_workers_publish_it(tmp_path):
+    import torch
+
+    from worker.checkpoint.writer import CheckpointWriter, KvRun
+    from worker.metrics import WorkerMetrics
+
+    store = open_store(f"file://{tmp_path}/store")
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    data = torch.arange(2 * 2 * 8 * 4 * 1 * 2, dtype=torch.float32).reshape(2, 2, 8, 4, 1, 2)
+    puts = []
+    for _ in range(3):  # three workers that computed the same shared prefix
+        metrics = WorkerMetrics()
+        writer = CheckpointWriter(store, "fp", metrics, 1 << 20)
+        writer.publish([KvRun(list(hashes), data.clone())])
+        writer.publish([KvRun(list(hashes), data.clone())])  # offered twice while queued: once
+        assert writer.flush(10)
+        writer.close()
+        puts.append(metrics.registry.get_sample_value("berth_checkpoint_kv_runs_total"))
+    assert puts == [1, 0, 0]
+    assert len(list(store.list(KV_PREFIX))) == 1

@@ -7,8 +7,10 @@ A job whose lines share a long system prompt would have every worker compute it 
   of ``RUN_BLOCKS`` blocks go to the store as KV runs named by their last block's hash
   (``format.kv_key``, the checkpoints' own runs), and so does the window where the shared part ends
   (a run named by the prefix's last shared block). The checkpoint writer uploads them beside the
-  engine loop; each is written once: a run this worker knows to be on the store is not queued, and
-  the writer asks the store before writing one that another worker may have written.
+  engine loop; each is written once: a run this worker published or loaded in the last
+  ``REPUBLISH_SECONDS`` is not offered again, and the writer asks the store (a HEAD) before writing
+  one, which another worker may have written. (The checkpoint collection deletes runs no state names
+  an hour after they were written: while requests keep sharing a prefix, it is published again.)
 - **Load.** A new request (not a resume: that is ``resume.Restorer``'s) whose prompt's full blocks the
   engine lacks is looked up before it is added, on a background thread, when reading that many blocks
   is faster than computing them (the same estimate as a resume: ``TransferRates``): window by window
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -47,6 +50,8 @@ from worker.metrics import WorkerMetrics
 log = logging.getLogger("berth.prefix_store")
 
 THREADS = 2
+REPUBLISH_SECONDS = 600.0  # a run published or loaded is offered again (one HEAD) no sooner than this
+MAX_SEEN = 100_000  # runs remembered as published or loaded; the oldest are forgotten past this
 
 
 @dataclass
@@ -78,6 +83,7 @@ class PrefixStore:
         self._fetching: list[tuple[Request, Future]] = []
         self._reads: dict[bytes, Future] = {}  # run name -> its read, shared by the lookups under way
         self._lock = threading.Lock()
+        self._seen: OrderedDict[bytes, float] = OrderedDict()  # run name -> when last published or loaded
 
     @property
     def pending(self) -> int:
@@ -112,6 +118,8 @@ class PrefixStore:
                 self.loaded_blocks += loaded
                 self.metrics.prefix_blocks.labels("loaded").inc(loaded)
                 self.writer.mark_written(found.runs)  # on the store: no checkpoint writes them again
+                for last in set(found.runs.values()):
+                    self._saw(last)
             requests.append(request)
         if not self._fetching:
             with self._lock:  # what later lookups need is in the engine's cache now, or worth asking again
@@ -125,13 +133,14 @@ class PrefixStore:
             return
         chosen: list[tuple[list[bytes], list[int]]] = []
         room = self.writer.room()
-        named: set[bytes] = set()
+        now = time.monotonic()
         for prefix in shared:
             for hashes, ids in self._windows(prefix):
                 last = hashes[-1]
-                if last in named or self.writer.has_run(last) or len(hashes) * self.block_bytes > room:
+                seen = self._seen.get(last)
+                if (seen is not None and now - seen < REPUBLISH_SECONDS) or len(hashes) * self.block_bytes > room:
                     continue
-                named.add(last)
+                self._saw(last, now)
                 room -= len(hashes) * self.block_bytes
                 chosen.append((hashes, ids))
         if not chosen:
@@ -144,6 +153,12 @@ class PrefixStore:
         self.writer.publish(runs)
         self.published_runs += len(runs)
         self.metrics.prefix_blocks.labels("published").inc(sum(len(r.hashes) for r in runs))
+
+    def _saw(self, last: bytes, now: float | None = None) -> None:
+        self._seen[last] = time.monotonic() if now is None else now
+        self._seen.move_to_end(last)
+        if len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
 
     def reads_blocks(self, num_blocks: int) -> bool:
         """Whether reading ``num_blocks`` blocks from the store is faster than computing them."""

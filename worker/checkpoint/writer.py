@@ -192,11 +192,11 @@ class CheckpointWriter:
 
     def publish(self, runs: list[KvRun]) -> None:
         """Runs of shared prompt prefixes, for other workers to load (``worker.checkpoint.prefix_store``):
-        queued like a state's runs, but no state names them and no request's end drops them; each is
-        written once, after asking the store whether another worker wrote it already."""
+        queued like a state's runs, but no state names them and no request's end drops them; one is
+        written only after asking the store whether it has it (another worker wrote it, or this one)."""
         with self._cond:
             for run in runs:
-                if self.has_run(run.last):
+                if run.last in self._runs or run.last in self._uploading:
                     continue
                 run.shared, run.request_id = True, ""
                 self._runs[run.last] = run
