@@ -231,3 +231,12 @@ def test_a_prefix_run_is_written_once_however_many_workers_publish_it(tmp_path):
         puts.append(metrics.registry.get_sample_value("berth_checkpoint_kv_runs_total"))
     assert puts == [1, 0, 0]
     assert len(list(store.list(KV_PREFIX))) == 1
+
+
+def test_the_prefix_store_is_on_with_checkpoints_unless_turned_off():
+    from worker.config import Settings
+
+    assert Settings().prefix_store_on() and not Settings(prefix_store=False).prefix_store_on()
+    assert not Settings(checkpoint_interval=0).prefix_store_on()
+    with pytest.raises(ValueError, match="needs checkpoints"):
+        Settings(prefix_store=True, checkpoint_interval=0).prefix_store_on()

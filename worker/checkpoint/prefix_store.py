@@ -15,8 +15,9 @@ A job whose lines share a long system prompt would have every worker compute it 
   engine lacks is looked up before it is added, on a background thread, when reading that many blocks
   is faster than computing them (the same estimate as a resume: ``TransferRates``): window by window
   from the start, one GET each (the key of the window's last block), until one is missing; past the
-  last full window, the keys of the blocks of the prompt's last window, longest first, find a run
-  published where a shared prefix ended. The blocks found go into the engine's prefix cache
+  first window, the keys of the missing window's other blocks, longest first, find a run published
+  where a shared prefix ended inside it (a prompt that goes on past the shared part pays a GET for
+  each of its blocks there before the one that hits). The blocks found go into the engine's prefix cache
   (``Engine.load_kv_blocks``), where the request's admission takes them as cache hits: so they count
   in its ``cached_prompt_tokens`` and the engine's ``prompt_tokens_cached``, not as computed.
 
@@ -186,8 +187,10 @@ class PrefixStore:
         runs: dict[bytes, bytes] = {}
         n = len(hashes)
         for start in range(have // RUN_BLOCKS * RUN_BLOCKS, n, RUN_BLOCKS):
-            end = start + RUN_BLOCKS
-            names = [end - 1] if end <= n else list(range(n - 1, start - 1, -1)) if start else []
+            end = min(start + RUN_BLOCKS, n)
+            # the window's own run; past the first window, where a shared prefix ended inside it (a run
+            # named by one of its blocks: longest first, none that would add nothing to what the engine has)
+            names = [j for j in range(end - 1, start - 1, -1) if j >= have] if start else [end - 1]
             got = None
             for j in names:
                 got = self._read(rid, hashes[j])
@@ -202,7 +205,7 @@ class PrefixStore:
                 break
             for h in window:
                 found[h], runs[h] = got[h], hashes[j]
-            if j < end - 1:
+            if j < end - 1 or end - start < RUN_BLOCKS:
                 break
         wanted = hashes[have:next((i for i in range(have, n) if hashes[i] not in found), n)]
         if not wanted:

@@ -437,9 +437,13 @@ class Engine:
         for seq, n in scheduled:  # their keys and values are in the cache now
             self._count_computed(seq, n)
             seq.num_computed_tokens += n
-        if self.watch_shared_prefixes:
-            self._shared += [SharedPrefix(seq.request.request_id, seq.block_hashes[:n], seq.block_table[:n])
-                             for seq, n in plan.prefix_hits]
+        if self.watch_shared_prefixes:  # prompt blocks found, not a resumed request's own restored ones
+            bs = self.block_manager.block_size
+            for seq, n in plan.prefix_hits:
+                n = min(n, seq.num_prompt_tokens // bs)
+                if n and not seq.request.resume_output_ids:
+                    self._shared.append(SharedPrefix(seq.request.request_id, seq.block_hashes[:n],
+                                                     seq.block_table[:n]))
         if self.stats.steps % 8 == 1:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
         try:
