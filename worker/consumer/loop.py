@@ -60,7 +60,9 @@ Checkpoints (``Settings.checkpoint_interval`` > 0): every ``checkpoint_interval`
 (``Ledger.checkpointed``, from that thread: the loop never waits on it). A request whose claim names
 a checkpoint is first read from there by the ``Restorer`` in the background and added to the engine
 with its generated tokens (and KV blocks, when they were worth writing and reading them is faster
-than computing them).
+than computing them). A new request is first looked up in the fleet's prefix store
+(``PrefixStore``, ``Settings.prefix_store``: the blocks of its prompt that other workers published)
+the same way, and a prefix that requests shared here is published after the step.
 """
 
 from __future__ import annotations
