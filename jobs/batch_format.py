@@ -28,6 +28,7 @@ from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, unknown_field
 from jobs.chat_messages import template_messages
 from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
 from jobs.tool_formats import FORMATS, call_id
+from jobs.tool_prompt import for_template
 from jobs.tools import NO_TOOLS, compile_plan, tool_plan
 from worker.engine.request import Request, RequestOutput, SamplingParams
 
@@ -161,6 +162,7 @@ def _chat_ids(line: BatchLine, tokenizer, tools: list[dict] | None = None) -> li
         messages = template_messages(line.body.get("messages"))
     except SpecError as exc:
         raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
+    messages = for_template(messages, tools, getattr(tokenizer, "chat_template", None))
     extra = {"tools": tools} if tools else {}  # a tokenizer without tools support is never handed the argument
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
@@ -343,7 +345,7 @@ def _read_calls(choice: dict, text: str, fmt, request_id: str) -> None:
         return
     choice["finish_reason"] = "tool_calls"
     choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": [
-        {"id": call_id(request_id, choice["index"], i), "type": "function",
+        {"id": call_id(request_id, choice["index"], i, call), "type": "function",
          "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
         for i, call in enumerate(parsed.calls)]}
 

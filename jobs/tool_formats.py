@@ -99,10 +99,11 @@ def format_of(chat_template) -> ToolFormat:
     return PLAIN_JSON
 
 
-def call_id(request_id: str, choice: int, number: int) -> str:
-    """A call's id, the same each time the request runs (a resumed or repeated request keeps it)."""
-    digest = hashlib.blake2b(f"{request_id}:{choice}:{number}".encode(), digest_size=12).hexdigest()
-    return f"call_{digest}"
+def call_id(request_id: str, choice: int, number: int, call: Call) -> str:
+    """A call's id: the same each time the request runs and makes this call (a resumed or repeated
+    request keeps it), another for another call."""
+    what = json.dumps([request_id, choice, number, call.name, call.arguments], sort_keys=True, ensure_ascii=False)
+    return f"call_{hashlib.blake2b(what.encode(), digest_size=12).hexdigest()}"
 
 
 def _call(obj, args_key: str) -> Call | None:
