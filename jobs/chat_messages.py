@@ -33,7 +33,8 @@ def _message(where: str, m) -> dict:
         raise SpecError(where, "must be an object with a string role")
     calls = m.get("tool_calls")
     if calls is not None and m["role"] != "assistant":
-        raise SpecError(f"{where}.tool_calls", f"only an assistant message carries tool calls, not a {shown(m['role'])} one")
+        raise SpecError(f"{where}.tool_calls", f"only an assistant message carries tool calls, not a "
+                        f"{shown(m['role'])} one")
     content = m.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):

@@ -58,7 +58,8 @@ class ToolFormat:
             fmt = block if not parallel else {"type": "tags_with_separator", "tags": [block], "separator": "\n",
                                               "at_least_one": True, "stop_after_first": False}
         elif self.name == "mistral":
-            items = {"type": "array", "items": call["json_schema"], "minItems": 1, **({} if parallel else {"maxItems": 1})}
+            items = {"type": "array", "items": call["json_schema"], "minItems": 1}
+            items = items if parallel else {**items, "maxItems": 1}
             fmt = {**call, "json_schema": items}
         else:  # llama3_json and json: one object, the whole message
             fmt = call

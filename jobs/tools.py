@@ -99,8 +99,8 @@ def _tools(value, limits: StructuredLimits) -> dict[str, dict]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise SpecError(f"{where}.type", f'must be "function" (the only kind of tool), in an object '
                             f'{{"type": "function", "function": {{...}}}}, got {shown(tool)}')
-        if set(tool) - {"type", "function"}:
-            raise SpecError(where, f"has fields other than type and function: {sorted(set(tool) - {'type', 'function'})}")
+        if extra := sorted(set(tool) - {"type", "function"}):
+            raise SpecError(f"{where}.{extra[0]}", "is not a field of a tool: it takes type and function")
         function = tool.get("function")
         if not isinstance(function, dict):
             raise SpecError(f"{where}.function", f'missing or not an object {{"name": ..., "parameters": {{...}}}}, '

@@ -14,14 +14,16 @@ import json
 import jsonschema
 import pytest
 
+from jobs import api
 from jobs.batch_format import BatchLine, LineError, response_line
 from jobs.generate import generate_file
 from jobs.ledger import params_from_dict
 from jobs.messages import params_to_dict
+from jobs.models import JobStatus
 from jobs.tool_formats import FORMATS, format_of
 from jobs.validate import LineValidator, ModelInfo, read_lines
 from tests.conftest import save_tiny_model
-from tests.jobs_support import tiny_settings
+from tests.jobs_support import read_jsonl, tiny_settings, work_until_over
 from worker.engine.engine import Engine
 from worker.engine.request import Completion, Request, RequestOutput
 
@@ -141,6 +143,34 @@ def test_tiny_qwen3_required_named_and_auto_answer_valid_calls(tmp_path, qwen_en
             assert a["response"]["body"]["choices"][0]["message"]["content"] is None
 
 
+def test_tool_calls_are_the_same_through_every_door(tmp_path, qwen_dir, qwen_engine):
+    """berth generate, berth run and the queue door answer a tools file alike (the queue's worker reads
+    how to read the calls from the request row)."""
+    lines = [_line(0, "Weather?", tool_choice="required", parallel_tool_calls=False, max_tokens=120),
+             _line(1, "Convert?", tool_choice=_named("convert"), max_tokens=120),
+             _line(2, "Hello", tool_choice="none", max_tokens=8)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def settings(name):
+        return tiny_settings(qwen_dir, database_url=f"sqlite:///{tmp_path / name}.db",
+                             storage_url=f"file://{tmp_path / name}-store")
+
+    def choices(output_path):
+        return {x["custom_id"]: x["response"]["body"]["choices"] for x in read_jsonl(output_path)}
+
+    generate_file(path, tmp_path / "generate.jsonl", engine=qwen_engine, progress=False)
+    generated = choices(tmp_path / "generate.jsonl")
+    assert [c[0]["finish_reason"] for c in generated.values()] == ["tool_calls", "tool_calls", "length"]
+    assert "tool_calls" not in generated["t2"][0]["message"]
+    job, files = api.run(path, tmp_path / "run.jsonl", settings("run"), engine=qwen_engine)
+    assert job.status == JobStatus.COMPLETED and choices(files.output) == generated
+    queued = settings("queue")
+    job = work_until_over(queued, qwen_engine, api.submit(path, queued).id)
+    assert job.status == JobStatus.COMPLETED
+    assert choices(api.results(job.id, tmp_path / "queue.jsonl", settings=queued).output) == generated
+
+
 def test_the_prompt_shows_the_tools_and_auto_reads_qwen_blocks(qwen_engine):
     """The template renders the tools; the answer's <tool_call> blocks (what "auto" finds in a real
     Qwen's text) become OpenAI's tool_calls, the text before them the content."""
@@ -166,7 +196,8 @@ def _answer(text: str, fmt: str | None, finish: str = "stop") -> dict:
 @pytest.mark.parametrize("fmt, text, expected", [
     ("llama3_json", '<|python_tag|>{"name": "lookup", "parameters": {"id": 3}}', [("lookup", {"id": 3})]),
     ("llama3_json", '{"name": "lookup", "parameters": {"id": 3}}; {"name": "convert", "parameters": '
-                    '{"to": "EUR", "exact": true}}', [("lookup", {"id": 3}), ("convert", {"to": "EUR", "exact": True})]),
+                    '{"to": "EUR", "exact": true}}',
+     [("lookup", {"id": 3}), ("convert", {"to": "EUR", "exact": True})]),
     ("mistral", '[{"name": "lookup", "arguments": {"id": 4}}]', [("lookup", {"id": 4})]),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "lookup", "arguments": {"id": 5}}]', [("lookup", {"id": 5})]),
     ("json", '{"name": "lookup", "arguments": {"id": 6}}', [("lookup", {"id": 6})]),
@@ -265,7 +296,8 @@ def test_a_template_without_tools_is_shown_them_and_its_history_calls_as_json(sm
     prompt = smol_tokenizer.decode(request.prompt_token_ids)
     assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions")
     assert json.dumps(TOOLS[2]["function"]) in prompt and '{"name": <function name>' in prompt
-    assert '<|im_start|>assistant\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}<|im_end|>' in prompt
+    call = '{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}'
+    assert f"<|im_start|>assistant\n{call}<|im_end|>" in prompt
     assert "<|im_start|>tool\nsunny<|im_end|>" in prompt
     assert request.params.tool_calls == "json" and request.params.structured.kind == "structural_tag"
 
