@@ -302,6 +302,37 @@ def test_a_template_without_tools_is_shown_them_and_its_history_calls_as_json(sm
     assert request.params.tool_calls == "json" and request.params.structured.kind == "structural_tag"
 
 
+def test_a_checkpoint_from_before_tools_still_names_its_request():
+    """tool_calls left at None stays out of the request's digest, so checkpoints written before the
+    field existed still apply; a request whose calls are read is another request."""
+    import hashlib
+    from dataclasses import asdict, replace
+
+    from worker.checkpoint.format import request_digest
+    from worker.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=8, seed=3)
+    before = {k: v for k, v in asdict(params).items()
+              if k not in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_p",
+                           "tool_calls")}
+    old = hashlib.sha256(json.dumps([[1, 2], before], sort_keys=True).encode()).hexdigest()[:32]
+    assert request_digest([1, 2], params) == old
+    assert request_digest([1, 2], replace(params, tool_calls="hermes")) != old
+
+
+def test_a_call_grammar_is_bounded_like_a_schema():
+    """The engine's own check of a spec's shape (for rows it did not see through the door) finds the
+    schemas inside a structural tag."""
+    from worker.engine.grammar import DEFAULT_RULES, too_costly
+    from worker.engine.request import StructuredOutput
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    tag = FORMATS["hermes"].constraint([("wide", wide)], parallel=True)
+    assert "optional properties" in too_costly(StructuredOutput("structural_tag", json.dumps(tag)), DEFAULT_RULES)
+    tag = FORMATS["hermes"].constraint([("lookup", LOOKUP)], parallel=True)
+    assert too_costly(StructuredOutput("structural_tag", json.dumps(tag)), DEFAULT_RULES) is None
+
+
 def _refusal(tokenizer, **body) -> LineError:
     line = json.dumps({**_line(1, "hi"), "body": {**_line(1, "hi")["body"], **body}})
     validator = LineValidator(ModelInfo("m", tokenizer, 2048, len(tokenizer)))
