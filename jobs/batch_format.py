@@ -7,11 +7,11 @@ never stops the good ones.
 Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
 through the engine without raising, so every bound the engine needs is checked here (token ids
 inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
-of 64 bits, prompt and output inside the context, a structured-output constraint that compiles,
-see ``jobs.structured_outputs``). Each check but that compile (bounded by its shape and deadline) is linear
-in the line's size, and
-values are shown in messages through a bounded ``reprlib`` view, never a full ``repr`` (a value
-nested a thousand deep or a megabyte long costs nothing to report).
+of 64 bits, prompt and output inside the context, a structured-output constraint or a required
+tool call that compiles, see ``jobs.structured_outputs`` and ``jobs.tools``). Each check but that
+compile (bounded by its shape and deadline) is linear in the line's size, and values are shown in
+messages through a bounded ``reprlib`` view, never a full ``repr`` (a value nested a thousand deep
+or a megabyte long costs nothing to report).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from jobs.chat_messages import template_messages
 from jobs.line_text import UNSTORABLE, bad_text, shown
 from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, unknown_field
-from jobs.chat_messages import template_messages
 from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
 from jobs.tool_formats import FORMATS, call_id
 from jobs.tool_prompt import for_template

@@ -19,6 +19,8 @@ INSTRUCTION = ("You can call these functions, given as JSON Schema:\n{functions}
 
 def for_template(messages: list[dict], tools: list[dict] | None, template) -> list[dict]:
     """``messages`` as ``template`` can render them, with ``tools`` described where it does not take them."""
+    if isinstance(template, dict):  # transformers' named templates: the one it renders tools with
+        template = template.get("tool_use") or template.get("default")
     source = template if isinstance(template, str) else ""
     if "tool_calls" not in source:
         messages = [_as_text(m) for m in messages]
