@@ -22,6 +22,7 @@ from sqlalchemy import bindparam, select, update
 
 from jobs import workers
 from jobs.batch_format import BatchLine, response_line
+from jobs.tool_formats import FORMATS
 from jobs.db import open_database
 from jobs.lifecycle import LIVE
 from jobs.models import Job, RequestRow, Result, ResultStatus, Tenant, now
@@ -156,9 +157,10 @@ class JobsLedger:
         if not outcomes:
             return set()
         with self.db.session() as s:
-            urls = dict(s.execute(select(RequestRow.id, RequestRow.url)
-                                  .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all())
-        records = [self._record_of(o, urls.get(o.request_id)) for o in outcomes]
+            rows = {rid: (url, params) for rid, url, params in s.execute(
+                select(RequestRow.id, RequestRow.url, RequestRow.params)
+                .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all()}
+        records = [self._record_of(o, *rows.get(o.request_id, (None, None))) for o in outcomes]
         recorded = record_outcomes(self.db, records, worker)
         errors = {o.request_id: o.error for o in outcomes if o.error is not None}
         if errors:
@@ -170,12 +172,14 @@ class JobsLedger:
             log.exception("could not dispatch the finalizing of jobs %s", recorded.finalize)
         return recorded.new
 
-    def _record_of(self, outcome: Outcome, url: str | None) -> ResultRecord:
+    def _record_of(self, outcome: Outcome, url: str | None, params: dict | None) -> ResultRecord:
         if outcome.output is None:
             return ResultRecord.failure(outcome.request_id, outcome.job_id, outcome.error_code or "failed",
                                         outcome.error or "")
         output = outcome.output
-        line = response_line(BatchLine(0, "", url or "", {}), output, self.model_name, self.tokenizer)
+        tool_calls = params.get("tool_calls") if isinstance(params, dict) else None  # how its calls are read
+        line = response_line(BatchLine(0, "", url or "", {}), output, self.model_name, self.tokenizer,
+                             tool_calls if tool_calls in FORMATS else None)
         return ResultRecord(outcome.request_id, outcome.job_id, ResultStatus.COMPLETED, response=line["response"],
                             prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens,
                             cached_tokens=output.num_cached_prompt_tokens)
