@@ -14,6 +14,12 @@ from worker.config import cache_dir
 
 KERNEL = cpu_attention.load(cache_dir("kernels"))  # the worker's build folder, as the engine passes it
 needs_c = pytest.mark.skipif(KERNEL is None, reason="no C compiler to build the CPU kernel")
+# Both vector paths on every CPU that has AVX2: the one this CPU picks, and AVX2 + FMA forced (an
+# AVX-512 CPU then tests what an AMD Zen 2/3 runs)
+KERNELS = {"native": KERNEL, "avx2": cpu_attention.load(cache_dir("kernels"), isa="avx2") if KERNEL else None}
+each_path = pytest.mark.parametrize("path", [
+    pytest.param(name, marks=pytest.mark.skipif(k is None, reason=f"the {name} path cannot be built here"))
+    for name, k in KERNELS.items()])
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: one rounding of the output
 
 
@@ -36,13 +42,14 @@ def paged_case(context_lens, block_size, heads, kv_heads, head_dim, dtype, seed=
 
 
 @needs_c
+@each_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 24])  # 24: runs cut by block edges on either path
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])
-def test_decode_matches_reference(dtype, block_size, heads, kv_heads):
+def test_decode_matches_reference(path, dtype, block_size, heads, kv_heads):
     lens = [1, 15, 16, 17, 33, 97, 130, 2000] + list(range(3, 600, 41))
     args = paged_case(lens, block_size, heads, kv_heads, 64, dtype)
-    got = KERNEL.paged_decode_attention(*args)
+    got = KERNELS[path].paged_decode_attention(*args)
     want = reference.paged_decode_attention(*args)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -53,6 +60,16 @@ def test_head_dim_128_and_a_single_sequence():
     args = paged_case([77], 16, 8, 2, 128, torch.float32, seed=3)
     torch.testing.assert_close(KERNEL.paged_decode_attention(*args),
                                reference.paged_decode_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+def test_each_path_is_the_one_its_cpu_flags_choose():
+    flags = cpu_attention._cpu_flags()
+    assert KERNEL.isa == ("avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none")
+    if KERNELS["avx2"] is not None:
+        assert KERNELS["avx2"].isa == "avx2"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_attention.load(cache_dir("kernels"), isa="sse9")
 
 
 @needs_c
@@ -127,12 +144,13 @@ def test_reference_prefill_window_is_the_dense_mask(window):
 
 
 @needs_c
+@each_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
     (16, 9, 3, 64), (32, 16, 2, 64), (24, 4, 4, 64), (16, 8, 2, 128)])  # 24: runs cut by block edges; 128: plain C
-def test_decode_window_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
+def test_decode_window_matches_reference(path, dtype, block_size, heads, kv_heads, head_dim):
     args = paged_case(WINDOW_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=block_size)
     for window in WINDOWS:
-        got = KERNEL.paged_decode_attention(*args, window=window)
+        got = KERNELS[path].paged_decode_attention(*args, window=window)
         want = reference.paged_decode_attention(*args, window=window)
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
