@@ -28,21 +28,12 @@ from pathlib import Path
 import torch
 
 from kernels import reference
+from kernels.cpu_features import cpu_flags, cpu_signature
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_FLAGS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out of a native build
-
-
-def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
 
 
 @dataclass(frozen=True)
@@ -81,11 +72,6 @@ class DecodeKernel:
         return out
 
 
-def _cpu_flags() -> set[str]:
-    line = _cpu_signature()
-    return set(line.split(":", 1)[1].split()) if ":" in line else set()
-
-
 @functools.cache
 def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     """The kernel, built into ``folder`` on first use (once per source, compiler, CPU and ``isa``),
@@ -93,7 +79,7 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     builds the AVX2 + FMA path even where the CPU has AVX-512 (None if it has not AVX2 and FMA)."""
     if isa not in _ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(k for k in _ISA_FLAGS if k)} or None, not {isa!r}")
-    if isa == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
         log.warning("this CPU has no AVX2 + FMA: the AVX2 decode-attention path cannot run here")
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -101,7 +87,7 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
         log.warning("no C compiler found: CPU decode attention uses the slower PyTorch path")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + _cpu_signature().encode() + str(isa).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + compiler.encode() + cpu_signature().encode() + str(isa).encode()).hexdigest()[:16]
     folder = Path(folder)
     target = folder / f"cpu_decode-{key}.so"
     if not target.exists():

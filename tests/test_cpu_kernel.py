@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_features, reference
 from kernels.attention import select_ops
 from worker.config import cache_dir
 
@@ -64,7 +64,7 @@ def test_head_dim_128_and_a_single_sequence():
 
 @needs_c
 def test_each_path_is_the_one_its_cpu_flags_choose():
-    flags = cpu_attention._cpu_flags()
+    flags = cpu_features.cpu_flags()
     assert KERNEL.isa == ("avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none")
     if KERNELS["avx2"] is not None:
         assert KERNELS["avx2"].isa == "avx2"
