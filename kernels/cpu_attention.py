@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import kv_quant, reference
 from kernels.cpu_features import cpu_flags, cpu_signature
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_DTYPES = {**_DTYPES, kv_quant.STORAGE_DTYPE: 2}  # uint8: int8 rows with their scales (kernels/kv_quant.py)
 _ISA_FLAGS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out of a native build
 
 
@@ -47,7 +48,8 @@ class DecodeKernel:
     max_block: int
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        if (q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype
+        if (q.device.type != "cpu" or q.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype
+                or not (k_cache.dtype == q.dtype or kv_quant.is_quantized(k_cache))
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return False
         return (q.shape[1] // k_cache.shape[2] <= self.max_group and q.shape[2] <= self.max_dim
@@ -68,7 +70,7 @@ class DecodeKernel:
         self.lib.berth_paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1], scale,
-            _DTYPES[q.dtype], window or 0, torch.get_num_threads())
+            _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], window or 0, torch.get_num_threads())
         return out
 
 
@@ -105,7 +107,7 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     lib = ctypes.CDLL(str(target))
     lib.berth_paged_decode.restype = None
     lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
-        ctypes.c_int] * 3
+        ctypes.c_int] * 4
     lib.berth_isa.restype = ctypes.c_char_p
     built_isa = lib.berth_isa().decode()
     limits = [ctypes.c_int() for _ in range(3)]

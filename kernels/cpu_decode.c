@@ -5,7 +5,9 @@
  *   q, out:            [num_seqs, num_heads, head_dim], contiguous
  *   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables:      [num_seqs, max_blocks] int32;  context_lens: [num_seqs] int32
- * dtype: 0 = float32, 1 = bfloat16 (q, caches and out share it). Accumulation is float32.
+ * dtype (of q and out): 0 = float32, 1 = bfloat16. kv_dtype (of the caches): the same codes, or
+ * 2 = int8 rows of head_dim values followed by their float32 scale (kernels/kv_quant.py: head_dim + 4
+ * bytes a row, so the caches' last dimension is head_dim + 4). Accumulation is float32.
  * window: 0 for full attention; else the query (at context_len - 1) sees only the last ``window``
  * positions, transformers' sliding window, and the loops start at the first of them: the blocks
  * before it are never read, so a step costs the window, not the context.
@@ -32,14 +34,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 typedef union { uint32_t bits[MAX_HEAD_DIM]; float values[MAX_HEAD_DIM]; } RowBuffer;
 
-/* A row of d values as float32: in place for float32, widened into ``buffer`` for bfloat16. */
+/* A row of d values as float32: in place for float32, widened into ``buffer`` for bfloat16, scaled
+ * into it for int8 (``index`` then counts bytes, and the row's scale follows its d values). */
 static inline const float *load_row(const void *base, int64_t index, int dtype, int d, RowBuffer *buffer) {
     if (dtype == 0) return (const float *)base + index;
+    if (dtype == 2) {
+        const int8_t *src = (const int8_t *)base + index;
+        float scale;
+        memcpy(&scale, src + d, sizeof scale);
+        #pragma omp simd
+        for (int i = 0; i < d; i++) buffer->values[i] = (float)src[i] * scale;
+        return buffer->values;
+    }
     const uint16_t *src = (const uint16_t *)base + index;
     #pragma omp simd
     for (int i = 0; i < d; i++) buffer->bits[i] = (uint32_t)src[i] << 16;
     return buffer->values;
 }
+
+/* Elements of a cache row: head_dim values, and for int8 the 4 bytes of its scale. */
+static inline int cache_row(int d, int kv_dtype) { return kv_dtype == 2 ? d + 4 : d; }
 
 /* The first position the query of a sequence of ``context_len`` tokens sees. */
 static inline int window_start(int context_len, int window) {
@@ -48,7 +62,7 @@ static inline int window_start(int context_len, int window) {
 
 static void attend_group(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                          int context_len, void *out, int seq, int kv_head, int num_heads, int num_kv_heads,
-                         int d, int block_size, float scale, int dtype, int window) {
+                         int d, int block_size, float scale, int dtype, int kv_dtype, int window) {
     const int group = num_heads / num_kv_heads;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP], p[MAX_GROUP][MAX_BLOCK];
@@ -60,15 +74,15 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * d;
+    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(d, kv_dtype);
     for (int start = window_start(context_len, window), n; start < context_len; start += n) {
         /* the rest of start's block: whole blocks but for the window's first */
         const int room = block_size - start % block_size;
         n = context_len - start < room ? context_len - start : room;
         const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
-                              + (int64_t)kv_head * d;
+                              + (int64_t)kv_head * cache_row(d, kv_dtype);
         for (int t = 0; t < n; t++) {
-            const float *k = load_row(k_cache, first + t * slot_stride, dtype, d, &row);
+            const float *k = load_row(k_cache, first + t * slot_stride, kv_dtype, d, &row);
             for (int g = 0; g < group; g++) {
                 float s = 0.0f;
                 #pragma omp simd reduction(+:s)
@@ -87,7 +101,7 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
             m[g] = new_max;
         }
         for (int t = 0; t < n; t++) {
-            const float *v = load_row(v_cache, first + t * slot_stride, dtype, d, &row);
+            const float *v = load_row(v_cache, first + t * slot_stride, kv_dtype, d, &row);
             for (int g = 0; g < group; g++) {
                 const float w = p[g][t];
                 #pragma omp simd
@@ -127,14 +141,14 @@ static inline int run_length(int start, int context_len, int block_size) {
  * cache too large for the CPU's caches. Fetching two or three runs ahead was slower. */
 static inline __attribute__((always_inline)) void prefetch_run(
         const void *k_cache, const void *v_cache, const int32_t *table, int context_len, int start, int kvh,
-        int64_t slot_stride, int block_size, int dtype) {
-    const int run = run_length(start, context_len, block_size), esize = dtype == 0 ? 4 : 2;
+        int64_t slot_stride, int block_size, int kv_dtype) {
+    const int run = run_length(start, context_len, block_size), esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;
     const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
-                          + (int64_t)kvh * 64;
+                          + (int64_t)kvh * cache_row(64, kv_dtype);
     for (int t = 0; t < run; t++) {
         const char *krow = (const char *)k_cache + (first + t * slot_stride) * esize;
         const char *vrow = (const char *)v_cache + (first + t * slot_stride) * esize;
-        for (int b = 0; b < 64 * esize; b += 64) {
+        for (int b = 0; b < cache_row(64, kv_dtype) * esize; b += 64) {
             _mm_prefetch(krow + b, _MM_HINT_T0);
             _mm_prefetch(vrow + b, _MM_HINT_T0);
         }
@@ -171,11 +185,20 @@ static inline __attribute__((always_inline)) void load_row64(const void *base, i
     if (dtype == 0) {
         const float *src = (const float *)base + index;
         for (int j = 0; j < 4; j++) row[j] = _mm512_loadu_ps(src + 16 * j);
-    } else {
+    } else if (dtype == 1) {
         const uint16_t *src = (const uint16_t *)base + index;
         for (int j = 0; j < 4; j++) {
             const __m256i half = _mm256_loadu_si256((const __m256i *)(src + 16 * j));
             row[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        }
+    } else {  /* int8 and the row's scale after its 64 values */
+        const int8_t *src = (const int8_t *)base + index;
+        float scale;
+        memcpy(&scale, src + 64, sizeof scale);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int j = 0; j < 4; j++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + 16 * j));
+            row[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
         }
     }
 }
@@ -204,7 +227,7 @@ static inline __attribute__((always_inline)) __m512 transpose_sum16(const __m512
 static inline __attribute__((always_inline)) void attend_heads_64(
         const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
         int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
-        float scale, int dtype, int window) {
+        float scale, int dtype, int kv_dtype, int window) {
     enum { D = 64 };
     __m512 qv[4][4], acc[4][4], part[4][16];
     float m[4], l[4], p[4][16] __attribute__((aligned(64)));
@@ -218,17 +241,17 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * D;
+    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(D, kv_dtype);
     for (int start = window_start(context_len, window), run; start < context_len; start += run) {
         const int offset = start % block_size;
         run = run_length(start, context_len, block_size);
         const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
-                              + (int64_t)kvh * D;
+                              + (int64_t)kvh * cache_row(D, kv_dtype);
         if (start + run < context_len)  /* the next run lies in another block: fetch it while this one computes */
-            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, dtype);
+            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, kv_dtype);
         for (int t = 0; t < run; t++) {
             __m512 k[4];
-            load_row64(k_cache, first + t * slot_stride, dtype, k);
+            load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
             for (int g = 0; g < NG; g++) {
                 __m512 a = _mm512_mul_ps(qv[g][0], k[0]), b = _mm512_mul_ps(qv[g][2], k[2]);
                 a = _mm512_fmadd_ps(qv[g][1], k[1], a);
@@ -250,7 +273,7 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         }
         for (int t = 0; t < run; t++) {
             __m512 v[4];
-            load_row64(v_cache, first + t * slot_stride, dtype, v);
+            load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
             for (int g = 0; g < NG; g++) {
                 const __m512 w = _mm512_set1_ps(p[g][t]);
                 for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
@@ -313,11 +336,20 @@ static inline __attribute__((always_inline)) void load_row64(const void *base, i
     if (dtype == 0) {
         const float *src = (const float *)base + index;
         for (int j = 0; j < 8; j++) row[j] = _mm256_loadu_ps(src + 8 * j);
-    } else {
+    } else if (dtype == 1) {
         const uint16_t *src = (const uint16_t *)base + index;
         for (int j = 0; j < 8; j++) {
             const __m128i half = _mm_loadu_si128((const __m128i *)(src + 8 * j));
             row[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+        }
+    } else {  /* int8 and the row's scale after its 64 values */
+        const int8_t *src = (const int8_t *)base + index;
+        float scale;
+        memcpy(&scale, src + 64, sizeof scale);
+        const __m256 s = _mm256_set1_ps(scale);
+        for (int j = 0; j < 8; j++) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(src + 8 * j));
+            row[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
         }
     }
 }
@@ -335,7 +367,7 @@ static inline __attribute__((always_inline)) __m256 transpose_sum8(const __m256 
 static inline __attribute__((always_inline)) void attend_heads_64(
         const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
         int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
-        float scale, int dtype, int window) {
+        float scale, int dtype, int kv_dtype, int window) {
     enum { D = 64 };
     __m256 qv[4][8], acc[4][8], part[4][8];
     float m[4], l[4], p[4][8] __attribute__((aligned(32)));
@@ -350,17 +382,17 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * D;
+    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(D, kv_dtype);
     for (int start = window_start(context_len, window), run; start < context_len; start += run) {
         const int offset = start % block_size;
         run = run_length(start, context_len, block_size);
         const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
-                              + (int64_t)kvh * D;
+                              + (int64_t)kvh * cache_row(D, kv_dtype);
         if (start + run < context_len)
-            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, dtype);
+            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, kv_dtype);
         for (int t = 0; t < run; t++) {
             __m256 k[8];
-            load_row64(k_cache, first + t * slot_stride, dtype, k);
+            load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
             for (int g = 0; g < NG; g++) {
                 __m256 a = _mm256_mul_ps(qv[g][0], k[0]), b = _mm256_mul_ps(qv[g][1], k[1]);
                 for (int j = 2; j < 8; j += 2) {
@@ -384,7 +416,7 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         }
         for (int t = 0; t < run; t++) {
             __m256 v[8];
-            load_row64(v_cache, first + t * slot_stride, dtype, v);
+            load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
             for (int g = 0; g < NG; g++) {
                 const __m256 w = _mm256_set1_ps(p[g][t]);
                 for (int j = 0; j < 8; j++) acc[g][j] = _mm256_fmadd_ps(w, v[j], acc[g][j]);
@@ -410,12 +442,12 @@ static inline __attribute__((always_inline)) void attend_heads_64(
 /* Every query head of kv head ``kvh`` of one sequence, four at a time. */
 static void attend_kv_head_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                               int context_len, void *out, int seq, int kvh, int num_heads, int num_kv_heads,
-                              int block_size, float scale, int dtype, int window) {
+                              int block_size, float scale, int dtype, int kv_dtype, int window) {
     const int group = num_heads / num_kv_heads;
     for (int g0 = 0; g0 < group; g0 += 4) {
         const int h0 = kvh * group + g0;
 #define ATTEND(NG) attend_heads_64(NG, q, k_cache, v_cache, table, context_len, out, seq, h0, kvh, num_heads, \
-                                   num_kv_heads, block_size, scale, dtype, window)
+                                   num_kv_heads, block_size, scale, dtype, kv_dtype, window)
         switch (group - g0 < 4 ? group - g0 : 4) {
             case 1: ATTEND(1); break;
             case 2: ATTEND(2); break;
@@ -448,15 +480,15 @@ int berth_limits(int *max_group, int *max_head_dim, int *max_block) {
 
 void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, int max_blocks, float scale, int dtype, int window,
-                        int num_threads) {
+                        int head_dim, int block_size, int max_blocks, float scale, int dtype, int kv_dtype,
+                        int window, int num_threads) {
 #ifdef HAVE_HEADS_64
     if (head_dim == 64) {
         #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
         for (int s = 0; s < num_seqs; s++) {
             for (int h = 0; h < num_kv_heads; h++) {
                 attend_kv_head_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out,
-                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype, window);
+                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype, kv_dtype, window);
             }
         }
         return;
@@ -466,7 +498,7 @@ void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache,
     for (int s = 0; s < num_seqs; s++) {
         for (int h = 0; h < num_kv_heads; h++) {
             attend_group(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out, s, h,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, dtype, window);
+                         num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, window);
         }
     }
 }

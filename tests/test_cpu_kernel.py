@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_features, reference
+from kernels import cpu_attention, cpu_features, kv_quant, reference
 from kernels.attention import select_ops
 from worker.config import cache_dir
 
@@ -154,3 +154,60 @@ def test_decode_window_matches_reference(path, dtype, block_size, heads, kv_head
         got = KERNELS[path].paged_decode_attention(*args, window=window)
         want = reference.paged_decode_attention(*args, window=window)
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# --------------------------------------------------------------------------------------------------
+# the int8 KV cache (kernels/kv_quant.py): rows of int8 values and their float32 scale
+# --------------------------------------------------------------------------------------------------
+
+def test_int8_rows_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 2, 50)[:, None, None]  # rows of every size
+    x[7] = 0.0  # an all-zero row stays zero
+    rows = kv_quant.quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 68)
+    back = kv_quant.dequantize(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= step / 2 + 1e-7 * x.abs()).all()
+    assert torch.equal(back[7], torch.zeros(3, 64))
+    assert (back - x).abs().max() > 0  # quantized, not stored as is
+
+
+def test_write_kv_quantizes_into_an_int8_cache():
+    g = torch.Generator().manual_seed(12)
+    k_cache = torch.zeros(4, 16, 3, 68, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    slots = torch.tensor([0, 17, 18, 40, 63])
+    reference.write_kv(key, value, k_cache, v_cache, slots)
+    stored = kv_quant.dequantize(k_cache.view(-1, 3, 68)[slots], torch.float32)
+    torch.testing.assert_close(stored, key, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(kv_quant.dequantize(v_cache.view(-1, 3, 68)[slots], torch.float32), value,
+                               atol=0.02, rtol=0.02)
+
+
+def quantized_case(lens, block_size, heads, kv_heads, head_dim, dtype, seed=0):
+    q, k, v, tables, lens, scale = paged_case(lens, block_size, heads, kv_heads, head_dim, torch.float32, seed)
+    return q.to(dtype), kv_quant.quantize(k), kv_quant.quantize(v), tables, lens, scale
+
+
+@needs_c
+@each_path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
+    (16, 9, 3, 64), (24, 16, 2, 64), (16, 8, 2, 128)])  # 128: the plain C loop
+def test_int8_cache_decode_matches_reference(path, dtype, block_size, heads, kv_heads, head_dim):
+    args = quantized_case(WINDOW_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=block_size)
+    for window in (None, 20, 130):
+        got = KERNELS[path].paged_decode_attention(*args, window=window)
+        want = reference.paged_decode_attention(*args, window=window)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_int8_cache_attention_is_close_to_float32():
+    """What int8 costs in accuracy, on random rows: the attention output within a few hundredths."""
+    q, k, v, tables, lens, scale = paged_case([40, 300, 1000], 16, 9, 3, 64, torch.float32, seed=13)
+    exact = reference.paged_decode_attention(q, k, v, tables, lens, scale)
+    got = reference.paged_decode_attention(q, kv_quant.quantize(k), kv_quant.quantize(v), tables, lens, scale)
+    assert 0 < (got - exact).abs().max() < 0.03
