@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    # "auto": the model's dtype (exact); "int8": int8 values with a float32 scale per token and kv head
+    # (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same --kv-memory, not bit-exact
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
 
     # --- engine
     # "auto" (stored as 0): room for max_num_seqs requests of max_model_len tokens, at most KV_AUTO_SHARE of

@@ -132,7 +132,8 @@ class Engine:
         self.long_rope_from = long_rope_from(loaded.config)  # None but for a longrope model
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
                                   kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
-                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len,
+                                  kv_cache_dtype=settings.kv_cache_dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         mode = settings.preemption_mode
@@ -312,8 +313,8 @@ class Engine:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Names the KV cache's meaning: model files, dtype and block size. Checkpointed blocks are
-        reused only under the same fingerprint."""
+        """Names the KV cache's meaning: model files, dtype, KV cache dtype and block size. Checkpointed
+        blocks are reused only under the same fingerprint."""
         h = hashlib.sha256()
         path = Path(self.model_path)
         for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
@@ -324,6 +325,8 @@ class Engine:
                 fh.seek(max(0, size - (1 << 20)))
                 h.update(fh.read(1 << 20))
         h.update(f"{self.settings.dtype}:{self.settings.block_size}".encode())
+        if self.settings.kv_cache_dtype != "auto":  # "auto" hashes as before: its checkpoints stay valid
+            h.update(f":kv={self.settings.kv_cache_dtype}".encode())
         return h.hexdigest()[:32]
 
     @property
