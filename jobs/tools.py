@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from jobs.line_text import bad_text, shown
 from jobs.structured_outputs import StructuredLimits, SpecError, schema_text, within
 from jobs.tool_formats import ToolFormat, call_schema, format_of
-from worker.engine.grammar import GrammarError, check
+from worker.engine.grammar_compile import GrammarError
 from worker.engine.request import StructuredOutput
 from worker.engine.schema_bounds import over_bounds
 
@@ -78,6 +78,8 @@ def compile_plan(plan: ToolPlan, tokenizer, limits: StructuredLimits, tenant: st
     or ``SpecError``: done last, once the cheaper checks of the line passed."""
     if plan.structured is None:
         return
+    from worker.engine.grammar import check  # torch: paid by the first tools line, not by every door's import
+
     try:
         check(plan.structured, tokenizer, limits.compile, tenant)
     except GrammarError as exc:
