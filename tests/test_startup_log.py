@@ -24,7 +24,7 @@ from worker.engine.model_runner import available_memory
 STARTUP_LINES = [
     r"INFO berth\.engine: loading model (?P<path>\S+) \(float32, cpu\)",
     r"INFO berth\.engine: weights loaded in [0-9.]+s: llama, 2 layers",
-    r"INFO berth\.engine: KV cache: (?P<blocks>\d+) blocks of 16 tokens \((?P<mib>\d+) MiB reserved",
+    r"INFO berth\.engine: KV cache: (?P<blocks>\d+) blocks of 16 tokens in float32 \((?P<mib>\d+) MiB reserved",
     r"INFO berth\.engine: engine ready \([0-9.]+s since the process started\)",
     r"INFO berth\.worker: worker \S+ consuming .*: ready, [0-9.]+s since the process started",
 ]
