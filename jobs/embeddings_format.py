@@ -84,6 +84,9 @@ def input_token_ids(line: BatchLine, tokenizer, limit: int) -> list[list[int]]:
     if len(value) > MAX_INPUTS:
         raise LineError(line.line, "body.input", f"{len(value)} inputs, over the limit of {MAX_INPUTS}: split them "
                         "over several lines", line.custom_id)
+    if all(isinstance(t, int) for t in value):  # token ids with a boolean among them
+        i = next(i for i, t in enumerate(value) if isinstance(t, bool))
+        raise LineError(line.line, f"body.input[{i}]", "must be a token id, not a boolean", line.custom_id)
     out = []
     for i, item in enumerate(value):
         where = f"body.input[{i}]"
