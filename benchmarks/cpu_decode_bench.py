@@ -8,6 +8,10 @@ alike. It also times this tree's kernel with a window over the same contexts: it
 the window, not the context. Shapes are the default model's (9 query heads, 3 kv heads, head_dim 64,
 blocks of 16), with block ids shuffled over a cache larger than the CPU's caches.
 
+On a CPU with AVX-512 it also times the AVX2 + FMA path (``load(folder, isa="avx2")``, what AMD Zen
+2/3 and older Xeons run) on the same inputs, and prints each path's rate in GB/s of cache read, so
+the two can be compared per byte on one machine.
+
     git archive main kernels | tar -x -C /tmp/berth-baseline
     python benchmarks/cpu_decode_bench.py --baseline /tmp/berth-baseline
 """
@@ -91,15 +95,20 @@ def main() -> int:
         raise SystemExit("no C compiler built kernels/cpu_decode.c")
     baseline = load_baseline(args.baseline) if args.baseline else None
     windowed = "window" in inspect.signature(decode).parameters
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads")
-    print(f"{'dtype':9} {'seqs':>4} {'ctx':>5} {'this ms':>8} {'base ms':>8} {'this/base':>9} "
-          f"{'win ' + str(WINDOW) + ' ms':>11} {'win/full':>8}")
+    native = cpu_attention.load(cache_dir("kernels"))
+    avx2 = cpu_attention.load(cache_dir("kernels"), isa="avx2") if native.isa == "avx512" else None
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, this tree's path: {native.isa}")
+    print(f"{'dtype':9} {'seqs':>4} {'ctx':>5} {'this ms':>8} {'GB/s':>6} {'base ms':>8} {'this/base':>9} "
+          f"{'win ' + str(WINDOW) + ' ms':>11} {'win/full':>8}" + (f" {'avx2 ms':>8} {'GB/s':>6} {'avx2/this':>9}"
+                                                                     if avx2 else ""))
     gen = torch.Generator().manual_seed(0)
     for dtype, seqs, context in CASES:
         case = inputs(dtype, seqs, context, gen)
-        ours, base, window = [], [], []
+        ours, base, window, narrow = [], [], [], []
         for _ in range(args.rounds):
             ours.append(time_ms(lambda: decode(*case), args.reps))
+            if avx2:
+                narrow.append(time_ms(lambda: avx2.paged_decode_attention(*case), args.reps))
             if baseline:
                 base.append(time_ms(lambda: baseline(*case), args.reps))
             if windowed:
@@ -110,7 +119,12 @@ def main() -> int:
         t = statistics.median(ours)
         b = f"{statistics.median(base):8.3f} {t / statistics.median(base):9.3f}" if base else f"{'-':>8} {'-':>9}"
         w = f"{statistics.median(window):11.3f} {statistics.median(window) / t:8.3f}" if window else ""
-        print(f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {context:5d} {t:8.3f} {b} {w}")
+        gigabytes = 2 * seqs * context * KV_HEADS * HEAD_DIM * case[1].element_size() / 1e9  # keys and values, once
+        n = ""
+        if narrow:
+            a = statistics.median(narrow)
+            n = f" {a:8.3f} {gigabytes / a * 1e3:6.1f} {a / t:9.3f}"
+        print(f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {context:5d} {t:8.3f} {gigabytes / t * 1e3:6.1f} {b} {w}{n}")
     return 0
 
 

@@ -27,7 +27,7 @@ from jobs.submit import JobSpec, create_job
 from jobs.tasks import INGEST, finalize_later, make_app
 from jobs.tenants import allow_broker_user as allow_user
 from jobs.tenants import remove_broker_user as remove_user
-from jobs.tenants import set_weight
+from jobs.tenants import set_cache_group, set_weight
 from jobs.tenants import webhook_secret as tenant_secret
 from worker.config import Settings
 
@@ -127,6 +127,11 @@ def retry(job_id: str, settings: Settings | None = None, eager: bool | None = No
 def set_tenant_weight(name: str, weight: float, settings: Settings | None = None) -> None:
     """A tenant's share of the engines (1 by default): with weights 2 and 1, twice the seats."""
     set_weight(open_database((settings or Settings()).database_url), name, weight)
+
+
+def set_tenant_cache_group(name: str, group: str | None, settings: Settings | None = None) -> None:
+    """Tenants of one ``group`` share cached prompt prefixes (None: the tenant's are its own, the default)."""
+    set_cache_group(open_database((settings or Settings()).database_url), name, group)
 
 
 def allow_broker_user(user: str, tenant: str, settings: Settings | None = None) -> None:

@@ -7,11 +7,11 @@ never stops the good ones.
 Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
 through the engine without raising, so every bound the engine needs is checked here (token ids
 inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
-of 64 bits, prompt and output inside the context, a structured-output constraint that compiles,
-see ``jobs.structured_outputs``). Each check but that compile (bounded by its shape and deadline) is linear
-in the line's size, and
-values are shown in messages through a bounded ``reprlib`` view, never a full ``repr`` (a value
-nested a thousand deep or a megabyte long costs nothing to report).
+of 64 bits, prompt and output inside the context, a structured-output constraint or a required
+tool call that compiles, see ``jobs.structured_outputs`` and ``jobs.tools``). Each check but that
+compile (bounded by its shape and deadline) is linear in the line's size, and values are shown in
+messages through a bounded ``reprlib`` view, never a full ``repr`` (a value nested a thousand deep
+or a megabyte long costs nothing to report).
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from jobs.chat_messages import template_messages
+from jobs.embeddings_format import embedding_body, embedding_request
 from jobs.line_error import (  # noqa: F401 (imported from here by the other modules)
     CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError)
 from jobs.line_text import bad_text, shown
-from jobs.embeddings_format import embedding_body, embedding_request
 from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
 from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
+from jobs.tool_formats import FORMATS, call_id
+from jobs.tool_prompt import for_template
+from jobs.tools import NO_TOOLS, compile_plan, tool_plan
 from worker.engine.request import Request, RequestOutput, SamplingParams
 
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
@@ -99,12 +103,13 @@ def _is_token_id(t: Any, limit: int) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit
 
 
-def prompt_token_ids(line: BatchLine, tokenizer, token_limit: int | None = None) -> list[int]:
-    """The prompt's token ids: the chat template applied to ``messages``, the tokenized ``prompt``,
-    or ``prompt`` given as token ids, each in ``[0, token_limit)`` (default: the tokenizer's size)."""
+def prompt_token_ids(line: BatchLine, tokenizer, token_limit: int | None = None,
+                     tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids: the chat template applied to ``messages`` (and ``tools``), the tokenized
+    ``prompt``, or ``prompt`` given as token ids, each in ``[0, token_limit)`` (default: the tokenizer's size)."""
     limit = len(tokenizer) if token_limit is None else token_limit
     if line.url == CHAT_URL:
-        ids = _chat_ids(line, tokenizer)
+        ids = _chat_ids(line, tokenizer, tools)
     else:
         ids = _completion_ids(line, tokenizer, limit)
     param = "body.messages" if line.url == CHAT_URL else "body.prompt"
@@ -116,29 +121,15 @@ def prompt_token_ids(line: BatchLine, tokenizer, token_limit: int | None = None)
     return ids
 
 
-def _chat_ids(line: BatchLine, tokenizer) -> list[int]:
-    messages = line.body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise LineError(line.line, "body.messages", "must be a non-empty list of messages", line.custom_id)
-    flat = []  # text parts joined; built once, so the check stays linear in the number of messages
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise LineError(line.line, f"body.messages[{i}]", "must be an object with a string role", line.custom_id)
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise LineError(line.line, f"body.messages[{i}].content", "only text parts are supported",
-                                line.custom_id)
-            m = {**m, "content": "".join(p["text"] for p in content)}
-        elif not isinstance(content, str):
-            raise LineError(line.line, f"body.messages[{i}].content", "must be a string", line.custom_id)
-        for field, text in (("role", m["role"]), ("content", m["content"])):
-            if why := bad_text(text, nul=False):
-                raise LineError(line.line, f"body.messages[{i}].{field}", why, line.custom_id)
-        flat.append(m)
+def _chat_ids(line: BatchLine, tokenizer, tools: list[dict] | None = None) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=True)
+        messages = template_messages(line.body.get("messages"))
+    except SpecError as exc:
+        raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
+    messages = for_template(messages, tools, getattr(tokenizer, "chat_template", None))
+    extra = {"tools": tools} if tools else {}  # a tokenizer without tools support is never handed the argument
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     except Exception as exc:  # noqa: BLE001 (the template itself refused these messages)
         raise LineError(line.line, "body.messages", f"the chat template refused them: {exc}"[:500],
                         line.custom_id) from None
@@ -238,6 +229,21 @@ def _logit_bias(line: BatchLine, limit: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+MAX_CACHE_SALT = 256  # characters of a line's cache_salt
+
+
+def cache_salt(line: BatchLine) -> str | None:
+    """The line's ``cache_salt`` (vLLM's) as the engine keys it: requests that give the same one share
+    cached prompt prefixes, whatever their tenant; None (absent): the tenant's own, or its group's."""
+    salt = line.body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT or bad_text(salt):
+        raise LineError(line.line, "body.cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT} characters, "
+                        f"got {shown(salt)}", line.custom_id)
+    return f"salt:{salt}"
+
+
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
                priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
                structured_limits: StructuredLimits = DEFAULT_LIMITS, hidden_size: int | None = None) -> Request:
@@ -258,7 +264,11 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
                         line.custom_id, code="model_not_found")
     token_limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
     params = sampling_params(line, request_id, vocab_size if vocab_size is not None else token_limit, token_limit)
-    ids = prompt_token_ids(line, tokenizer, token_limit)
+    try:  # the tools first: a bad one is named before the prompt that shows them is built
+        tools = tool_plan(line.body, tokenizer, structured_limits) if line.url == CHAT_URL else NO_TOOLS
+    except SpecError as exc:
+        raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
+    ids = prompt_token_ids(line, tokenizer, token_limit, tools.template_tools)
     prompt_param = "body.messages" if line.url == CHAT_URL else "body.prompt"
     explicit = line.body.get("max_tokens") is not None or (
         line.url == CHAT_URL and line.body.get("max_completion_tokens") is not None)
@@ -275,15 +285,20 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
     try:
         structured = structured_output(line.body, tokenizer, structured_limits, tenant)
+        if structured is not None and tools.structured is not None:
+            raise SpecError("body.tool_choice", "a required tool call is a constraint on the output, and so is "
+                            "the structured output asked for: keep one of them")
+        compile_plan(tools, tokenizer, structured_limits, tenant)
     except SpecError as exc:
         raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
-    if structured is not None:
-        params = replace(params, structured=structured)
-    return Request(request_id, ids, params, priority=priority, tenant=tenant)
+    params = replace(params, structured=structured or tools.structured, tool_calls=tools.tool_calls)
+    return Request(request_id, ids, params, priority=priority, tenant=tenant, cache_salt=cache_salt(line))
 
 
-def response_line(line: BatchLine, output: RequestOutput, model_name: str, tokenizer) -> dict:
-    """The OpenAI Batch output line for a finished request."""
+def response_line(line: BatchLine, output: RequestOutput, model_name: str, tokenizer,
+                  tool_calls: str | None = None) -> dict:
+    """The OpenAI Batch output line for a finished request; ``tool_calls`` names the format its
+    calls are read in (``SamplingParams.tool_calls``)."""
     if output.embedding is not None:
         return _line_of(line, output, embedding_body(output, model_name))
     chat = line.url == CHAT_URL
@@ -293,6 +308,8 @@ def response_line(line: BatchLine, output: RequestOutput, model_name: str, token
                                   "logprobs": _logprobs(c.logprobs, tokenizer, chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
+            if tool_calls is not None:
+                _read_calls(choice, c.text, FORMATS[tool_calls], output.request_id)
         else:
             choice["text"] = c.text
         choices.append(choice)
@@ -301,13 +318,27 @@ def response_line(line: BatchLine, output: RequestOutput, model_name: str, token
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model_name, "choices": choices,
             "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(output.prompt_token_ids) + completion_tokens}}
+                      "total_tokens": len(output.prompt_token_ids) + completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": output.num_cached_prompt_tokens}}}
     return _line_of(line, output, body)
 
 
 def _line_of(line: BatchLine, output: RequestOutput, body: dict) -> dict:
     return {"id": f"batch_req_{output.request_id}", "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": output.request_id, "body": body}, "error": None}
+
+
+def _read_calls(choice: dict, text: str, fmt, request_id: str) -> None:
+    """The choice in OpenAI's form of a call where its text holds calls and ended where it meant to
+    (a call cut short by max_tokens stays text, with finish_reason "length")."""
+    parsed = fmt.parse(text) if choice["finish_reason"] == "stop" else None
+    if parsed is None:
+        return
+    choice["finish_reason"] = "tool_calls"
+    choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": [
+        {"id": call_id(request_id, choice["index"], i, call), "type": "function",
+         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+        for i, call in enumerate(parsed.calls)]}
 
 
 def _logprobs(entries: list[dict] | None, tokenizer, chat: bool) -> dict | None:

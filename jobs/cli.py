@@ -31,6 +31,9 @@ def engine_options(command):
                      help="tokens computed per step [2048]"),
         click.option("--max-num-seqs", type=int, help="cap on running sequences [256]"),
         click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]),
+                     help="KV cache values: auto (the model's dtype, exact) or int8 (a scale per token and head: "
+                     "3.8x the tokens of float32 in the same memory, not bit-exact) [auto]"),
         click.option("--no-prefix-cache", "enable_prefix_cache", flag_value=False, default=None,
                      help="turn the prefix cache off"),
     ]
@@ -244,16 +247,25 @@ def cancel(job_id, **flags):
 
 @main.command()
 @click.argument("name")
-@click.option("--weight", type=float, required=True,
+@click.option("--weight", type=float,
               help="its share of the engines against other tenants' (default 1; 2 = twice the seats)")
+@click.option("--cache-group", help="share cached prompt prefixes with the tenants of this group ('': its own again)")
 @service_options
-def tenant(name, weight, **flags):
-    """Set a tenant's share of the engines; running workers apply it within a second."""
+def tenant(name, weight, cache_group, **flags):
+    """Set a tenant's share of the engines (running workers apply it within a second), or the group of
+    tenants it shares cached prompt prefixes with (requests admitted from then on)."""
     from jobs import api
 
+    if weight is None and cache_group is None:
+        raise click.UsageError("give --weight, --cache-group or both")
     with user_errors():
-        api.set_tenant_weight(name, weight, settings_from(flags))
-    click.echo(f"tenant {name}: weight {weight:g}")
+        if weight is not None:
+            api.set_tenant_weight(name, weight, settings_from(flags))
+            click.echo(f"tenant {name}: weight {weight:g}")
+        if cache_group is not None:
+            api.set_tenant_cache_group(name, cache_group or None, settings_from(flags))
+            click.echo(f"tenant {name}: " + (f"shares cached prefixes with group {cache_group}" if cache_group
+                                             else "its cached prefixes are its own"))
 
 
 @main.command()

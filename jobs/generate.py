@@ -68,6 +68,7 @@ def generate_file(input_path: str | Path, output_path: str | Path, settings: Set
     start = time.perf_counter()
     stats0 = (engine.stats.output_tokens, engine.stats.prompt_tokens_computed)
     lines_by_id = {req.request_id: line for line, req in pending}
+    tool_calls = {req.request_id: req.params.tool_calls for _, req in pending}  # how each answer's calls are read
     order = [req.request_id for _, req in pending]
     done: dict[str, dict | None] = {}  # None: the engine refused it
     written = completed = 0
@@ -85,8 +86,8 @@ def generate_file(input_path: str | Path, output_path: str | Path, settings: Set
                                   .to_error_line())
                     done[req.request_id] = None
             for result in engine.step():
-                done[result.request_id] = response_line(lines_by_id[result.request_id], result,
-                                                        engine.model_name, engine.tokenizer)
+                done[result.request_id] = response_line(lines_by_id[result.request_id], result, engine.model_name,
+                                                        engine.tokenizer, tool_calls[result.request_id])
                 if bar is not None:
                     bar.update(1)
             while written < len(order) and order[written] in done:

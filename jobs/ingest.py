@@ -174,7 +174,7 @@ def _check(validator: LineValidator, job_id: str, chunk: list[RawLine]) -> tuple
             custom_id, url, request = validator.check(raw)
             requests.append({"job_id": job_id, "line": raw.number, "custom_id": custom_id, "url": url,
                              "prompt_token_ids": request.prompt_token_ids, "params": params_to_dict(request.params),
-                             "attempts": 0, "created_at": created})
+                             "cache_salt": request.cache_salt, "attempts": 0, "created_at": created})
         except LineError as e:
             errors.append(_error_row(job_id, e.line, e.custom_id, e.message, e.code, e.param))
         except InputError:  # the whole file is refused (a request past the line limit)

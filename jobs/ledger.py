@@ -22,6 +22,7 @@ from sqlalchemy import bindparam, select, update
 
 from jobs import workers
 from jobs.batch_format import BatchLine, response_line
+from jobs.tool_formats import FORMATS
 from jobs.db import open_database
 from jobs.lifecycle import LIVE
 from jobs.models import Job, RequestRow, Result, ResultStatus, Tenant, now
@@ -90,15 +91,15 @@ class JobsLedger:
             # the write first: it takes the rows' locks (SQLite: the database's) before they are read
             s.execute(update(RequestRow).where(ids).values(attempts=RequestRow.attempts + 1, delivered_at=now()))
             rows = s.execute(
-                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Result.id)
+                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Tenant.cache_group, Result.id)
                 .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
                 .outerjoin(Result, Result.request_id == RequestRow.id).where(ids)).all()
             dead = {_life(row): row.holder for row, *_, result_id in rows
                     if result_id is None and row.holder is not None and row.started}
             deaths = workers.found_dead(s, dead)
             claims = {row.id: _claim(row, status, model, priority, tenant, result_id is None and status in LIVE,
-                                     deaths.get(_life(row)))
-                      for row, status, model, priority, tenant, result_id in rows}
+                                     deaths.get(_life(row)), group)
+                      for row, status, model, priority, tenant, group, result_id in rows}
             s.execute(update(RequestRow).where(ids).values(holder=worker[:200], holder_life=self.life, started=False))
         return claims
 
@@ -161,9 +162,10 @@ class JobsLedger:
         if not outcomes:
             return set()
         with self.db.session() as s:
-            urls = dict(s.execute(select(RequestRow.id, RequestRow.url)
-                                  .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all())
-        records = [self._record_of(o, urls.get(o.request_id)) for o in outcomes]
+            rows = {rid: (url, params) for rid, url, params in s.execute(
+                select(RequestRow.id, RequestRow.url, RequestRow.params)
+                .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all()}
+        records = [self._record_of(o, *rows.get(o.request_id, (None, None))) for o in outcomes]
         recorded = record_outcomes(self.db, records, worker)
         errors = {o.request_id: o.error for o in outcomes if o.error is not None}
         if errors:
@@ -175,14 +177,17 @@ class JobsLedger:
             log.exception("could not dispatch the finalizing of jobs %s", recorded.finalize)
         return recorded.new
 
-    def _record_of(self, outcome: Outcome, url: str | None) -> ResultRecord:
+    def _record_of(self, outcome: Outcome, url: str | None, params: dict | None) -> ResultRecord:
         if outcome.output is None:
             return ResultRecord.failure(outcome.request_id, outcome.job_id, outcome.error_code or "failed",
                                         outcome.error or "")
         output = outcome.output
-        line = response_line(BatchLine(0, "", url or "", {}), output, self.model_name, self.tokenizer)
+        tool_calls = params.get("tool_calls") if isinstance(params, dict) else None  # how its calls are read
+        line = response_line(BatchLine(0, "", url or "", {}), output, self.model_name, self.tokenizer,
+                             tool_calls if tool_calls in FORMATS else None)
         return ResultRecord(outcome.request_id, outcome.job_id, ResultStatus.COMPLETED, response=line["response"],
-                            prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens)
+                            prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens,
+                            cached_tokens=output.num_cached_prompt_tokens)
 
     @_translated
     def closed_jobs(self, job_ids: set[str]) -> set[str]:
@@ -205,8 +210,16 @@ def _life(row: RequestRow) -> str | None:
     return row.holder_life or row.holder[:32]
 
 
+def cache_salt_of(row: RequestRow, group: str | None) -> str | None:
+    """Who a request shares cached prefixes with (``Request.cache_salt``): those giving its line's
+    cache_salt, else its tenant's sharing group, else (None) its tenant alone."""
+    if row.cache_salt:
+        return row.cache_salt
+    return f"group:{group}" if group else None
+
+
 def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool,
-           death: Death | None) -> Claim:
+           death: Death | None, group: str | None = None) -> Claim:
     params, unreadable = None, None
     try:
         params = params_from_dict(dict(row.params))
@@ -215,4 +228,5 @@ def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_o
     return Claim(row.id, row.job_id, model, tenant, priority, list(row.prompt_token_ids), params, is_open,
                  row.attempts, crashed=row.holder is not None and row.started, progress=row.progress,
                  strikes=row.strikes, last_error=row.last_error, unreadable=unreadable, suspect=row.suspect,
-                 death=death if row.holder is not None and row.started else None, checkpoint=row.checkpoint)
+                 death=death if row.holder is not None and row.started else None, checkpoint=row.checkpoint,
+                 cache_salt=cache_salt_of(row, group))

@@ -57,6 +57,9 @@ class Tenant(Base):
     weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share of the engines under fair share
     created_at: Mapped[float] = mapped_column(Float, default=now)
     webhook_secret: Mapped[str | None] = mapped_column(String(128))  # signs its webhooks; made on first use
+    # Tenants with the same group share cached prompt prefixes (the engine's and the fleet's prefix store);
+    # None: its prefixes are its own (``jobs.tenants.set_cache_group``)
+    cache_group: Mapped[str | None] = mapped_column(String(64))
 
 
 class Job(Base):
@@ -81,6 +84,7 @@ class Job(Base):
     failed: Mapped[int] = mapped_column(Integer, default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # of prompt_tokens, from a cache
     created_at: Mapped[float] = mapped_column(Float, default=now)
     in_progress_at: Mapped[float | None] = mapped_column(Float)
     finalizing_at: Mapped[float | None] = mapped_column(Float)
@@ -137,6 +141,9 @@ class RequestRow(Base):
     # Where the request's latest checkpointed state is: a segment of the checkpoint store and the byte
     # range of the state in it (``worker.checkpoint.format.StateRef``), written by the worker holding it.
     checkpoint: Mapped[str | None] = mapped_column(String(300))
+    # The line's cache_salt as the engine keys it ("salt:<text>"): requests with the same one share cached
+    # prefixes, whatever their tenant; None: the tenant's (or its group's) own
+    cache_salt: Mapped[str | None] = mapped_column(String(300))
 
 
 class Result(Base):
@@ -152,6 +159,7 @@ class Result(Base):
     error: Mapped[dict | None] = mapped_column(JSON)  # {"code", "message"}
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # prompt tokens from a prefix cache
     worker: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[float] = mapped_column(Float, default=now)
 

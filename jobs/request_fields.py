@@ -4,9 +4,9 @@ A batch file written for OpenAI's Batch API or for ``vllm run-batch`` must mean 
 berth, so no field is ignored in silence: a field berth implements is read by
 ``jobs.batch_format``; a field that by its nature changes nothing here (who the caller is, a
 storage or billing hint) is accepted when its type is right; a field that selects behaviour berth
-has only at one value is accepted at that value and refused at any other; ``tools`` and the like
-are refused as not supported yet; any other name is refused as unknown, as OpenAI answers an
-unrecognised argument with a 400.
+has only at one value is accepted at that value and refused at any other; the deprecated
+``functions`` and ``function_call`` are refused, pointing at ``tools`` (``jobs.tools``); any other
+name is refused as unknown, as OpenAI answers an unrecognised argument with a 400.
 """
 
 from __future__ import annotations
@@ -25,30 +25,30 @@ URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 _BOTH = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "logprobs",
     "min_tokens", "ignore_eos", "stream", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "logit_bias", "min_p",
+    "logit_bias", "min_p", "cache_salt",
     # structured outputs (jobs.structured_outputs reads them, and refuses the last three with a reason)
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "guided_json_object", "guided_whitespace_pattern", "structural_tag",
 }
 IMPLEMENTED = {
-    CHAT_URL: _BOTH | {"messages", "max_completion_tokens", "top_logprobs"},
+    CHAT_URL: _BOTH | {"messages", "max_completion_tokens", "top_logprobs",
+                       "tools", "tool_choice", "parallel_tool_calls"},  # jobs.tools reads the last three
     COMPLETIONS_URL: _BOTH | {"prompt"},
     EMBEDDINGS_URL: {"model", "input", "encoding_format", "dimensions"},
 }
-"""What ``jobs.batch_format``, ``jobs.structured_outputs`` and ``jobs.embeddings_format`` read, per endpoint."""
+"""What ``jobs.batch_format``, ``jobs.structured_outputs``, ``jobs.tools`` and ``jobs.embeddings_format`` read,
+per endpoint."""
 
 _is_str: Callable[[Any], bool] = lambda v: isinstance(v, str)
 NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "user": (_is_str, "a string"),
     "safety_identifier": (_is_str, "a string"),
     "prompt_cache_key": (_is_str, "a string"),  # berth's prefix cache needs no key
-    "cache_salt": (_is_str, "a string"),  # vLLM: separates prefix caches; berth's holds no secrets across jobs
     "request_id": (_is_str, "a string"),  # vLLM: names the request in its logs; berth names it by custom_id
     "metadata": (lambda v: isinstance(v, dict), "an object"),
     "store": (lambda v: isinstance(v, bool), "true or false"),
     "service_tier": (_is_str, "a string"),
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),  # tools are refused anyway
 }
 """Accepted and without effect by their nature (with the type they must have)."""
 
@@ -80,11 +80,10 @@ ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot b
 """Accepted only at the value that is berth's behaviour (absent or null is that value too)."""
 
 NOT_YET = {
-    "tools": "tool calling is not supported yet: remove tools (and tool_choice)",
-    "tool_choice": "tool calling is not supported yet: remove tool_choice (and tools)",
-    "functions": "function calling is not supported yet (and functions is deprecated for tools): remove it",
-    "function_call": "function calling is not supported yet (and function_call is deprecated for tool_choice): "
-                     "remove it",
+    "functions": 'is deprecated for tools and berth does not read it: give each function as '
+                 '{"type": "function", "function": {...}} in tools',
+    "function_call": 'is deprecated for tool_choice and berth does not read it: use tool_choice ("none", "auto", '
+                     '"required" or {"type": "function", "function": {"name": ...}})',
 }
 
 

@@ -28,6 +28,7 @@ class ResultRecord:
     error: dict | None = None  # {"code", "message"}
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, taken from a prefix cache (the engine's or the fleet's store)
 
     @classmethod
     def failure(cls, request_id: int, job_id: str, code: str, message: str) -> ResultRecord:
@@ -48,19 +49,21 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
         new = insert_results(s, [{
             "request_id": o.request_id, "job_id": o.job_id, "status": o.status, "response": o.response,
             "error": o.error, "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-            "worker": worker, "created_at": now()} for o in outcomes])
-        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+            "cached_tokens": o.cached_tokens, "worker": worker, "created_at": now()} for o in outcomes])
+        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
         for o in outcomes:
             if o.request_id in new:
                 c = counts[o.job_id]
                 c[0 if o.status is ResultStatus.COMPLETED else 1] += 1
                 c[2] += o.prompt_tokens
                 c[3] += o.completion_tokens
+                c[4] += o.cached_tokens
         for job_id in sorted(counts):  # one order for every writer: no deadlocks between workers
-            completed, failed, prompt, completion = counts[job_id]
+            completed, failed, prompt, completion, cached = counts[job_id]
             s.execute(update(Job).where(Job.id == job_id).values(
                 completed=Job.completed + completed, failed=Job.failed + failed,
-                prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion))
+                prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion,
+                cached_tokens=Job.cached_tokens + cached))
         return Recorded(new, mark_finalizing(s, list(counts)))
 
 

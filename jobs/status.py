@@ -46,6 +46,7 @@ class JobView:
     error_file_id: str | None = None
     message_id: str | None = None  # the AMQP message_id of a job submitted through the queue
     output_expires_after: int | None = None  # seconds its output and errors files are kept once written
+    cached_tokens: int = 0  # of prompt_tokens, taken from a prefix cache (OpenAI's usage.input_tokens_details)
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -54,7 +55,7 @@ class JobView:
                    job.created_at, job.in_progress_at, job.finalizing_at, job.completed_at, job.failed_at,
                    job.cancelling_at, job.cancelled_at, job.expired_at, job.expires_at, job.output_key,
                    job.errors_key, job.error, job.endpoint, job.input_file_id, job.output_file_id, job.error_file_id,
-                   job.submit_message_id, job.output_expires_after)
+                   job.submit_message_id, job.output_expires_after, job.cached_tokens)
 
     @property
     def done(self) -> int:
@@ -104,7 +105,8 @@ class JobView:
             "errors": None if self.error is None else {"data": [{"code": "job_failed", "message": self.error}]},
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
             "progress": round(self.progress, 6), "message_id": self.message_id,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "cached_tokens": self.cached_tokens},
             "output_tokens_per_second": round(self.output_tokens_per_second, 2),
             "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),
             **{f"{name}_at": stamp(getattr(self, f"{name}_at")) for name in (

@@ -165,7 +165,7 @@ def _checked_value(param: str, kind: str, value: Any, limits: StructuredLimits) 
     if kind == "json_object":
         return ""
     if kind == "json_schema":
-        return _schema_text(param, value, limits)
+        return schema_text(param, value, limits)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise SpecError(param, f"must be a non-empty list of non-empty strings, not {shown(value)}")
@@ -176,20 +176,22 @@ def _checked_value(param: str, kind: str, value: Any, limits: StructuredLimits) 
             if why := bad_text(c, nul=False):
                 raise SpecError(param, f"a choice {why}")
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-        _within(param, "the choices, as JSON text,", text, limits.grammar_bytes, "GRAMMAR")
+        within(param, "the choices, as JSON text,", text, limits.grammar_bytes, "GRAMMAR")
         return text
     if not isinstance(value, str) or not value:
         raise SpecError(param, f"must be a non-empty string, not {shown(value)}")
     if kind == "regex":
-        _within(param, "the regular expression", value, limits.regex_bytes, "REGEX")
+        within(param, "the regular expression", value, limits.regex_bytes, "REGEX")
     else:
-        _within(param, "the grammar", value, limits.grammar_bytes, "GRAMMAR")
+        within(param, "the grammar", value, limits.grammar_bytes, "GRAMMAR")
     if why := bad_text(value, nul=False):
         raise SpecError(param, why)
     return value
 
 
-def _schema_text(param: str, schema: Any, limits: StructuredLimits) -> str:
+def schema_text(param: str, schema: Any, limits: StructuredLimits) -> str:
+    """``schema`` (an object, or JSON text of one) checked for size, the metaschema and the bounds of its
+    shape, as compact JSON text; ``SpecError`` naming ``param`` otherwise. A tool's parameters are checked so too."""
     limit = limits.schema_bytes
     if isinstance(schema, str):  # guided_json may carry the schema as JSON text
         if len(schema.encode("utf-8", "surrogatepass")) > limit:
@@ -205,7 +207,7 @@ def _schema_text(param: str, schema: Any, limits: StructuredLimits) -> str:
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     except RecursionError:
         raise SpecError(param, "nested too deeply: flatten the schema (use $defs and $ref)") from None
-    _within(param, "the schema, as compact JSON,", text, limit, "SCHEMA")
+    within(param, "the schema, as compact JSON,", text, limit, "SCHEMA")
     if why := bad_text(text, nul=False):
         raise SpecError(param, why)
     try:
@@ -220,7 +222,8 @@ def _schema_text(param: str, schema: Any, limits: StructuredLimits) -> str:
     return text
 
 
-def _within(param: str, what: str, text: str, limit: int, setting: str) -> None:
+def within(param: str, what: str, text: str, limit: int, setting: str) -> None:
+    """``SpecError`` where ``text`` is over ``limit`` bytes (``BERTH_STRUCTURED_MAX_<setting>_BYTES``)."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > limit:
         raise SpecError(param, f"{what} is {size:,} bytes, over the limit of {limit:,} "

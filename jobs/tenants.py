@@ -52,6 +52,18 @@ def set_weight(db: Database, name: str, weight: float) -> None:
             raise TenantNotFound(name)
 
 
+def set_cache_group(db: Database, name: str, group: str | None) -> None:
+    """Tenants with the same ``group`` share cached prompt prefixes, in each engine and through the
+    fleet's prefix store: one computes a common system prompt for all. None: the tenant's are its own
+    again (the default: a tenant must not learn, from cache hits or timing, what another's prompts
+    begin with). Running requests keep the key they were admitted with."""
+    if group is not None:
+        check_tenant_name(group)
+    with db.session() as s, s.begin():
+        if s.execute(update(Tenant).where(Tenant.name == name).values(cache_group=group)).rowcount == 0:
+            raise TenantNotFound(name)
+
+
 def live_tenants(db: Database, model: str) -> dict[str, float]:
     """Tenant name -> weight, for the tenants with jobs of ``model`` not yet over."""
     with db.session() as s:

@@ -6,6 +6,10 @@ decode step. The C kernel reads each cached key and value once, in place. It is 
 source, compiler and CPU into the folder its caller names (the worker passes
 ``$BERTH_CACHE_DIR/kernels``, by default ``~/.cache/berth/kernels``) and shares PyTorch's OpenMP
 runtime. ``load(folder)`` gives None where no compiler works; the engine then keeps the PyTorch path.
+
+The build targets the CPU it runs on (``-march=native``), which picks the vector path: AVX-512 where
+the CPU has it, else AVX2 + FMA (AMD Zen 2/3, older Xeons), else plain C. ``load(folder, isa="avx2")``
+builds the AVX2 path on an AVX-512 CPU too, so that path is tested and measured on either kind.
 """
 
 from __future__ import annotations
@@ -23,21 +27,14 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import kv_quant, reference
+from kernels.cpu_features import cpu_flags, cpu_signature
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+_KV_DTYPES = {**_DTYPES, kv_quant.STORAGE_DTYPE: 2}  # uint8: int8 rows with their scales (kernels/kv_quant.py)
+_ISA_FLAGS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out of a native build
 
 
 @dataclass(frozen=True)
@@ -45,12 +42,14 @@ class DecodeKernel:
     """The built kernel: ``paged_decode_attention`` has ``kernels.reference``'s contract."""
 
     lib: ctypes.CDLL
+    isa: str  # the vector path built for head_dim 64: "avx512", "avx2" or "none"
     max_group: int
     max_dim: int
     max_block: int
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        if (q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype
+        if (q.device.type != "cpu" or q.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype
+                or not (k_cache.dtype == q.dtype or kv_quant.is_quantized(k_cache))
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return False
         return (q.shape[1] // k_cache.shape[2] <= self.max_group and q.shape[2] <= self.max_dim
@@ -71,27 +70,33 @@ class DecodeKernel:
         self.lib.berth_paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1], scale,
-            _DTYPES[q.dtype], window or 0, torch.get_num_threads())
+            _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], window or 0, torch.get_num_threads())
         return out
 
 
 @functools.cache
-def load(folder: Path) -> DecodeKernel | None:
-    """The kernel, built into ``folder`` on first use (once per source, compiler and CPU), or None
-    where it cannot be built (logged)."""
+def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
+    """The kernel, built into ``folder`` on first use (once per source, compiler, CPU and ``isa``),
+    or None where it cannot be built (logged). ``isa`` None builds for what the CPU has; "avx2"
+    builds the AVX2 + FMA path even where the CPU has AVX-512 (None if it has not AVX2 and FMA)."""
+    if isa not in _ISA_FLAGS:
+        raise ValueError(f"isa must be one of {sorted(k for k in _ISA_FLAGS if k)} or None, not {isa!r}")
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        log.warning("this CPU has no AVX2 + FMA: the AVX2 decode-attention path cannot run here")
+        return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU decode attention uses the slower PyTorch path")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + compiler.encode() + cpu_signature().encode() + str(isa).encode()).hexdigest()[:16]
     folder = Path(folder)
     target = folder / f"cpu_decode-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+            cmd = [compiler, "-O3", "-march=native", *_ISA_FLAGS[isa], "-fopenmp", "-shared", "-fPIC",
                    "-o", str(built), str(SOURCE), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -102,7 +107,10 @@ def load(folder: Path) -> DecodeKernel | None:
     lib = ctypes.CDLL(str(target))
     lib.berth_paged_decode.restype = None
     lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
-        ctypes.c_int] * 3
+        ctypes.c_int] * 4
+    lib.berth_isa.restype = ctypes.c_char_p
+    built_isa = lib.berth_isa().decode()
     limits = [ctypes.c_int() for _ in range(3)]
     lib.berth_limits(*[ctypes.byref(x) for x in limits])
-    return DecodeKernel(lib, *(x.value for x in limits))
+    log.info("CPU decode attention: the C kernel with the %s path for head_dim 64", built_isa)
+    return DecodeKernel(lib, built_isa, *(x.value for x in limits))

@@ -5,13 +5,17 @@
  *   q, out:            [num_seqs, num_heads, head_dim], contiguous
  *   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables:      [num_seqs, max_blocks] int32;  context_lens: [num_seqs] int32
- * dtype: 0 = float32, 1 = bfloat16 (q, caches and out share it). Accumulation is float32.
+ * dtype (of q and out): 0 = float32, 1 = bfloat16. kv_dtype (of the caches): the same codes, or
+ * 2 = int8 rows of head_dim values followed by their float32 scale (kernels/kv_quant.py: head_dim + 4
+ * bytes a row, so the caches' last dimension is head_dim + 4). Accumulation is float32.
  * window: 0 for full attention; else the query (at context_len - 1) sees only the last ``window``
  * positions, transformers' sliding window, and the loops start at the first of them: the blocks
  * before it are never read, so a step costs the window, not the context.
  * One task per (sequence, kv head) computes all the query heads of that group, so each K/V row is
- * read once; an online softmax runs block by block. With AVX-512 and head_dim 64 (the default
- * model's) the same tasks run vectorised code (see attend_heads_64).
+ * read once; an online softmax runs block by block. For head_dim 64 (the default model's) the same
+ * tasks run vectorised code, chosen when the kernel is compiled for the CPU at hand: AVX-512 (runs
+ * of 16 tokens in 16-lane registers) or AVX2 + FMA (runs of 8 in 8-lane registers), the same
+ * algorithm and the same bytes read; ``berth_isa`` names the path built.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,14 +34,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 typedef union { uint32_t bits[MAX_HEAD_DIM]; float values[MAX_HEAD_DIM]; } RowBuffer;
 
-/* A row of d values as float32: in place for float32, widened into ``buffer`` for bfloat16. */
+/* A row of d values as float32: in place for float32, widened into ``buffer`` for bfloat16, scaled
+ * into it for int8 (``index`` then counts bytes, and the row's scale follows its d values). */
 static inline const float *load_row(const void *base, int64_t index, int dtype, int d, RowBuffer *buffer) {
     if (dtype == 0) return (const float *)base + index;
+    if (dtype == 2) {
+        const int8_t *src = (const int8_t *)base + index;
+        float scale;
+        memcpy(&scale, src + d, sizeof scale);
+        #pragma omp simd
+        for (int i = 0; i < d; i++) buffer->values[i] = (float)src[i] * scale;
+        return buffer->values;
+    }
     const uint16_t *src = (const uint16_t *)base + index;
     #pragma omp simd
     for (int i = 0; i < d; i++) buffer->bits[i] = (uint32_t)src[i] << 16;
     return buffer->values;
 }
+
+/* Elements of a cache row: head_dim values, and for int8 the 4 bytes of its scale. */
+static inline int cache_row(int d, int kv_dtype) { return kv_dtype == 2 ? d + 4 : d; }
 
 /* The first position the query of a sequence of ``context_len`` tokens sees. */
 static inline int window_start(int context_len, int window) {
@@ -46,7 +62,7 @@ static inline int window_start(int context_len, int window) {
 
 static void attend_group(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                          int context_len, void *out, int seq, int kv_head, int num_heads, int num_kv_heads,
-                         int d, int block_size, float scale, int dtype, int window) {
+                         int d, int block_size, float scale, int dtype, int kv_dtype, int window) {
     const int group = num_heads / num_kv_heads;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP], p[MAX_GROUP][MAX_BLOCK];
@@ -58,15 +74,15 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * d;
+    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(d, kv_dtype);
     for (int start = window_start(context_len, window), n; start < context_len; start += n) {
         /* the rest of start's block: whole blocks but for the window's first */
         const int room = block_size - start % block_size;
         n = context_len - start < room ? context_len - start : room;
         const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
-                              + (int64_t)kv_head * d;
+                              + (int64_t)kv_head * cache_row(d, kv_dtype);
         for (int t = 0; t < n; t++) {
-            const float *k = load_row(k_cache, first + t * slot_stride, dtype, d, &row);
+            const float *k = load_row(k_cache, first + t * slot_stride, kv_dtype, d, &row);
             for (int g = 0; g < group; g++) {
                 float s = 0.0f;
                 #pragma omp simd reduction(+:s)
@@ -85,7 +101,7 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
             m[g] = new_max;
         }
         for (int t = 0; t < n; t++) {
-            const float *v = load_row(v_cache, first + t * slot_stride, dtype, d, &row);
+            const float *v = load_row(v_cache, first + t * slot_stride, kv_dtype, d, &row);
             for (int g = 0; g < group; g++) {
                 const float w = p[g][t];
                 #pragma omp simd
@@ -104,8 +120,44 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#if defined(__AVX512F__)
+#define RUN 16
+#else
+#define RUN 8
+#endif
+
+/* The length of the run of tokens that starts at ``start``: up to RUN (a vector's lanes), within one block. */
+static inline int run_length(int start, int context_len, int block_size) {
+    int run = context_len - start < RUN ? context_len - start : RUN;
+    const int room = block_size - start % block_size;
+    return run < room ? run : room;
+}
+
+/* Prefetch the key and value rows of kv head ``kvh`` in the run that starts at ``start``. Each run lies
+ * in another block, where the hardware prefetcher loses the stream: fetching the next run while the
+ * current one computes made decode attention 1.3 (float32) to 1.7 (bfloat16) times as fast on a
+ * cache too large for the CPU's caches. Fetching two or three runs ahead was slower. */
+static inline __attribute__((always_inline)) void prefetch_run(
+        const void *k_cache, const void *v_cache, const int32_t *table, int context_len, int start, int kvh,
+        int64_t slot_stride, int block_size, int kv_dtype) {
+    const int run = run_length(start, context_len, block_size), esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;
+    const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
+                          + (int64_t)kvh * cache_row(64, kv_dtype);
+    for (int t = 0; t < run; t++) {
+        const char *krow = (const char *)k_cache + (first + t * slot_stride) * esize;
+        const char *vrow = (const char *)v_cache + (first + t * slot_stride) * esize;
+        for (int b = 0; b < cache_row(64, kv_dtype) * esize; b += 64) {
+            _mm_prefetch(krow + b, _MM_HINT_T0);
+            _mm_prefetch(vrow + b, _MM_HINT_T0);
+        }
+    }
+}
+
+#endif
+
+#if defined(__AVX512F__)
 
 /* The AVX-512 path for head_dim 64: one task per sequence takes each block whole (every kv head's
  * rows, contiguous in the cache) while it is in cache. Per query head and run of up to 16 tokens:
@@ -133,11 +185,20 @@ static inline __attribute__((always_inline)) void load_row64(const void *base, i
     if (dtype == 0) {
         const float *src = (const float *)base + index;
         for (int j = 0; j < 4; j++) row[j] = _mm512_loadu_ps(src + 16 * j);
-    } else {
+    } else if (dtype == 1) {
         const uint16_t *src = (const uint16_t *)base + index;
         for (int j = 0; j < 4; j++) {
             const __m256i half = _mm256_loadu_si256((const __m256i *)(src + 16 * j));
             row[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        }
+    } else {  /* int8 and the row's scale after its 64 values */
+        const int8_t *src = (const int8_t *)base + index;
+        float scale;
+        memcpy(&scale, src + 64, sizeof scale);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int j = 0; j < 4; j++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + 16 * j));
+            row[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
         }
     }
 }
@@ -159,33 +220,6 @@ static inline __attribute__((always_inline)) __m512 transpose_sum16(const __m512
                          _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The length of the run of tokens that starts at ``start``: up to 16, within one block. */
-static inline int run_length(int start, int context_len, int block_size) {
-    int run = context_len - start < 16 ? context_len - start : 16;
-    const int room = block_size - start % block_size;
-    return run < room ? run : room;
-}
-
-/* Prefetch the key and value rows of kv head ``kvh`` in the run that starts at ``start``. Each run lies
- * in another block, where the hardware prefetcher loses the stream: fetching the next run while the
- * current one computes made decode attention 1.3 (float32) to 1.7 (bfloat16) times as fast on a
- * cache too large for the CPU's caches. Fetching two or three runs ahead was slower. */
-static inline __attribute__((always_inline)) void prefetch_run(
-        const void *k_cache, const void *v_cache, const int32_t *table, int context_len, int start, int kvh,
-        int64_t slot_stride, int block_size, int dtype) {
-    const int run = run_length(start, context_len, block_size), esize = dtype == 0 ? 4 : 2;
-    const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
-                          + (int64_t)kvh * 64;
-    for (int t = 0; t < run; t++) {
-        const char *krow = (const char *)k_cache + (first + t * slot_stride) * esize;
-        const char *vrow = (const char *)v_cache + (first + t * slot_stride) * esize;
-        for (int b = 0; b < 64 * esize; b += 64) {
-            _mm_prefetch(krow + b, _MM_HINT_T0);
-            _mm_prefetch(vrow + b, _MM_HINT_T0);
-        }
-    }
-}
-
 /* NG (1 to 4, a constant after inlining) query heads h0 .. h0+NG-1 sharing kv head ``kvh`` attend
  * over the whole context: each key and value row is loaded once for all of them. Per run of up to
  * 16 tokens: NG x 16 dot products reduced together, an online-softmax update with a vector
@@ -193,7 +227,7 @@ static inline __attribute__((always_inline)) void prefetch_run(
 static inline __attribute__((always_inline)) void attend_heads_64(
         const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
         int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
-        float scale, int dtype, int window) {
+        float scale, int dtype, int kv_dtype, int window) {
     enum { D = 64 };
     __m512 qv[4][4], acc[4][4], part[4][16];
     float m[4], l[4], p[4][16] __attribute__((aligned(64)));
@@ -207,17 +241,17 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * D;
+    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(D, kv_dtype);
     for (int start = window_start(context_len, window), run; start < context_len; start += run) {
         const int offset = start % block_size;
         run = run_length(start, context_len, block_size);
         const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
-                              + (int64_t)kvh * D;
+                              + (int64_t)kvh * cache_row(D, kv_dtype);
         if (start + run < context_len)  /* the next run lies in another block: fetch it while this one computes */
-            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, dtype);
+            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, kv_dtype);
         for (int t = 0; t < run; t++) {
             __m512 k[4];
-            load_row64(k_cache, first + t * slot_stride, dtype, k);
+            load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
             for (int g = 0; g < NG; g++) {
                 __m512 a = _mm512_mul_ps(qv[g][0], k[0]), b = _mm512_mul_ps(qv[g][2], k[2]);
                 a = _mm512_fmadd_ps(qv[g][1], k[1], a);
@@ -239,7 +273,7 @@ static inline __attribute__((always_inline)) void attend_heads_64(
         }
         for (int t = 0; t < run; t++) {
             __m512 v[4];
-            load_row64(v_cache, first + t * slot_stride, dtype, v);
+            load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
             for (int g = 0; g < NG; g++) {
                 const __m512 w = _mm512_set1_ps(p[g][t]);
                 for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
@@ -259,15 +293,161 @@ static inline __attribute__((always_inline)) void attend_heads_64(
     }
 }
 
+#endif  /* __AVX512F__ */
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+
+/* The AVX2 + FMA path for head_dim 64, for CPUs without AVX-512 (AMD Zen 2/3, older Xeons): the
+ * AVX-512 path's algorithm in 8-lane registers, so a row is eight vectors and a run is 8 tokens.
+ * The bytes read per step are the same, each once; only the vector width differs. */
+
+static inline __m256 exp256(__m256 x) { /* exp(x), x <= 0: 2^n * p(r), Cephes' polynomial */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n through the exponent bits: n >= -126 after the clamp above, so the result is normal */
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline float reduce_max256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float reduce_add256(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+static inline __attribute__((always_inline)) void load_row64(const void *base, int64_t index, int dtype,
+                                                              __m256 row[8]) {
+    if (dtype == 0) {
+        const float *src = (const float *)base + index;
+        for (int j = 0; j < 8; j++) row[j] = _mm256_loadu_ps(src + 8 * j);
+    } else if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)base + index;
+        for (int j = 0; j < 8; j++) {
+            const __m128i half = _mm_loadu_si128((const __m128i *)(src + 8 * j));
+            row[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+        }
+    } else {  /* int8 and the row's scale after its 64 values */
+        const int8_t *src = (const int8_t *)base + index;
+        float scale;
+        memcpy(&scale, src + 64, sizeof scale);
+        const __m256 s = _mm256_set1_ps(scale);
+        for (int j = 0; j < 8; j++) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(src + 8 * j));
+            row[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
+        }
+    }
+}
+
+/* Lane t of the result is the sum of the 8 lanes of v[t]: eight dot products finished together. */
+static inline __attribute__((always_inline)) __m256 transpose_sum8(const __m256 v[8]) {
+    const __m256 w0 = _mm256_hadd_ps(v[0], v[1]), w1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 w2 = _mm256_hadd_ps(v[4], v[5]), w3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 x0 = _mm256_hadd_ps(w0, w1), x1 = _mm256_hadd_ps(w2, w3);  /* per 128-bit half: v0..v3, v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
+}
+
+/* As the AVX-512 attend_heads_64: NG (1 to 4) query heads sharing kv head ``kvh``, each key and value
+ * row loaded once for all of them, runs of up to 8 tokens. */
+static inline __attribute__((always_inline)) void attend_heads_64(
+        const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+        int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
+        float scale, int dtype, int kv_dtype, int window) {
+    enum { D = 64 };
+    __m256 qv[4][8], acc[4][8], part[4][8];
+    float m[4], l[4], p[4][8] __attribute__((aligned(32)));
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < NG; g++) {
+        load_row64(q, ((int64_t)seq * num_heads + h0 + g) * D, dtype, qv[g]);
+        for (int j = 0; j < 8; j++) {
+            qv[g][j] = _mm256_mul_ps(qv[g][j], _mm256_set1_ps(scale));
+            acc[g][j] = _mm256_setzero_ps();
+        }
+        for (int t = 0; t < 8; t++) part[g][t] = _mm256_setzero_ps();
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(D, kv_dtype);
+    for (int start = window_start(context_len, window), run; start < context_len; start += run) {
+        const int offset = start % block_size;
+        run = run_length(start, context_len, block_size);
+        const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
+                              + (int64_t)kvh * cache_row(D, kv_dtype);
+        if (start + run < context_len)
+            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, kv_dtype);
+        for (int t = 0; t < run; t++) {
+            __m256 k[8];
+            load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
+            for (int g = 0; g < NG; g++) {
+                __m256 a = _mm256_mul_ps(qv[g][0], k[0]), b = _mm256_mul_ps(qv[g][1], k[1]);
+                for (int j = 2; j < 8; j += 2) {
+                    a = _mm256_fmadd_ps(qv[g][j], k[j], a);
+                    b = _mm256_fmadd_ps(qv[g][j + 1], k[j + 1], b);
+                }
+                part[g][t] = _mm256_add_ps(a, b);
+            }
+        }
+        const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)run), _CMP_LT_OQ);
+        for (int g = 0; g < NG; g++) {
+            const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(part[g]), valid);
+            const float run_max = reduce_max256(scores);
+            const float new_max = run_max > m[g] ? run_max : m[g];
+            const float correction = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
+            const __m256 e = _mm256_and_ps(valid, exp256(_mm256_sub_ps(scores, _mm256_set1_ps(new_max))));
+            l[g] = l[g] * correction + reduce_add256(e);
+            m[g] = new_max;
+            _mm256_store_ps(p[g], e);
+            for (int j = 0; j < 8; j++) acc[g][j] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(correction));
+        }
+        for (int t = 0; t < run; t++) {
+            __m256 v[8];
+            load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
+            for (int g = 0; g < NG; g++) {
+                const __m256 w = _mm256_set1_ps(p[g][t]);
+                for (int j = 0; j < 8; j++) acc[g][j] = _mm256_fmadd_ps(w, v[j], acc[g][j]);
+            }
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        const int64_t oi = ((int64_t)seq * num_heads + h0 + g) * D;
+        const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        float row[D] __attribute__((aligned(32)));
+        for (int j = 0; j < 8; j++) _mm256_store_ps(row + 8 * j, _mm256_mul_ps(acc[g][j], inv));
+        if (dtype == 0) {
+            memcpy((float *)out + oi, row, sizeof row);
+        } else {
+            for (int i = 0; i < D; i++) ((uint16_t *)out)[oi + i] = f32_to_bf16(row[i]);
+        }
+    }
+}
+
+#endif  /* AVX2 + FMA without AVX-512 */
+
+#ifdef RUN  /* a vector path was built */
 /* Every query head of kv head ``kvh`` of one sequence, four at a time. */
 static void attend_kv_head_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                               int context_len, void *out, int seq, int kvh, int num_heads, int num_kv_heads,
-                              int block_size, float scale, int dtype, int window) {
+                              int block_size, float scale, int dtype, int kv_dtype, int window) {
     const int group = num_heads / num_kv_heads;
     for (int g0 = 0; g0 < group; g0 += 4) {
         const int h0 = kvh * group + g0;
 #define ATTEND(NG) attend_heads_64(NG, q, k_cache, v_cache, table, context_len, out, seq, h0, kvh, num_heads, \
-                                   num_kv_heads, block_size, scale, dtype, window)
+                                   num_kv_heads, block_size, scale, dtype, kv_dtype, window)
         switch (group - g0 < 4 ? group - g0 : 4) {
             case 1: ATTEND(1); break;
             case 2: ATTEND(2); break;
@@ -280,6 +460,17 @@ static void attend_kv_head_64(const void *q, const void *k_cache, const void *v_
 #define HAVE_HEADS_64 1
 #endif
 
+/* The vector path this build runs for head_dim 64: "avx512", "avx2" or "none" (plain C for every shape). */
+const char *berth_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(RUN)
+    return "avx2";
+#else
+    return "none";
+#endif
+}
+
 int berth_limits(int *max_group, int *max_head_dim, int *max_block) {
     *max_group = MAX_GROUP;
     *max_head_dim = MAX_HEAD_DIM;
@@ -289,15 +480,15 @@ int berth_limits(int *max_group, int *max_head_dim, int *max_block) {
 
 void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, int max_blocks, float scale, int dtype, int window,
-                        int num_threads) {
+                        int head_dim, int block_size, int max_blocks, float scale, int dtype, int kv_dtype,
+                        int window, int num_threads) {
 #ifdef HAVE_HEADS_64
     if (head_dim == 64) {
         #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
         for (int s = 0; s < num_seqs; s++) {
             for (int h = 0; h < num_kv_heads; h++) {
                 attend_kv_head_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out,
-                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype, window);
+                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype, kv_dtype, window);
             }
         }
         return;
@@ -307,7 +498,7 @@ void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache,
     for (int s = 0; s < num_seqs; s++) {
         for (int h = 0; h < num_kv_heads; h++) {
             attend_group(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out, s, h,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, dtype, window);
+                         num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, window);
         }
     }
 }

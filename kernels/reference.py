@@ -9,6 +9,8 @@ Layout shared by every implementation:
 - ``context_lens``: ``[num_seqs]`` int32, tokens in the cache for the sequence *including* the ones
   being computed in this step (their K/V are written before attention runs).
 - Grouped-query attention: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
+- An int8 cache (``kernels.kv_quant``) is ``uint8`` with rows of ``head_dim + 4`` bytes (values and
+  their scale): it is written quantized and read back as values in the query's dtype.
 - ``window``: ``None`` for full causal attention; else a sliding window as transformers'
   (``masking_utils.sliding_window_causal_mask_function``): the query at position p sees the keys at
   positions k with ``p - window < k <= p``, its own and the ``window - 1`` before it. The blocks
@@ -21,13 +23,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots."""
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots (quantized
+    into an int8 cache)."""
+    kv_heads, row = k_cache.shape[2], k_cache.shape[3]
+    if kv_quant.is_quantized(k_cache):
+        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    k_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 DECODE_GROUP = 32
@@ -86,8 +93,8 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, windo
     """The query heads sharing a kv head attend as one group of rows: K and V are never repeated."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
-    v = _gather(v_cache, block_tables)
+    k = kv_quant.as_values(_gather(k_cache, block_tables), q.dtype)  # [B, kvh, L, d]
+    v = kv_quant.as_values(_gather(v_cache, block_tables), q.dtype)
     length = k.shape[-2]
     key_pos = torch.arange(length, device=q.device)[None, :]
     lens = context_lens[:, None].to(torch.long)
@@ -123,8 +130,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         first = max(0, ctx - q_len - window + 1) // block_size if windowed else 0
         table = block_tables[s, first: (ctx + block_size - 1) // block_size]
         ctx -= first * block_size
-        k = _gather(k_cache, table)[:, :ctx].to(q.dtype)  # [kvh, ctx, d]
-        v = _gather(v_cache, table)[:, :ctx].to(q.dtype)
+        k = kv_quant.as_values(_gather(k_cache, table)[:, :ctx], q.dtype)  # [kvh, ctx, d]
+        v = kv_quant.as_values(_gather(v_cache, table)[:, :ctx], q.dtype)
         # Each kv head repeated for its query heads, in 4-D: PyTorch's CPU flash kernel takes that
         # shape, while 3-D or enable_gqa falls back to the unfused math path (2-3 times slower).
         group = q.shape[1] // k.shape[0]

@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from storage import open_store
 from tests.checkpoint_support import Pointers, checkpointer, prompts, run_steps, stored_states, tiny_engine, tokens
@@ -60,9 +61,13 @@ def pointers():
 
 @pytest.fixture
 def killed_half_way(tiny_loaded, store, pointers):
+    return _kill_half_way(tiny_loaded, store, pointers)
+
+
+def _kill_half_way(tiny_loaded, store, pointers, **engine_settings):
     """Run the requests with checkpoints (KV blocks too) until each has about half its tokens, then
     drop the engine; their latest states by request id."""
-    engine = tiny_engine(tiny_loaded)
+    engine = tiny_engine(tiny_loaded, **engine_settings)
     cp = checkpointer(engine, store, pointers, checkpoint_interval=8, checkpoint_kv="always")
     run_steps(engine, cp, _requests(), until=lambda: engine.stats.output_tokens >= 24 * 4)
     assert cp.writer.flush(30)
@@ -73,9 +78,9 @@ def killed_half_way(tiny_loaded, store, pointers):
     return states
 
 
-def _resume(tiny_loaded, store, rates: TransferRates, pointers: dict[str, str]):
+def _resume(tiny_loaded, store, rates: TransferRates, pointers: dict[str, str], **engine_settings):
     """A fresh engine restoring every request from ``pointers``; run to the end. (outputs, engine, metrics)"""
-    engine = tiny_engine(tiny_loaded)
+    engine = tiny_engine(tiny_loaded, **engine_settings)
     cp = checkpointer(engine, store)
     restorer = Restorer(engine, store, cp, cp.metrics, rates)
     for request in _requests():
@@ -120,6 +125,23 @@ def test_resume_reading_kv_blocks_continues_token_for_token(tiny_loaded, store, 
         "blocks read back were computed again"
     assert metrics.registry.get_sample_value("berth_checkpoint_restored_tokens_total") == sum(
         s.output_tokens for s in killed_half_way.values())
+
+
+def test_an_int8_cache_resumes_from_its_own_quantized_blocks(tiny_loaded, tmp_path):
+    """int8 blocks go to the store and come back as they are (values and scales in one row): the
+    resumed run equals an undisturbed int8 run token for token, and an exact-dtype engine, whose
+    fingerprint differs, does not take them."""
+    int8 = {"kv_cache_dtype": "int8"}
+    undisturbed = tokens(run_steps(tiny_engine(tiny_loaded, **int8), None, _requests()))
+    store, pointers = open_store(f"file://{tmp_path / 'store'}"), Pointers()
+    states = _kill_half_way(tiny_loaded, store, pointers, **int8)
+    outputs, engine, metrics = _resume(tiny_loaded, store, READ, pointers, **int8)
+    assert outputs == undisturbed
+    assert _restores(metrics, "loaded") == 3 and engine.runner.kv_dtype == torch.uint8
+    assert engine.fingerprint != tiny_engine(tiny_loaded).fingerprint
+    _, exact_engine, exact_metrics = _resume(tiny_loaded, store, READ, pointers)
+    assert _restores(exact_metrics, "loaded") == 0  # another fingerprint: started over, not fed int8 rows
+    assert states
 
 
 def test_resume_recomputing_kv_continues_token_for_token(tiny_loaded, store, pointers, killed_half_way, undisturbed):

@@ -8,12 +8,18 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_features, kv_quant, reference
 from kernels.attention import select_ops
 from worker.config import cache_dir
 
 KERNEL = cpu_attention.load(cache_dir("kernels"))  # the worker's build folder, as the engine passes it
 needs_c = pytest.mark.skipif(KERNEL is None, reason="no C compiler to build the CPU kernel")
+# Both vector paths on every CPU that has AVX2: the one this CPU picks, and AVX2 + FMA forced (an
+# AVX-512 CPU then tests what an AMD Zen 2/3 runs)
+KERNELS = {"native": KERNEL, "avx2": cpu_attention.load(cache_dir("kernels"), isa="avx2") if KERNEL else None}
+each_path = pytest.mark.parametrize("path", [
+    pytest.param(name, marks=pytest.mark.skipif(k is None, reason=f"the {name} path cannot be built here"))
+    for name, k in KERNELS.items()])
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # bf16: one rounding of the output
 
 
@@ -36,13 +42,14 @@ def paged_case(context_lens, block_size, heads, kv_heads, head_dim, dtype, seed=
 
 
 @needs_c
+@each_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 24])  # 24: runs cut by block edges on either path
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])
-def test_decode_matches_reference(dtype, block_size, heads, kv_heads):
+def test_decode_matches_reference(path, dtype, block_size, heads, kv_heads):
     lens = [1, 15, 16, 17, 33, 97, 130, 2000] + list(range(3, 600, 41))
     args = paged_case(lens, block_size, heads, kv_heads, 64, dtype)
-    got = KERNEL.paged_decode_attention(*args)
+    got = KERNELS[path].paged_decode_attention(*args)
     want = reference.paged_decode_attention(*args)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -53,6 +60,16 @@ def test_head_dim_128_and_a_single_sequence():
     args = paged_case([77], 16, 8, 2, 128, torch.float32, seed=3)
     torch.testing.assert_close(KERNEL.paged_decode_attention(*args),
                                reference.paged_decode_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+def test_each_path_is_the_one_its_cpu_flags_choose():
+    flags = cpu_features.cpu_flags()
+    assert KERNEL.isa == ("avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none")
+    if KERNELS["avx2"] is not None:
+        assert KERNELS["avx2"].isa == "avx2"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_attention.load(cache_dir("kernels"), isa="sse9")
 
 
 @needs_c
@@ -127,12 +144,70 @@ def test_reference_prefill_window_is_the_dense_mask(window):
 
 
 @needs_c
+@each_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
     (16, 9, 3, 64), (32, 16, 2, 64), (24, 4, 4, 64), (16, 8, 2, 128)])  # 24: runs cut by block edges; 128: plain C
-def test_decode_window_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
+def test_decode_window_matches_reference(path, dtype, block_size, heads, kv_heads, head_dim):
     args = paged_case(WINDOW_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=block_size)
     for window in WINDOWS:
-        got = KERNEL.paged_decode_attention(*args, window=window)
+        got = KERNELS[path].paged_decode_attention(*args, window=window)
         want = reference.paged_decode_attention(*args, window=window)
         torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# --------------------------------------------------------------------------------------------------
+# the int8 KV cache (kernels/kv_quant.py): rows of int8 values and their float32 scale
+# --------------------------------------------------------------------------------------------------
+
+def test_int8_rows_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 2, 50)[:, None, None]  # rows of every size
+    x[7] = 0.0  # an all-zero row stays zero
+    rows = kv_quant.quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 68)
+    back = kv_quant.dequantize(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= step / 2 + 1e-7 * x.abs()).all()
+    assert torch.equal(back[7], torch.zeros(3, 64))
+    assert (back - x).abs().max() > 0  # quantized, not stored as is
+
+
+def test_write_kv_quantizes_into_an_int8_cache():
+    g = torch.Generator().manual_seed(12)
+    k_cache = torch.zeros(4, 16, 3, 68, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(5, 3, 64, generator=g), torch.randn(5, 3, 64, generator=g)
+    slots = torch.tensor([0, 17, 18, 40, 63])
+    reference.write_kv(key, value, k_cache, v_cache, slots)
+    stored = kv_quant.dequantize(k_cache.view(-1, 3, 68)[slots], torch.float32)
+    torch.testing.assert_close(stored, key, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(kv_quant.dequantize(v_cache.view(-1, 3, 68)[slots], torch.float32), value,
+                               atol=0.02, rtol=0.02)
+
+
+def quantized_case(lens, block_size, heads, kv_heads, head_dim, dtype, seed=0):
+    q, k, v, tables, lens, scale = paged_case(lens, block_size, heads, kv_heads, head_dim, torch.float32, seed)
+    return q.to(dtype), kv_quant.quantize(k), kv_quant.quantize(v), tables, lens, scale
+
+
+@needs_c
+@each_path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
+    (16, 9, 3, 64), (24, 16, 2, 64), (16, 8, 2, 128)])  # 128: the plain C loop
+def test_int8_cache_decode_matches_reference(path, dtype, block_size, heads, kv_heads, head_dim):
+    args = quantized_case(WINDOW_LENS, block_size, heads, kv_heads, head_dim, dtype, seed=block_size)
+    for window in (None, 20, 130):
+        got = KERNELS[path].paged_decode_attention(*args, window=window)
+        want = reference.paged_decode_attention(*args, window=window)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_int8_cache_attention_is_close_to_float32():
+    """What int8 costs in accuracy, on random rows: the attention output within a few hundredths."""
+    q, k, v, tables, lens, scale = paged_case([40, 300, 1000], 16, 9, 3, 64, torch.float32, seed=13)
+    exact = reference.paged_decode_attention(q, k, v, tables, lens, scale)
+    got = reference.paged_decode_attention(q, kv_quant.quantize(k), kv_quant.quantize(v), tables, lens, scale)
+    assert 0 < (got - exact).abs().max() < 0.03

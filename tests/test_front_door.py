@@ -127,7 +127,7 @@ FIELDS = {
     "method": (st.just("POST"), hostile_scalar),
     "body": (st.nothing(), hostile_scalar),
 }
-ONLY_HOSTILE = ("unknown_field", "tools")  # body fields no line may carry
+ONLY_HOSTILE = ("unknown_field", "tools")  # body fields no line may carry (tools: "auto" on a family with no format)
 SAMPLING = [f for f in FIELDS if f not in ("model", "messages", "prompt", "custom_id", "url", "method", "body",
                                            *ONLY_HOSTILE)]
 
@@ -278,8 +278,9 @@ HOSTILE = {  # what each line is: (code, param, what its message says)
     "bool max_tokens": (_line("h16", max_tokens=True), ("invalid_request", "body.max_tokens", "boolean")),
     "unknown field": (_line("h17", frequency_penality=0.5), ("invalid_request", "body.frequency_penality",
                                                              "not a request field berth knows")),
-    "tools": (_chat("h18", [{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object"}}}]), ("invalid_request", "body.tools", "not supported yet")),
+    "tools, auto on a family with no call format": (
+        _chat("h18", [{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}]), ("invalid_request", "body.tool_choice", '"required"')),
     "logit_bias past the vocabulary": (_line("h19", logit_bias={str(VOCAB): 5}),
                                        ("invalid_request", "body.logit_bias", "[0, 49152)")),
     "a penalty out of range": (_line("h20", presence_penalty=2.5), ("invalid_request", "body.presence_penalty",
@@ -524,7 +525,7 @@ def test_a_line_with_an_unknown_field_is_refused_naming_it(tiny_engine):
     e = refused(_line("u1", frequency_penality=0.5))
     assert (e.line, e.param) == (1, "body.frequency_penality") and "not a request field berth knows" in e.message
     e = refused(_chat("u2", [{"role": "user", "content": "hi"}], tool_choice="auto"))
-    assert e.param == "body.tool_choice" and "not supported yet" in e.message
+    assert e.param == "body.tool_choice" and "needs tools to call" in e.message
     e = refused(json.dumps({"custom_id": "u3", "url": "/v1/embeddings", "body": {"input": "hi", "top_p": 1}}))
     assert e.param == "body.top_p" and "not of /v1/embeddings" in e.message  # embeddings run (test_embeddings_door.py)
     e = refused(_line("u4", top_logprobs=2))

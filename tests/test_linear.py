@@ -43,3 +43,33 @@ def test_a_bias_is_added(dtype, tolerance):
     exact = F.linear(x.double(), weight.double(), bias.double())
     assert (make_linear(weight, bias)(x).double() - exact).abs().max() < tolerance
     assert (make_linear(weight)(x).double() - exact).abs().max() > 0.5  # the bias is what makes the difference
+
+
+def test_the_multiply_is_chosen_and_logged_once_for_all_layers(caplog, monkeypatch):
+    from worker.model import linear
+
+    linear.multiply_path.cache_clear()
+    with caplog.at_level("INFO", logger="worker.model.linear"):
+        for _ in range(12):  # a model's worth of layers
+            make_linear(torch.randn(32, 16))
+    said = [r.getMessage() for r in caplog.records if r.name == "worker.model.linear"]
+    assert len(said) == 1 and said[0].startswith("linear layers (torch.float32): ")
+
+
+@pytest.mark.parametrize("flags,warned", [({"avx2", "fma"}, True), ({"avx512f", "avx512_bf16"}, False),
+                                          ({"amx_bf16"}, False)])
+def test_bfloat16_without_bfloat16_instructions_says_so_once(caplog, monkeypatch, flags, warned):
+    from worker.model import linear
+
+    monkeypatch.setattr(linear, "cpu_flags", lambda: flags)
+    linear.multiply_path.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="worker.model.linear"):
+            for _ in range(5):
+                make_linear(torch.randn(32, 16).bfloat16())
+        emulated = [r.getMessage() for r in caplog.records if "no bfloat16 instructions" in r.getMessage()]
+        assert len(emulated) == (1 if warned else 0)
+        if warned:
+            assert "BERTH_DTYPE=float32" in emulated[0]
+    finally:
+        linear.multiply_path.cache_clear()  # the real flags for the tests after

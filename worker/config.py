@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    # "auto": the model's dtype (exact); "int8": int8 values with a float32 scale per token and kv head
+    # (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same --kv-memory, not bit-exact
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
 
     # --- engine
     # "auto" (stored as 0): room for max_num_seqs requests of max_model_len tokens, at most KV_AUTO_SHARE of
@@ -178,6 +181,10 @@ class Settings(BaseSettings):
     # either way, all of a worker's due requests in one object.
     checkpoint_kv: Literal["auto", "always", "never"] = "auto"
     checkpoint_mtbf: float = 6 * 3600.0  # seconds between a worker's crashes that "auto" assumes (6 hours)
+    # One prefix cache for the fleet (worker/checkpoint/prefix_store.py): prompt prefixes that requests share
+    # are published to the store as KV runs, and a new request whose prompt begins with one loads it when
+    # reading is faster than computing. Unset: on when checkpoints are (it writes through their writer).
+    prefix_store: bool | None = None
 
     # --- jobs: queue and engine worker
     queue_prefix: str = "berth"  # names the exchanges, queues and Celery's queue, so deployments can share a broker
@@ -288,6 +295,13 @@ class Settings(BaseSettings):
         if not self.model:
             return DEFAULT_MODEL_NAME
         return Path(self.model).name.removesuffix(".gguf")
+
+    def prefix_store_on(self) -> bool:
+        """Whether the engine worker shares prompt prefixes through the store (``prefix_store``)."""
+        if self.prefix_store and not self.checkpoint_interval:
+            raise ValueError("BERTH_PREFIX_STORE needs checkpoints (BERTH_CHECKPOINT_INTERVAL > 0): prefixes go "
+                             "to the store through the checkpoint writer")
+        return bool(self.checkpoint_interval) if self.prefix_store is None else self.prefix_store
 
     def resolved_device(self) -> str:
         if self.device != "auto":

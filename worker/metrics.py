@@ -63,6 +63,9 @@ class WorkerMetrics:
                                 "came back", ["kv"], registry=r)
         self.restored_tokens = Counter("berth_checkpoint_restored_tokens",
                                        "Generated tokens taken from checkpoints instead of generated again", registry=r)
+        self.prefix_blocks = Counter("berth_prefix_store_blocks", "Prompt KV blocks shared through the store: "
+                                     "loaded instead of computed, or published for other workers", ["how"],
+                                     registry=r)
         self.broker_up = Gauge("berth_broker_up", "1 while the worker is connected to the broker, else 0", registry=r)
         self.broker_reconnects = Counter("berth_broker_reconnects", "Connections to the broker made again after "
                                          "losing one", registry=r)

@@ -48,7 +48,7 @@ def batch_object(view: JobView) -> dict:
         **stamps,
         "request_counts": {"total": view.total, "completed": view.completed, "failed": view.failed},
         "metadata": view.metadata or None,
-        "usage": {"input_tokens": view.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": view.prompt_tokens, "input_tokens_details": {"cached_tokens": view.cached_tokens},
                   "output_tokens": view.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": view.prompt_tokens + view.completion_tokens},
     }

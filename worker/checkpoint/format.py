@@ -112,7 +112,8 @@ def runs_holding(checkpoint: RequestCheckpoint, run_blocks: int = RUN_BLOCKS) ->
 
 
 _LATER_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                   "logit_bias": (), "min_p": 0.0, "embedding": None}
+                   "logit_bias": (), "min_p": 0.0,
+                   "tool_calls": None, "embedding": None}
 """Sampling fields added after checkpoints existed, with the values that leave them out of the digest."""
 
 
@@ -254,7 +255,7 @@ def _sample_mismatch(sample: SampleCheckpoint, request: Request, limits: EngineL
     tokens = list(prompt) + list(out)
     if len(sample.block_hashes) > (len(tokens) - 1) // limits.block_size:
         return f"{len(sample.block_hashes)} KV blocks named, more than its {len(tokens)} tokens fill"
-    parent = hash_root(long_rope(limits.long_rope_from, len(tokens)))
+    parent = hash_root(long_rope(limits.long_rope_from, len(tokens)), request.cache_key)
     for i, h in enumerate(sample.block_hashes):
         parent = chain_hash(parent, tokens[i * limits.block_size:(i + 1) * limits.block_size])
         if h != parent:

@@ -174,7 +174,7 @@ class CheckpointWriter:
         with self._cond:
             for snapshot in snapshots:
                 for run in snapshot.runs:
-                    if run.last in self._runs or run.last in self._uploading or self._written.get(run.last) == run.last:
+                    if self.has_run(run.last):
                         continue  # the same run (its name says what it holds) is on its way or stored
                     run.request_id = snapshot.request_id
                     self._runs[run.last] = run
@@ -189,6 +189,25 @@ class CheckpointWriter:
                     self.metrics.checkpoint_superseded.inc()
                 self._states[snapshot.request_id] = snapshot
             self._cond.notify_all()
+
+    def publish(self, runs: list[KvRun]) -> None:
+        """Runs of shared prompt prefixes, for other workers to load (``worker.checkpoint.prefix_store``):
+        queued like a state's runs, but no state names them and no request's end drops them; one is
+        written only after asking the store whether it has it (another worker wrote it, or this one)."""
+        with self._cond:
+            for run in runs:
+                if run.last in self._runs or run.last in self._uploading:
+                    continue
+                run.shared, run.request_id = True, ""
+                self._runs[run.last] = run
+                self._pending_bytes += run.nbytes
+                for h in run.hashes:
+                    self._in_flight.setdefault(h, run.last)
+            self._cond.notify_all()
+
+    def has_run(self, last: bytes) -> bool:
+        """The run named ``last`` is on the store, or on its way there."""
+        return last in self._runs or last in self._uploading or self._written.get(last) == last
 
     def submit(self, snapshot: Snapshot) -> None:
         self.submit_round([snapshot])

@@ -53,6 +53,9 @@ class Claim:
     suspect: int = 0  # 0: innocent; k: was running when a worker died: runs apart, in a group of at most k suspects
     death: Death | None = None  # when ``crashed``: the death of the worker that was running it
     checkpoint: str | None = None  # where its latest checkpointed state is (``Ledger.checkpointed``); None: none
+    # who shares its cached prefixes (``Request.cache_salt``): None, its tenant alone; else its tenant's
+    # sharing group ("group:<name>") or the request's own cache_salt ("salt:<text>")
+    cache_salt: str | None = None
 
     @property
     def kv_tokens(self) -> int:

@@ -60,7 +60,9 @@ Checkpoints (``Settings.checkpoint_interval`` > 0): every ``checkpoint_interval`
 (``Ledger.checkpointed``, from that thread: the loop never waits on it). A request whose claim names
 a checkpoint is first read from there by the ``Restorer`` in the background and added to the engine
 with its generated tokens (and KV blocks, when they were worth writing and reading them is faster
-than computing them).
+than computing them). A new request is first looked up in the fleet's prefix store
+(``PrefixStore``, ``Settings.prefix_store``: the blocks of its prompt that other workers published)
+the same way, and a prefix that requests shared here is published after the step.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from typing import Callable
 
 from storage import open_store
 from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.prefix_store import PrefixStore
 from worker.checkpoint.resume import Restorer
 from worker.config import Settings
 from worker.consumer import admission
@@ -137,10 +140,13 @@ class EngineWorker:
         self.housekeeper = Housekeeper(list(chores))
         self.checkpoints: Checkpointer | None = None
         self.restorer: Restorer | None = None
+        self.prefixes: PrefixStore | None = None
         if settings.checkpoint_interval:
             store = open_store(settings.storage_url)
             self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics, on_durable=self._checkpointed)
             self.restorer = Restorer(self.engine, store, self.checkpoints, self.metrics)
+            if settings.prefix_store_on():
+                self.prefixes = PrefixStore(self.engine, store, self.checkpoints, self.metrics)
         self.kv_capacity = self.engine.kv_usage()["blocks_total"] * self.engine.settings.block_size
         self.inflight: dict[str, Inflight] = {}
         self.incoming: list[Delivery] = []
@@ -271,23 +277,27 @@ class EngineWorker:
                                                         verdict.reason), claim.tenant, delivery))
             else:
                 item = Inflight(claim, Request(str(claim.request_id), list(claim.prompt_token_ids), claim.params,
-                                               priority=claim.priority, tenant=claim.tenant), delivery)
+                                               priority=claim.priority, tenant=claim.tenant,
+                                               cache_salt=claim.cache_salt), delivery)
                 self.inflight[item.request.request_id] = item
-                if claim.checkpoint and self.restorer is not None and self.checkpoints.store_up:
+                store_up = self.checkpoints is not None and self.checkpoints.store_up
+                if claim.checkpoint and self.restorer is not None and store_up:
                     self.restorer.submit(item.request, claim.checkpoint)  # begins once it is read (``_add_restored``)
-                else:
+                elif not (self.prefixes is not None and store_up and self.prefixes.submit(item.request)):
                     starting.append(item)
         self._record(failures)
         self._begin(starting)
 
     def _restoring(self) -> bool:
-        return self.restorer is not None and self.restorer.pending > 0
+        """Requests are being read from the store: checkpoints to resume, or prompt prefixes."""
+        return ((self.restorer is not None and self.restorer.pending > 0)
+                or (self.prefixes is not None and self.prefixes.pending > 0))
 
     def _add_restored(self) -> None:
         if not self._restoring():
             return
         ready = []
-        for request in self.restorer.ready():
+        for request in self.restorer.ready() + (self.prefixes.ready() if self.prefixes is not None else []):
             item = self.inflight.get(request.request_id)
             if item is not None and item.request is request:  # not dropped or handed back meanwhile
                 ready.append(item)
@@ -461,6 +471,8 @@ class EngineWorker:
         if self.checkpoints is not None:
             self.checkpoints.after_step()
             self.restorer.observe_step()
+        if self.prefixes is not None:
+            self.prefixes.after_step()
         self._watch_suspects()
         done = []
         for output in outputs:
@@ -580,5 +592,7 @@ class EngineWorker:
         self.engine.on_start = None
         if self.checkpoints is not None:
             self.restorer.close()
+            if self.prefixes is not None:
+                self.prefixes.close()
             self.checkpoints.close(CHECKPOINT_FLUSH)
         self.broker.close()

@@ -19,12 +19,19 @@ from worker.engine.request import Sequence
 
 
 LONG_ROPE_ROOT = b"berth:longrope"
+SALT_ROOT = b"berth:salt\x00"
 
 
-def hash_root(long_rope: bool) -> bytes:
+def hash_root(long_rope: bool, salt: str = "") -> bytes:
     """The parent of a sequence's first block: a long-rope sequence's blocks hold other keys than a
-    short one's of the same tokens (``worker.model.rotary``), so they are named apart."""
-    return LONG_ROPE_ROOT if long_rope else b""
+    short one's of the same tokens (``worker.model.rotary``), so they are named apart; and so are the
+    blocks of sequences under another cache salt (``Request.cache_key``: the trust boundary of the
+    prefix cache), so that one tenant never finds, nor learns by timing, another's prefixes. The
+    unsalted roots ("" for the default tenant) are berth's names from before salts."""
+    root = LONG_ROPE_ROOT if long_rope else b""
+    if not salt:
+        return root
+    return hashlib.blake2b(SALT_ROOT + root + b"\x00" + salt.encode(), digest_size=16).digest()
 
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -184,7 +191,7 @@ class BlockManager:
     def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else hash_root(seq.long_rope)
+            parent = seq.block_hashes[i - 1] if i else hash_root(seq.long_rope, seq.request.cache_key)
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def _cache_full_blocks(self, seq: Sequence, first_block: int, num_tokens: int) -> None:

@@ -70,6 +70,16 @@ class RequestState:
     samples: list[SampleState]  # empty until the prompt is computed (and n samples exist)
 
 
+@dataclass
+class SharedPrefix:
+    """Leading blocks of a request's prompt that it found in the prefix cache: a prefix that more than
+    one request has used, worth offering to other workers (``worker.checkpoint.prefix_store``)."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]  # where those blocks are now (valid until the next step)
+
+
 class RequestRejected(ValueError):
     """A request the engine can never run (too long for the model or the KV cache)."""
 
@@ -122,7 +132,8 @@ class Engine:
         self.long_rope_from = long_rope_from(loaded.config)  # None but for a longrope model
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
                                   kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
-                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len,
+                                  kv_cache_dtype=settings.kv_cache_dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         mode = settings.preemption_mode
@@ -141,6 +152,8 @@ class Engine:
         self._swapped_kv: dict[int, torch.Tensor] = {}
         self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
         self._compiling: list[Request] = []  # waiting for their grammar, outside the scheduler
+        self.watch_shared_prefixes = False  # keep ``SharedPrefix``es for ``take_shared_prefixes``
+        self._shared: list[SharedPrefix] = []
         # Told the ids of requests about to run for the first time, before the step that runs them: a
         # worker that dies in that step has said which requests it was running (poison counts them).
         self.on_start: Callable[[list[str]], None] | None = None
@@ -301,10 +314,32 @@ class Engine:
             self.runner.write_blocks([b for _, b in targets], data[:, :, [i for i, _ in targets]])
         return len(targets)
 
+    def prefix_block_hashes(self, request: Request) -> list[bytes]:
+        """The names of the full blocks of ``request``'s prompt that admitting it could take from the
+        prefix cache (all but the block of its last token), as the block manager will name them."""
+        seq = Sequence(request=request, sample_index=0, token_ids=list(request.prompt_token_ids),
+                       num_prompt_tokens=len(request.prompt_token_ids),
+                       long_rope=long_rope(self.long_rope_from, len(request.prompt_token_ids)))
+        self.block_manager.hash_full_blocks(seq, seq.num_tokens - 1)
+        return seq.block_hashes
+
+    def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many of ``block_hashes``, from the first, the prefix cache holds now."""
+        if not self.block_manager.enable_prefix_cache:
+            return 0
+        cached = self.block_manager.cached
+        return next((i for i, h in enumerate(block_hashes) if h not in cached), len(block_hashes))
+
+    def take_shared_prefixes(self) -> list[SharedPrefix]:
+        """The prefixes requests found in the prefix cache since the last call (with
+        ``watch_shared_prefixes`` on); call between steps."""
+        shared, self._shared = self._shared, []
+        return shared
+
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Names the KV cache's meaning: model files, dtype and block size. Checkpointed blocks are
-        reused only under the same fingerprint."""
+        """Names the KV cache's meaning: model files, dtype, KV cache dtype and block size. Checkpointed
+        blocks are reused only under the same fingerprint."""
         h = hashlib.sha256()
         path = Path(self.model_path)
         for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
@@ -315,6 +350,8 @@ class Engine:
                 fh.seek(max(0, size - (1 << 20)))
                 h.update(fh.read(1 << 20))
         h.update(f"{self.settings.dtype}:{self.settings.block_size}".encode())
+        if self.settings.kv_cache_dtype != "auto":  # "auto" hashes as before: its checkpoints stay valid
+            h.update(f":kv={self.settings.kv_cache_dtype}".encode())
         return h.hexdigest()[:32]
 
     @property
@@ -430,6 +467,13 @@ class Engine:
         for seq, n in scheduled:  # their keys and values are in the cache now
             self._count_computed(seq, n)
             seq.num_computed_tokens += n
+        if self.watch_shared_prefixes:  # prompt blocks found, not a resumed request's own restored ones
+            bs = self.block_manager.block_size
+            for seq, n in plan.prefix_hits:
+                n = min(n, seq.num_prompt_tokens // bs)
+                if n and not seq.request.resume_output_ids:
+                    self._shared.append(SharedPrefix(seq.request.request_id, seq.block_hashes[:n],
+                                                     seq.block_table[:n]))
         if self.stats.steps % 8 == 1:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
         outputs = self._finish_pooled(pool, scheduler) if pool is not None else []
@@ -647,7 +691,8 @@ class Engine:
                 text = text[:seq.stop_text_end]
             completions.append(Completion(seq.sample_index, ids, text, seq.finish_reason,
                                           seq.logprobs if request.params.logprobs is not None else None))
-        return RequestOutput(request.request_id, request.prompt_token_ids, completions)
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions,
+                             num_cached_prompt_tokens=request.cached_prompt_tokens or 0)
 
     def _count_computed(self, seq: Sequence, n: int) -> None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n

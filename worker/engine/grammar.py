@@ -131,14 +131,31 @@ def _ran_out_sooner(future: Future, seconds: float) -> bool:
 
 
 def too_costly(spec: StructuredOutput, rules: CompileRules) -> str | None:
-    """Why a JSON schema's shape is over ``rules.bounds``, before any compile; None if it is not."""
-    if spec.kind != "json_schema":
+    """Why a JSON schema's shape (or that of one inside a structural tag) is over ``rules.bounds``,
+    before any compile; None if it is not."""
+    if spec.kind not in ("json_schema", "structural_tag"):
         return None
     try:
-        schema = json.loads(spec.value)
+        value = json.loads(spec.value)
     except (ValueError, RecursionError):
         return None  # the library says what is wrong with it
-    return over_bounds(schema, rules.bounds) if isinstance(schema, dict) else None
+    schemas = [value] if spec.kind == "json_schema" else _tag_schemas(value)
+    return next((why for s in schemas if isinstance(s, dict) and (why := over_bounds(s, rules.bounds))), None)
+
+
+def _tag_schemas(tag) -> list:
+    """The JSON schemas of a structural tag's ``json_schema`` formats, wherever they nest."""
+    found, stack = [], [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append(node["json_schema"])
+            else:
+                stack.extend(node.values())
+    return found
 
 
 def tokenizer_info(tokenizer, vocab_size: int | None, stop_token_ids: list[int] | None):

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar ne
 COMPILE_THREADS = 2  # threads inside one compile, in a compile process and in the process that uses it alike
 _NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+\.(cc|h):\d+: |Check failed: \(.*?\) is false: ")
 WHAT = {"json_schema": "the JSON schema", "json_object": "the JSON object grammar",
-        "regex": "the regular expression", "choice": "the choice list", "grammar": "the grammar (EBNF/GBNF)"}
+        "regex": "the regular expression", "choice": "the choice list", "grammar": "the grammar (EBNF/GBNF)",
+        "structural_tag": "the tool call's grammar (a structural tag)"}
 
 
 class GrammarError(ValueError):
@@ -46,6 +47,8 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.C
             return compiler.compile_regex(spec.value)
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_grammar(spec.value))
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.value)
         return compiler.compile_grammar(spec.value)
     except GrammarError:
         raise

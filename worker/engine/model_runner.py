@@ -25,6 +25,7 @@ import os
 import numpy as np
 import torch
 
+from kernels import kv_quant
 from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine.pooling import PoolRows, chunk_rows
@@ -83,19 +84,24 @@ def reserve_kv_cache(num_layers: int, num_blocks: int, block_shape: tuple[int, .
 
 class ModelRunner:
     def __init__(self, loaded, *, dtype: torch.dtype, device: torch.device, block_size: int,
-                 kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0):
-        """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0."""
+                 kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0,
+                 kv_cache_dtype: str = "auto"):
+        """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0;
+        ``kv_cache_dtype`` "int8" stores rows of int8 values and their scale (``kernels.kv_quant``)."""
         self.device = device
         self.block_size = block_size
-        self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
+        self.ops = select_ops(attention_backend, device, cache_dir("kernels"), kv_cache_dtype)
         with one_thread():  # thousands of short operations (worker.model.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
         self.long_table_row = long_table_row(loaded.config)
         self.pooling = model_pooling(loaded.path)  # how an embeddings input's rows become its vector
         m = self.model
         self.num_layers = len(m.layers)
-        self.block_shape = (block_size, m.num_kv_heads, m.head_dim)
-        self.block_bytes = 2 * self.num_layers * block_size * m.num_kv_heads * m.head_dim * dtype.itemsize
+        quantized = kv_cache_dtype == "int8"
+        self.kv_dtype = kv_quant.STORAGE_DTYPE if quantized else dtype
+        row = kv_quant.row_bytes(m.head_dim) if quantized else m.head_dim  # elements of a (token, kv head) row
+        self.block_shape = (block_size, m.num_kv_heads, row)
+        self.block_bytes = 2 * self.num_layers * block_size * m.num_kv_heads * row * self.kv_dtype.itemsize
         self.num_blocks = kv_cache_blocks(kv_memory, self.block_bytes, block_size, max_seqs,
                                           max_model_len or context_length(loaded.config),
                                           lambda: available_memory(device))
@@ -103,8 +109,9 @@ class ModelRunner:
             raise ValueError(f"the KV cache's memory ({kv_memory:g}: {_describe(kv_memory)}) holds no block of "
                              f"{self.block_bytes} bytes: raise --kv-memory (BERTH_KV_MEMORY)")
         self.kv_bytes = self.num_blocks * self.block_bytes
-        self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks, self.block_shape, dtype, device)
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB reserved, %s)", self.num_blocks, block_size,
+        self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks, self.block_shape, self.kv_dtype, device)
+        log.info("KV cache: %d blocks of %d tokens in %s (%.0f MiB reserved, %s)", self.num_blocks, block_size,
+                 "int8 with a scale per token and head" if quantized else str(dtype).removeprefix("torch."),
                  self.kv_bytes / 2**20, "touched as used" if device.type == "cpu" else f"on {device}")
 
     # ---- the step

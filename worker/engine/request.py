@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 class StructuredOutput:
     """A constraint every sampled token must keep: the output is then a JSON value matching a schema,
     any JSON object, a match of a regular expression, one of a list of strings, or a sentence of a
-    grammar. The door (jobs/) builds it from ``response_format`` or vLLM's ``guided_*`` /
-    ``structured_outputs`` fields and has checked that it compiles; ``worker/engine/grammar.py`` compiles it
+    grammar, or a tool call in a model family's own format (xgrammar's structural tag). The door (jobs/)
+    builds it from ``response_format``, vLLM's ``guided_*`` / ``structured_outputs`` fields or ``tool_choice``
+    and has checked that it compiles; ``worker/engine/grammar.py`` compiles it
     for the engine, cached by a hash of ``(kind, value)`` and the tokenizer."""
 
-    kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar"
+    kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar" | "structural_tag"
     value: str = ""  # json_schema: the schema as canonical JSON text; regex: the pattern;
-    # choice: a JSON list of the strings; grammar: EBNF (GBNF) text; json_object: ""
+    # choice: a JSON list of the strings; grammar: EBNF (GBNF) text; json_object: "";
+    # structural_tag: xgrammar's structural tag as JSON text (jobs/tool_formats.py writes them)
 
-    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
@@ -77,6 +79,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM / transformers: logits of prompt and output tokens divided (or, < 0, multiplied)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias) pairs added to the logits
     min_p: float = 0.0  # vLLM / transformers: drop tokens less likely than min_p times the top token
+    # How the answer is read back, not how tokens are drawn: the tool-call format (jobs/tool_formats.py) whose
+    # calls the text is parsed for; None for plain text. Kept here so the request row and its checkpoint carry it.
+    tool_calls: str | None = None
     embedding: EmbeddingParams | None = None  # set: pool the prompt's inputs, sample nothing (the rest unread)
 
     def __post_init__(self):
@@ -190,6 +195,10 @@ class Request:
     isolated: bool = False  # stepped apart from every other request until ``Engine.release`` (``Engine.step``)
     grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
     grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
+    # Who may share its cached prefix blocks: None is its tenant alone; requests with the same salt share
+    # (the worker passes a tenant group's or a request's own ``cache_salt`` here, already namespaced).
+    cache_salt: str | None = None
+    cached_prompt_tokens: int | None = None  # of its prompt, taken from the prefix cache when first admitted
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -212,6 +221,14 @@ class Request:
             out.append(self.prompt_token_ids[at:at + n])
             at += n
         return out
+
+    @property
+    def cache_key(self) -> str:
+        """What enters its blocks' hash chain (``block_manager.hash_root``): its salt, else its tenant
+        (the default tenant's is empty: the names its blocks had before tenants were kept apart)."""
+        if self.cache_salt is not None:
+            return self.cache_salt
+        return "" if self.tenant == "default" else f"tenant:{self.tenant}"
 
     @property
     def is_finished(self) -> bool:

@@ -35,6 +35,7 @@ class SchedulerOutput:
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # blocks to fill
     preempted: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    prefix_hits: list[tuple[Sequence, int]] = field(default_factory=list)  # admitted with this many cached blocks
 
     @property
     def num_tokens(self) -> int:
@@ -195,7 +196,12 @@ class Scheduler:
         if not self.bm.allocate(seq, n, hits):
             return 0
         self.waiting.remove(seq)
-        step.out.num_cached_tokens += len(hits) * self.bm.block_size
+        cached = len(hits) * self.bm.block_size
+        step.out.num_cached_tokens += cached
+        if seq.request.cached_prompt_tokens is None:  # its first admission counts, not a recompute's
+            seq.request.cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+        if hits:
+            step.out.prefix_hits.append((seq, len(hits)))
         self._run(seq, n, step)
         return n
 

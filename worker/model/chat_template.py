@@ -5,9 +5,9 @@ jinja2's immutable sandbox, with the same environment transformers gives them (`
 ``lstrip_blocks``, loop controls, a ``tojson`` that does not escape HTML, ``raise_exception``,
 ``strftime_now``, a ``dict`` and a ``namespace`` that cannot reach Python internals), and the same
 inputs (messages with ``None`` values dropped and the reasoning field under each of its names,
-the tokenizer's named special tokens). Importing transformers to do this costs a second at every
-start; ``worker.model.tokenizer`` checks, once per tokenizer, that this module renders what
-transformers renders, and falls back to transformers where it does not.
+the tools as OpenAI writes them, the tokenizer's named special tokens). Importing transformers to do
+this costs a second at every start; ``worker.model.tokenizer`` checks, once per tokenizer, that this
+module renders what transformers renders, and falls back to transformers where it does not.
 
 The ``{% generation %}`` tag (transformers' marker of assistant spans for training masks) is
 accepted and renders its body unchanged, which is all inference needs.
@@ -122,9 +122,11 @@ def _message(message: dict) -> dict:
     return message
 
 
-def render(source: str, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str]) -> str:
-    """The prompt text for ``messages``. Raises ``TypeError`` for a message that is not an object
-    and jinja2's errors (``TemplateError``) for what the template itself refuses."""
+def render(source: str, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str],
+           tools: list[dict] | None = None) -> str:
+    """The prompt text for ``messages`` (and ``tools``, OpenAI's ``{"type": "function", "function": ...}``
+    objects, as transformers hands them to the template). Raises ``TypeError`` for a message that is
+    not an object and jinja2's errors (``TemplateError``) for what the template itself refuses."""
     if not messages:
         raise ValueError("cannot apply a chat template to an empty conversation")
     chat = []
@@ -132,5 +134,5 @@ def render(source: str, messages: list[dict], *, add_generation_prompt: bool, sp
         if not isinstance(message, dict):
             raise TypeError(f"chat messages must be objects, not {type(message).__name__}")
         chat.append(_message(_plain(message)))
-    return compile_template(source).render(messages=chat, tools=None, documents=None,
+    return compile_template(source).render(messages=chat, tools=_plain(tools) if tools is not None else None, documents=None,
                                            add_generation_prompt=add_generation_prompt, **_plain(special_tokens))

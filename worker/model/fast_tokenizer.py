@@ -82,13 +82,13 @@ class FastTokenizer:
         return self.backend.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
-                            return_dict: bool = True):
-        """The prompt for ``messages``: its text with ``tokenize=False``, else ``{"input_ids": ids}``, or
-        the ids alone with ``return_dict=False`` (transformers' defaults)."""
+                            return_dict: bool = True, tools: list[dict] | None = None):
+        """The prompt for ``messages`` (and ``tools``): its text with ``tokenize=False``, else
+        ``{"input_ids": ids}``, or the ids alone with ``return_dict=False`` (transformers' defaults)."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template: send a `prompt` (completions) instead")
         text = chat_template.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    special_tokens=self.special_tokens_map)
+                                    special_tokens=self.special_tokens_map, tools=tools)
         if not tokenize:
             return text
         ids = self.encode(text, add_special_tokens=False)

@@ -3,7 +3,8 @@
 Run once per tokenizer, when ``worker.model.tokenizer`` first converts it: texts that exercise
 normalisation, byte fallback, whitespace, digits, contractions, scripts and the special tokens
 themselves, encoded with and without special tokens and decoded back with and without them; single
-tokens spread over the vocabulary; and conversations through the chat template, as text and as ids.
+tokens spread over the vocabulary; and conversations through the chat template, as text and as ids,
+with and without tools (and a tool call and its answer in the history).
 A tokenizer that differs anywhere is read with transformers from then on.
 """
 
@@ -27,6 +28,17 @@ CHATS = (
     [{"role": "user", "content": "named", "name": "bob"}, {"role": "assistant", "content": None}],
     [{"role": "assistant", "content": "first"}, {"role": "user", "content": "then"}],
     [{"role": "user", "content": "think", "reasoning_content": "hmm"}],
+)
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Today's weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CHATS = (  # rendered with TOOLS: a request, then a call made and its answer in the history
+    [{"role": "user", "content": "Weather in Paris?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\": \"clear\"}"}],
 )
 
 
@@ -75,4 +87,11 @@ def differences(fast, hf) -> str | None:
                 theirs = _outcome(lambda: _ids(hf.apply_chat_template(chat, add_generation_prompt=add)))
                 if ours != theirs:
                     return f"the chat {chat!r} tokenizes differently through the template"
+        for chat in TOOL_CHATS:
+            ours = _outcome(lambda: fast.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True,
+                                                             tokenize=False))
+            theirs = _outcome(lambda: hf.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True,
+                                                             tokenize=False))
+            if ours != theirs:
+                return f"the chat template renders {chat!r} with tools as {ours!r}, transformers as {theirs!r}"
     return None
