@@ -57,7 +57,7 @@ def perplexity(engine: Engine, token_ids: list[int], chunk: int) -> float:
             prefill_query_start_loc=as_tensor([0, end - start], torch.int32),
             prefill_block_tables=as_tensor([table], torch.int32), prefill_context_lens=as_tensor([end], torch.int32),
             logits_rows=as_tensor(list(range(end - start)), torch.int64))
-        logits = runner.execute(step)
+        logits, _ = runner.execute(step)  # no embeddings inputs: the pooled rows are None
         logp = torch.log_softmax(logits.double(), dim=-1)
         targets = torch.tensor(token_ids[start + 1:end + 1])
         nll -= logp[torch.arange(end - start), targets].sum().item()

@@ -1,7 +1,7 @@
 """The OpenAI Batch file format: request lines in, response and error lines out.
 
-A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}``. Every check says which line, which field and what is wrong, so one bad line
+A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/embeddings", "body": {...}}`` (an embeddings body is ``jobs.embeddings_format``'s). Every check says which line, which field and what is wrong, so one bad line
 never stops the good ones.
 
 Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
@@ -24,17 +24,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jobs.chat_messages import template_messages
-from jobs.line_text import UNSTORABLE, bad_text, shown
-from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, unknown_field
+from jobs.embeddings_format import embedding_body, embedding_request
+from jobs.line_error import (  # noqa: F401 (imported from here by the other modules)
+    CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError)
+from jobs.line_text import bad_text, shown
+from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
 from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
 from jobs.tool_formats import FORMATS, call_id
 from jobs.tool_prompt import for_template
 from jobs.tools import NO_TOOLS, compile_plan, tool_plan
 from worker.engine.request import Request, RequestOutput, SamplingParams
 
-EMBEDDINGS_URL = "/v1/embeddings"
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
-MAX_CUSTOM_ID = 512  # characters: the size of the custom_id columns
 MAX_STOP = 16  # stop strings a request may give
 MAX_STOP_CHARS = 256  # the engine decodes ~4 tokens a character of the longest stop string every token
 MAX_STOP_TOKEN_IDS = 256
@@ -43,41 +44,6 @@ MAX_REPETITION = 100.0  # a repetition_penalty past this is no longer a penalty 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy, as in vLLM (logits divided by ~1e-38 overflow float32)
 DEFAULT_CHAT_MAX_TOKENS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions endpoint
-
-# The line_errors columns (jobs.models.LineErrorRow); a LineError's fields always fit them.
-PARAM_CHARS, CODE_CHARS, MESSAGE_CHARS = 200, 64, 4000
-
-def _fit(text: str | None, size: int) -> str | None:
-    """``text`` as any column of ``size`` characters and any UTF-8 file can hold it."""
-    if text is None:
-        return None
-    text = str(text)[:size]
-    return UNSTORABLE.sub("\ufffd", text) if "\x00" in text or not text.isascii() else text
-
-
-class LineError(ValueError):
-    """One request line is wrong: where, which field, why. Every field fits its ``line_errors``
-    column (a 600-character custom_id is kept as its first 512), so any caller can store one."""
-
-    def __init__(self, line: int, param: str | None, message: str, custom_id: str | None = None,
-                 code: str = "invalid_request"):
-        self.line = line
-        self.param, self.code = _fit(param, PARAM_CHARS), _fit(code, CODE_CHARS)
-        self.message, self.custom_id = _fit(message, MESSAGE_CHARS), _fit(custom_id, MAX_CUSTOM_ID)
-        super().__init__(f"line {line}: {self.param + ': ' if self.param else ''}{self.message}")
-
-    def to_error_line(self) -> dict:
-        return {"id": f"batch_req_line{self.line}", "custom_id": self.custom_id, "response": None,
-                "error": {"code": self.code, "message": str(self), "line": self.line, "param": self.param}}
-
-
-@dataclass
-class BatchLine:
-    line: int  # 1-based
-    custom_id: str
-    url: str
-    body: dict
-
 
 def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> BatchLine:
     """Structure only: JSON, custom_id, method, url, body. The body is checked by ``to_request``."""
@@ -113,11 +79,9 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> 
     if method != "POST":
         raise LineError(line, "method", f"must be POST, not {shown(method)}", custom_id)
     url = obj.get("url")
-    if url == EMBEDDINGS_URL:
-        raise LineError(line, "url", f"{EMBEDDINGS_URL} is not supported yet: berth runs {CHAT_URL} and "
-                        f"{COMPLETIONS_URL}", custom_id)
-    if not isinstance(url, str) or url not in (CHAT_URL, COMPLETIONS_URL):
-        raise LineError(line, "url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, not {shown(url)}", custom_id)
+    if not isinstance(url, str) or url not in URLS:
+        raise LineError(line, "url", f"must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}, not {shown(url)}",
+                        custom_id)
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError(line, "body", "missing or not a JSON object", custom_id)
@@ -282,11 +246,16 @@ def cache_salt(line: BatchLine) -> str | None:
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
                priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
-               structured_limits: StructuredLimits = DEFAULT_LIMITS) -> Request:
+               structured_limits: StructuredLimits = DEFAULT_LIMITS, hidden_size: int | None = None) -> Request:
     """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
     tokenizer's size both. A structured-output constraint is checked and compiled last, once the
-    cheaper checks passed."""
+    cheaper checks passed. An embeddings line is ``jobs.embeddings_format``'s (``hidden_size``: the
+    model's, the most ``dimensions`` it may ask for)."""
+    if line.url == EMBEDDINGS_URL:
+        limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
+        return embedding_request(line, tokenizer, model_name, max_model_len, request_id, priority, tenant, limit,
+                                 hidden_size)
     if (unknown := unknown_field(line.url, line.body)) is not None:
         raise LineError(line.line, *unknown, line.custom_id)
     model = line.body.get("model")
@@ -330,6 +299,8 @@ def response_line(line: BatchLine, output: RequestOutput, model_name: str, token
                   tool_calls: str | None = None) -> dict:
     """The OpenAI Batch output line for a finished request; ``tool_calls`` names the format its
     calls are read in (``SamplingParams.tool_calls``)."""
+    if output.embedding is not None:
+        return _line_of(line, output, embedding_body(output, model_name))
     chat = line.url == CHAT_URL
     choices = []
     for c in output.completions:
@@ -349,6 +320,10 @@ def response_line(line: BatchLine, output: RequestOutput, model_name: str, token
             "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
                       "total_tokens": len(output.prompt_token_ids) + completion_tokens,
                       "prompt_tokens_details": {"cached_tokens": output.num_cached_prompt_tokens}}}
+    return _line_of(line, output, body)
+
+
+def _line_of(line: BatchLine, output: RequestOutput, body: dict) -> dict:
     return {"id": f"batch_req_{output.request_id}", "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": output.request_id, "body": body}, "error": None}
 

@@ -378,6 +378,7 @@ def run(input_file, output, errors, quiet, **flags):
     with user_errors(), JobProgress(disabled=quiet) as progress:
         view, files = api.run(input_file, output, settings, errors=errors, spec=spec, on_progress=progress.update)
     click.echo(f"{view.id} {view.status.value}: {view.completed} completed, {view.failed} failed of {view.total}; "
+               f"{view.prompt_tokens} input tokens, "  # all an embeddings job has
                f"{view.completion_tokens} output tokens at {view.output_tokens_per_second:.1f} tok/s "
                f"-> {files.output or '(no output)'}", err=True)
     if files.errors:

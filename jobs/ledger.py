@@ -31,7 +31,7 @@ from jobs.tasks import finalize_later, make_app
 from jobs.tenants import live_tenants
 from worker.config import Settings
 from worker.consumer.ledger import Claim, Death, Heartbeat, LedgerDown, Outcome
-from worker.engine.request import SamplingParams, StructuredOutput
+from worker.engine.request import EmbeddingParams, SamplingParams, StructuredOutput
 
 log = logging.getLogger("berth.worker")
 
@@ -54,6 +54,11 @@ def params_from_dict(data: dict) -> SamplingParams:
         if not isinstance(structured, dict) or not isinstance(structured.get("value", ""), str):
             raise TypeError(f"structured must be an object with a kind and a string value, not {structured!r:.200}")
         values["structured"] = StructuredOutput(**structured)
+    embedding = values.get("embedding")
+    if embedding is not None:
+        if not isinstance(embedding, dict) or not isinstance(embedding.get("lengths"), list):
+            raise TypeError(f"embedding must be an object with a list of lengths, not {embedding!r:.200}")
+        values["embedding"] = EmbeddingParams(**{**embedding, "lengths": tuple(embedding["lengths"])})
     return SamplingParams(**values)
 
 

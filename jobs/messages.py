@@ -15,6 +15,10 @@ def params_to_dict(params: SamplingParams) -> dict:
     """The parameters as the JSON a request row holds; ``jobs.ledger.params_from_dict`` reads it back."""
     values = {f.name: getattr(params, f.name) for f in fields(params)}  # its fields are immutable: no deep copy
     values["structured"] = asdict(params.structured) if params.structured is not None else None
+    if params.embedding is None:
+        del values["embedding"]  # a generation's row, as before embeddings existed
+    else:
+        values["embedding"] = asdict(params.embedding)
     return values
 
 

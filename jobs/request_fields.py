@@ -19,6 +19,8 @@ from jobs.line_text import shown
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 
 _BOTH = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "logprobs",
@@ -32,8 +34,10 @@ IMPLEMENTED = {
     CHAT_URL: _BOTH | {"messages", "max_completion_tokens", "top_logprobs",
                        "tools", "tool_choice", "parallel_tool_calls"},  # jobs.tools reads the last three
     COMPLETIONS_URL: _BOTH | {"prompt"},
+    EMBEDDINGS_URL: {"model", "input", "encoding_format", "dimensions"},
 }
-"""What ``jobs.batch_format``, ``jobs.structured_outputs`` and ``jobs.tools`` read, per endpoint."""
+"""What ``jobs.batch_format``, ``jobs.structured_outputs``, ``jobs.tools`` and ``jobs.embeddings_format`` read,
+per endpoint."""
 
 _is_str: Callable[[Any], bool] = lambda v: isinstance(v, str)
 NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -48,6 +52,9 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 """Accepted and without effect by their nature (with the type they must have)."""
 
+NO_EFFECT_ON = {EMBEDDINGS_URL: {"user", "request_id"}}
+"""The endpoints where only some of ``NO_EFFECT`` are fields (the rest belong to generation); all elsewhere."""
+
 ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot be had)
     "echo": ({COMPLETIONS_URL: False}, "berth returns the completion without the prompt"),
     "suffix": ({COMPLETIONS_URL: None}, "berth does not insert (fill in the middle)"),
@@ -60,10 +67,15 @@ ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot b
                                    "berth's text ends before the stop string"),
     "add_generation_prompt": ({CHAT_URL: True}, "berth's chat template always opens the assistant's turn"),
     "continue_final_message": ({CHAT_URL: False}, "berth's chat template always opens a new assistant turn"),
-    "add_special_tokens": ({CHAT_URL: False, COMPLETIONS_URL: True}, "berth tokenizes with vLLM's default"),
+    "add_special_tokens": ({CHAT_URL: False, COMPLETIONS_URL: True, EMBEDDINGS_URL: True}, "berth tokenizes with vLLM's default"),
     "return_tokens_as_token_ids": ({CHAT_URL: False, COMPLETIONS_URL: False}, "berth returns tokens as text"),
-    "priority": ({CHAT_URL: 0, COMPLETIONS_URL: 0}, "a job's priority is set on the job (berth submit --priority)"),
+    "priority": ({CHAT_URL: 0, COMPLETIONS_URL: 0, EMBEDDINGS_URL: 0}, "a job's priority is set on the job (berth submit --priority)"),
     "modalities": ({CHAT_URL: ["text"]}, "berth generates text only"),
+    # embeddings (vLLM's extra fields)
+    "normalize": ({EMBEDDINGS_URL: True}, "berth's vectors are always of unit length"),
+    "truncate_prompt_tokens": ({EMBEDDINGS_URL: None}, "berth does not cut inputs: one over the model's context "
+                                                        "is a line error"),
+    "embed_dtype": ({EMBEDDINGS_URL: "float32"}, "berth's vectors are float32, as numbers or as base64"),
 }
 """Accepted only at the value that is berth's behaviour (absent or null is that value too)."""
 
@@ -95,7 +107,7 @@ def unknown_field(url: str, body: dict) -> tuple[str, str] | None:
             if value is None:
                 continue
             return param, NOT_YET[name]
-        if name in NO_EFFECT:
+        if name in NO_EFFECT and name in NO_EFFECT_ON.get(url, NO_EFFECT):
             ok, what = NO_EFFECT[name]
             if value is not None and not ok(value):
                 return param, f"must be {what}, got {shown(value)}"
@@ -107,9 +119,10 @@ def unknown_field(url: str, body: dict) -> tuple[str, str] | None:
             if value is not None and not _same(value, want):
                 return param, f"berth runs only {json.dumps(want)} here ({why}), got {shown(value)}"
             continue
-        other = COMPLETIONS_URL if url == CHAT_URL else CHAT_URL
-        if name in IMPLEMENTED[other] or (name in ONLY and other in ONLY[name][0]):
-            return param, f"is a field of {other}, not of {url}"
+        others = [u for u in URLS if u != url and (name in IMPLEMENTED[u] or (name in ONLY and u in ONLY[name][0])
+                                                  or (name in NO_EFFECT and name in NO_EFFECT_ON.get(u, NO_EFFECT)))]
+        if others:
+            return param, f"is a field of {' and '.join(others)}, not of {url}"
         return param, ("is not a request field berth knows: berth refuses fields it would otherwise ignore "
                        "(docs/request-fields.md lists those it takes)")
     return None

@@ -24,7 +24,7 @@ from jobs.db import Database
 from jobs.files import JobFiles
 from jobs.lifecycle import window_seconds
 from jobs.models import Job, JobStatus, Tenant, now
-from jobs.request_fields import CHAT_URL, COMPLETIONS_URL
+from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS
 from jobs.tenants import check_tenant_name, tenant_id
 from jobs.validate import check_file_size, copy_checked
 from worker.config import Settings
@@ -46,8 +46,8 @@ class JobSpec:
 
     def check(self) -> None:
         check_tenant_name(self.tenant)
-        if self.endpoint not in (None, CHAT_URL, COMPLETIONS_URL):
-            raise ValueError(f"endpoint {self.endpoint!r}: give {CHAT_URL} or {COMPLETIONS_URL}")
+        if self.endpoint is not None and self.endpoint not in URLS:
+            raise ValueError(f"endpoint {self.endpoint!r}: give {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}")
         if not 0 <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority {self.priority}: give an integer from 0 to {MAX_PRIORITY} (higher runs first)")
         window_seconds(self.completion_window)

@@ -55,6 +55,7 @@ class ModelInfo:
     vocab_size: int
     max_lines: int = DEFAULT_MAX_LINES
     structured_limits: StructuredLimits = DEFAULT_LIMITS
+    hidden_size: int | None = None  # an embedding's dimensions (None: not checked)
 
     @classmethod
     def of_engine(cls, engine, settings: Settings | None = None) -> ModelInfo:
@@ -62,7 +63,7 @@ class ModelInfo:
         limits come from ``settings`` (default: the engine's)."""
         limits = settings or engine.settings
         return cls(engine.model_name, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
-                   limits.max_file_lines, StructuredLimits.of(limits))
+                   limits.max_file_lines, StructuredLimits.of(limits), engine.model_config.hidden_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -72,7 +73,8 @@ def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
 
     config = load_config(path)
     context = context_length(config)  # the model's whole context, as the engine takes it
-    return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context), config.vocab_size)
+    return ModelInfo(name, load_tokenizer(path), min(max_model_len or context, context), config.vocab_size,
+                     hidden_size=config.hidden_size)
 
 
 def model_info(settings: Settings) -> ModelInfo:
@@ -182,6 +184,7 @@ class LineValidator:
                             "its own", line.custom_id)
         m = self.model
         request = to_request(line, m.tokenizer, m.name, m.max_model_len, request_id=str(raw.number),
-                             tenant=self.tenant, vocab_size=m.vocab_size, structured_limits=m.structured_limits)
+                             tenant=self.tenant, vocab_size=m.vocab_size, structured_limits=m.structured_limits,
+                             hidden_size=m.hidden_size)
         self.seen.add(line.custom_id)
         return line.custom_id, line.url, request

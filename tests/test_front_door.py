@@ -512,7 +512,7 @@ def test_every_known_body_field_is_in_the_docs_table():
     assert named == known, (named - known, known - named)
 
 
-def test_a_line_with_an_unknown_field_or_embeddings_is_refused_naming_it(tiny_engine):
+def test_a_line_with_an_unknown_field_is_refused_naming_it(tiny_engine):
     """On main these ran and returned 200 with the field ignored (or a generic url error)."""
     validator = LineValidator(ModelInfo.of_engine(tiny_engine))
 
@@ -526,8 +526,8 @@ def test_a_line_with_an_unknown_field_or_embeddings_is_refused_naming_it(tiny_en
     assert (e.line, e.param) == (1, "body.frequency_penality") and "not a request field berth knows" in e.message
     e = refused(_chat("u2", [{"role": "user", "content": "hi"}], tool_choice="auto"))
     assert e.param == "body.tool_choice" and "needs tools to call" in e.message
-    e = refused(json.dumps({"custom_id": "u3", "url": "/v1/embeddings", "body": {"input": "hi"}}))
-    assert e.param == "url" and "/v1/embeddings is not supported yet" in e.message
+    e = refused(json.dumps({"custom_id": "u3", "url": "/v1/embeddings", "body": {"input": "hi", "top_p": 1}}))
+    assert e.param == "body.top_p" and "not of /v1/embeddings" in e.message  # embeddings run (test_embeddings_door.py)
     e = refused(_line("u4", top_logprobs=2))
     assert e.param == "body.top_logprobs" and "a field of /v1/chat/completions" in e.message
     raw = next(read_lines(io.BufferedReader(io.BytesIO(_line(

@@ -37,13 +37,15 @@ def test_each_schema_is_valid_and_its_examples_validate(name):
 
 
 def test_the_submit_examples_are_read_as_they_say():
-    by_url, inline = schema(SUBMIT_SCHEMA)["examples"]
+    by_url, inline, embeddings = schema(SUBMIT_SCHEMA)["examples"]
     message = read_submit(json.dumps(by_url).encode(), "application/json", MAX)
     assert (message.input_url, message.priority, message.metadata, message.webhook_url) == (
         by_url["input_url"], 5, {"project": "summaries"}, "https://hooks.example.com/berth")
     message = read_submit(json.dumps(inline).encode(), None, MAX)
     assert message.requests == inline["requests"] and message.input_url is None
     assert (message.priority, message.completion_window, message.metadata) == (0, "24h", {})
+    message = read_submit(json.dumps(embeddings).encode(), None, MAX)
+    assert [r["url"] for r in message.requests] == ["/v1/embeddings"]
 
 
 GOOD = {"version": 1, "model": TINY_NAME, "requests": [request_line(0)]}

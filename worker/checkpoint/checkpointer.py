@@ -223,4 +223,6 @@ def _remaining_steps(state: RequestState) -> int:
 
 
 def _resumable(request: Request) -> bool:
-    return request.params.logprobs is None and not any(s.is_finished for s in request.sequences)
+    """Embeddings requests are never checkpointed: their KV lives only as long as their prefill."""
+    p = request.params
+    return p.logprobs is None and p.embedding is None and not any(s.is_finished for s in request.sequences)

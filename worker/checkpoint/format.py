@@ -113,7 +113,7 @@ def runs_holding(checkpoint: RequestCheckpoint, run_blocks: int = RUN_BLOCKS) ->
 
 _LATER_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                    "logit_bias": (), "min_p": 0.0,
-                   "tool_calls": None}
+                   "tool_calls": None, "embedding": None}
 """Sampling fields added after checkpoints existed, with the values that leave them out of the digest."""
 
 

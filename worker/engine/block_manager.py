@@ -69,7 +69,7 @@ class BlockManager:
 
         At least one token is always left to compute: the last one yields the next token's logits.
         """
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or not seq.cache_prefix:
             return []
         self.hash_full_blocks(seq, seq.num_tokens - 1)
         hits = []

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from worker.config import Settings
-from worker.engine import grammar
+from worker.engine import grammar, pooling
 from worker.engine.block_manager import BlockManager
 from worker.engine.penalties import TokenCounts
 from worker.engine.model_runner import ModelRunner
@@ -146,6 +146,7 @@ class Engine:
         self._apart = self._side_scheduler()
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = loaded.config.vocab_size
+        self.hidden_size = loaded.config.hidden_size  # an embedding's length before ``dimensions`` cuts it
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._swapped_kv: dict[int, torch.Tensor] = {}
@@ -163,20 +164,27 @@ class Engine:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in the engine")
         p = request.params
-        total = len(request.prompt_token_ids) + p.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) "
-                                  f"exceeds the model's context of {self.max_model_len} tokens")
-        capacity = self.runner.num_blocks * self.block_manager.block_size
-        if total > capacity:
-            raise RequestRejected(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
-                                  f"({capacity} tokens): raise --kv-memory")
+        if p.embedding is not None:
+            self._check_embedding(request)
+        else:
+            total = len(request.prompt_token_ids) + p.max_tokens
+            if total > self.max_model_len:
+                raise RequestRejected(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                                      f"({p.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
+            capacity = self.runner.num_blocks * self.block_manager.block_size
+            if total > capacity:
+                raise RequestRejected(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
+                                      f"({capacity} tokens): raise --kv-memory")
         self._check_tokens(request)
         request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
         request.stop_set = frozenset(request.stop_ids)
         request.arrival_step = self.scheduler.step_count
         request.sequences = []
-        if request.resume_output_ids:
+        if p.embedding is not None:  # an input per sequence, each prefilled and pooled, none sampled
+            for i, ids in enumerate(request.inputs()):
+                seq = self._new_sequence(request, i, ids)
+                seq.cache_prefix = self.runner.pooling == pooling.LAST  # the mean needs every row computed
+        elif request.resume_output_ids:
             if len(request.resume_output_ids) != p.n:
                 raise RequestRejected(f"request {request.request_id}: resume state has "
                                       f"{len(request.resume_output_ids)} samples, n is {p.n}")
@@ -192,6 +200,23 @@ class Engine:
             return
         for seq in request.sequences:
             self._home(request).add(seq)
+
+    def _check_embedding(self, request: Request) -> None:
+        """Each input runs as a sequence of its own: each must fit the context and the KV cache."""
+        p, longest = request.params, max(request.params.embedding.lengths)
+        if longest > self.max_model_len:
+            raise RequestRejected(f"an input of {longest} tokens exceeds the model's context of "
+                                  f"{self.max_model_len} tokens")
+        capacity = self.runner.num_blocks * self.block_manager.block_size
+        if longest > capacity:
+            raise RequestRejected(f"an input of {longest} tokens exceeds the whole KV cache ({capacity} tokens): "
+                                  "raise --kv-memory")
+        dims = p.embedding.dimensions
+        if dims is not None and dims > self.hidden_size:
+            raise RequestRejected(f"dimensions {dims} exceeds the model's hidden size {self.hidden_size}")
+        if p.structured is not None or request.resume_output_ids:
+            raise RequestRejected(f"request {request.request_id}: an embeddings request samples nothing: it takes "
+                                  "no structured output and resumes from no checkpoint")
 
     @functools.cached_property
     def grammars(self) -> grammar.Compiler:
@@ -267,7 +292,7 @@ class Engine:
         if request is None:
             return None
         samples = []
-        if len(request.sequences) == request.params.n:
+        if len(request.sequences) == request.params.n and request.params.embedding is None:
             bs = self.block_manager.block_size
             for seq in request.sequences:
                 full = seq.num_computed_tokens // bs if seq.block_table else 0
@@ -430,9 +455,11 @@ class Engine:
                 self.on_start(list(dict.fromkeys(r.request_id for r in fresh)))
         scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
         try:
-            step_input, samplers = self.runner.prepare(scheduled)
+            step_input, samplers, pool = self.runner.prepare(scheduled)
             t0 = time.perf_counter()
-            logits = self.runner.execute(step_input)
+            logits, pooled = self.runner.execute(step_input)
+            if pool is not None:
+                pooling.pool_step(pool, pooled, self.runner.pooling)
             self.stats.forward_seconds += time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 (whatever a request made the step raise: find it, fail it alone)
             return self._step_failed(scheduled, scheduler, exc)
@@ -449,6 +476,9 @@ class Engine:
                                                      seq.block_table[:n]))
         if self.stats.steps % 8 == 1:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
+        outputs = self._finish_pooled(pool, scheduler) if pool is not None else []
+        if not samplers:
+            return outputs
         try:
             rows, logits = self._sampling_rows(logits, samplers, scheduler)
             constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
@@ -456,8 +486,27 @@ class Engine:
                                                       self.grammars.vocab_size)) if constrained else None
             sampled = sample(logits, [self._sample_row(s) for s in rows], mask)
         except Exception as exc:  # noqa: BLE001
-            return self._step_failed(scheduled, scheduler, exc)
-        return self._finish_rows(rows, sampled, scheduler)
+            return outputs + self._step_failed([item for item in scheduled if item[0].request.params.embedding is None],
+                                               scheduler, exc)
+        return outputs + self._finish_rows(rows, sampled, scheduler)
+
+    def _finish_pooled(self, pool: pooling.PoolRows, scheduler: Scheduler) -> list[RequestOutput]:
+        """Embeddings inputs whose last chunk ran are done: their blocks go, no token is sampled."""
+        outputs = []
+        for seq in pool.seqs:
+            request = seq.request
+            if seq.num_computed_tokens < seq.num_tokens or request.request_id not in self.requests:
+                continue
+            try:
+                seq.pooled = pooling.vector(seq, self.runner.pooling, request.params.embedding.dimensions)
+                seq.finish_reason = "stop"
+                scheduler.finish(seq)
+                if request.is_finished:
+                    outputs.append(self._output(request))
+            except Exception as exc:  # noqa: BLE001 (this input's own: its request fails alone)
+                log.exception("request %s failed while finishing its embedding", request.request_id)
+                outputs.append(self._fail(request, exc))
+        return outputs
 
     def _sampling_rows(self, logits: torch.Tensor, samplers: list[Sequence],
                        scheduler: Scheduler) -> tuple[list[Sequence], torch.Tensor]:
@@ -580,8 +629,9 @@ class Engine:
         scheduler.add(seq)
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(request=request, sample_index=index, token_ids=token_ids,
-                       num_prompt_tokens=len(request.prompt_token_ids),
+        """Sample ``index`` of a generation, or input ``index`` of an embeddings request (its own prompt)."""
+        prompt = len(token_ids) if request.params.embedding is not None else len(request.prompt_token_ids)
+        seq = Sequence(request=request, sample_index=index, token_ids=token_ids, num_prompt_tokens=prompt,
                        long_rope=long_rope(self.long_rope_from, len(token_ids)))
         request.sequences.append(seq)
         return seq
@@ -628,6 +678,10 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         del self.requests[request.request_id]
         self.stats.requests_finished += 1
+        if request.params.embedding is not None:
+            vectors = torch.stack([seq.pooled for seq in sorted(request.sequences, key=lambda s: s.sample_index)])
+            return RequestOutput(request.request_id, request.prompt_token_ids, [], embeddings=vectors,
+                                 embedding=request.params.embedding)
         completions = []
         for seq in request.sequences:
             ids = seq.output_token_ids

@@ -28,9 +28,11 @@ import torch
 from kernels import kv_quant
 from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
+from worker.engine.pooling import PoolRows, chunk_rows
 from worker.engine.request import Sequence
 from worker.model.architectures import context_length
 from worker.model.decoder import DecoderModel, StepInput
+from worker.model.pooling_config import model_pooling
 from worker.model.rotary import long_table_row
 from worker.model.torch_threads import one_thread
 
@@ -92,6 +94,7 @@ class ModelRunner:
         with one_thread():  # thousands of short operations (worker.model.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
         self.long_table_row = long_table_row(loaded.config)
+        self.pooling = model_pooling(loaded.path)  # how an embeddings input's rows become its vector
         m = self.model
         self.num_layers = len(m.layers)
         quantized = kv_cache_dtype == "int8"
@@ -112,8 +115,9 @@ class ModelRunner:
                  self.kv_bytes / 2**20, "touched as used" if device.type == "cpu" else f"on {device}")
 
     # ---- the step
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence]]:
-        """Tensors for one forward pass, and the sequences whose next token it yields (in row order).
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence], PoolRows | None]:
+        """Tensors for one forward pass, the sequences whose next token it yields (in row order), and
+        the rows embeddings inputs pool (None when the step has none: the generation path as ever).
 
         ``scheduled`` must list single-token sequences first (the engine sorts it so).
         """
@@ -126,6 +130,7 @@ class ModelRunner:
         num_decode = 0
         prefill_starts = [0]
         decode_tables, decode_lens, prefill_tables, prefill_lens = [], [], [], []
+        pool: PoolRows | None = None
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -143,9 +148,18 @@ class ModelRunner:
                 p = np.arange(start, end)
                 pos.extend((p + self.long_table_row if seq.long_rope else p).tolist())
                 slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
-            if end == seq.num_tokens:
+            if seq.request.params.embedding is not None:
+                pool = pool or PoolRows()
+                pool.add(seq, start, len(ids) - n, chunk_rows(self.pooling, start, end, seq.num_tokens))
+            elif end == seq.num_tokens:
                 samplers.append(seq)
                 logits_rows.append(len(ids) - 1)
+        num_pooled = 0
+        if pool is not None and not pool.rows:  # only chunks short of their last token (last-token pooling)
+            pool = None
+        if pool is not None:
+            num_pooled = len(pool.rows)
+            logits_rows = logits_rows + pool.rows  # after the logits rows: one final norm for both
         dev = self.device
         t = lambda a, dtype: torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
         step = StepInput(
@@ -154,13 +168,20 @@ class ModelRunner:
             decode_block_tables=t(_pad(decode_tables), torch.int32), decode_context_lens=t(decode_lens, torch.int32),
             prefill_query_start_loc=t(prefill_starts, torch.int32),
             prefill_block_tables=t(_pad(prefill_tables), torch.int32),
-            prefill_context_lens=t(prefill_lens, torch.int32), logits_rows=t(logits_rows, torch.int64))
-        return step, samplers
+            prefill_context_lens=t(prefill_lens, torch.int32), logits_rows=t(logits_rows, torch.int64),
+            num_pooled=num_pooled)
+        if pool is not None:
+            pool.segment_ids = t(pool.segments, torch.int64)
+        return step, samplers, pool
 
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """float32 logits ``[len(step.logits_rows), vocab]``."""
+    def execute(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits ``[rows sampled, vocab]``, and for a step with embeddings inputs the final
+        hidden states of the rows they pool ``[step.num_pooled, hidden]`` (else None)."""
         hidden = self.model.forward(step, self.kv_caches)
-        return self.model.logits(hidden)
+        if not step.num_pooled:
+            return self.model.logits(hidden), None
+        cut = hidden.shape[0] - step.num_pooled
+        return self.model.logits(hidden[:cut]), hidden[cut:]
 
     # ---- block moves
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -36,6 +36,28 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class EmbeddingParams:
+    """An embeddings request: its prompt is ``lengths`` inputs one after another, each run as a
+    prefill-only sequence of its own and pooled into one unit vector (the pooling the model asks for,
+    ``worker.engine.pooling``), cut to its first ``dimensions`` and normalised again. The door checks
+    every bound; ``encoding_format`` is how it writes the vectors out (the engine does not read it)."""
+
+    lengths: tuple[int, ...]
+    dimensions: int | None = None  # None: the model's hidden size
+    encoding_format: str = "float"  # "float" | "base64" (little-endian float32, as OpenAI)
+
+    FORMATS = ("float", "base64")
+
+    def __post_init__(self):
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError("an embeddings request needs at least one input, each of at least one token")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError("dimensions must be at least 1")
+        if self.encoding_format not in self.FORMATS:
+            raise ValueError(f"encoding_format must be one of {self.FORMATS}, not {self.encoding_format!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
 
@@ -60,6 +82,7 @@ class SamplingParams:
     # How the answer is read back, not how tokens are drawn: the tool-call format (jobs/tool_formats.py) whose
     # calls the text is parsed for; None for plain text. Kept here so the request row and its checkpoint carry it.
     tool_calls: str | None = None
+    embedding: EmbeddingParams | None = None  # set: pool the prompt's inputs, sample nothing (the rest unread)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -130,6 +153,8 @@ class Sequence:
     matcher: object | None = None  # a structured output's grammar matcher, past every output token
     counts: object | None = None  # worker.engine.penalties.TokenCounts, built when a penalty first needs it
     long_rope: bool = False  # past a longrope model's threshold: rotated with the long factors (worker.model.rotary)
+    pooled: object | None = None  # an embeddings input: its pooled hidden state so far (worker.engine.pooling)
+    cache_prefix: bool = True  # whether cached prefix blocks may stand in for computing its first tokens
 
     @property
     def num_tokens(self) -> int:
@@ -178,6 +203,24 @@ class Request:
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
+        e = self.params.embedding
+        if e is not None and sum(e.lengths) != len(self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id}: its inputs' lengths add up to {sum(e.lengths)} tokens, "
+                             f"the prompt has {len(self.prompt_token_ids)}")
+
+    @property
+    def num_sequences(self) -> int:
+        """Samples of a generation; inputs of an embeddings request."""
+        e = self.params.embedding
+        return self.params.n if e is None else len(e.lengths)
+
+    def inputs(self) -> list[list[int]]:
+        """An embeddings request's inputs, each its own token ids."""
+        out, at = [], 0
+        for n in self.params.embedding.lengths:
+            out.append(self.prompt_token_ids[at:at + n])
+            at += n
+        return out
 
     @property
     def cache_key(self) -> str:
@@ -189,7 +232,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+        return len(self.sequences) == self.num_sequences and all(s.is_finished for s in self.sequences)
 
 
 @dataclass
@@ -213,6 +256,8 @@ class RequestOutput:
     completions: list[Completion]
     num_cached_prompt_tokens: int = 0
     error: str | None = None
+    embeddings: object | None = None  # an embeddings request: float32 [inputs, dimensions], unit rows
+    embedding: EmbeddingParams | None = None  # what it asked for (how the door writes the vectors)
 
     @property
     def num_output_tokens(self) -> int:

@@ -36,7 +36,8 @@ class StepInput:
     prefill_query_start_loc: torch.Tensor  # [num_prefill + 1] int32, relative to row num_decode
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
     prefill_context_lens: torch.Tensor  # [num_prefill] int32
-    logits_rows: torch.Tensor  # rows whose next-token logits are needed
+    logits_rows: torch.Tensor  # rows whose hidden states are wanted: those needing logits, then the pooled ones
+    num_pooled: int = 0  # the last rows of logits_rows are pooled into embeddings, not turned into logits
 
 
 @dataclass
@@ -121,7 +122,8 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Hidden states after the final norm for ``step.logits_rows``; writes every new token's K/V."""
+        """Hidden states after the final norm for ``step.logits_rows`` (what transformers' ``AutoModel``
+        gives as ``last_hidden_state``); writes every new token's K/V."""
         T = step.input_ids.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[step.positions].unsqueeze(1)
