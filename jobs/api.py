@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from jobs.submit import JobSpec
 
 
+def __getattr__(name: str):
+    """``api.JobSpec``, the job's options for ``submit`` and ``run``, imported when first asked for."""
+    if name == "JobSpec":
+        from jobs.submit import JobSpec
+
+        return JobSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @dataclass(frozen=True)
 class ResultFiles:
     output: Path | None  # None: no request completed
