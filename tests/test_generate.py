@@ -29,7 +29,7 @@ def test_generate_cli_orders_outputs_and_reports_bad_lines(tmp_path):
         chat("a", "duplicate id"),
         chat("d", "wrong model", model="gpt-9"),
         chat("e", "bad temperature", temperature="hot"),
-        json.dumps({"custom_id": "f", "method": "POST", "url": "/v1/embeddings", "body": {}}),
+        json.dumps({"custom_id": "f", "method": "POST", "url": "/v1/rerank", "body": {}}),
         chat("g", "too long", max_tokens=100000),
         "",
         chat("h", "last one"),

@@ -122,7 +122,7 @@ def test_bad_batches_get_openai_errors(alice, served):
     good = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     bad = [({"input_file_id": "file-000000000000000000000000"}, "input_file_id"),
            ({"input_file_id": "nonsense"}, "input_file_id"),
-           ({"endpoint": "/v1/embeddings"}, "endpoint"),
+           ({"endpoint": "/v1/rerank"}, "endpoint"),
            ({"completion_window": "0h"}, None),
            ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
            ({"metadata": {"k" * 65: "v"}}, "metadata"),
