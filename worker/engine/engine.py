@@ -168,13 +168,8 @@ class Engine:
             self._check_embedding(request)
         else:
             total = len(request.prompt_token_ids) + p.max_tokens
-            if total > self.max_model_len:
-                raise RequestRejected(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
-                                      f"({p.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
-            capacity = self.runner.num_blocks * self.block_manager.block_size
-            if total > capacity:
-                raise RequestRejected(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
-                                      f"({capacity} tokens): raise --kv-memory")
+            self._check_fits(total, f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens})",
+                             f"prompt + max_tokens ({total} tokens)")
         self._check_tokens(request)
         request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
         request.stop_set = frozenset(request.stop_ids)
@@ -201,16 +196,19 @@ class Engine:
         for seq in request.sequences:
             self._home(request).add(seq)
 
+    def _check_fits(self, tokens: int, as_context: str, as_cache: str) -> None:
+        """A sequence of ``tokens`` must fit the model's context and the whole KV cache; the refusal
+        names it as ``as_context`` or ``as_cache``."""
+        if tokens > self.max_model_len:
+            raise RequestRejected(f"{as_context} exceeds the model's context of {self.max_model_len} tokens")
+        capacity = self.runner.num_blocks * self.block_manager.block_size
+        if tokens > capacity:
+            raise RequestRejected(f"{as_cache} exceeds the whole KV cache ({capacity} tokens): raise --kv-memory")
+
     def _check_embedding(self, request: Request) -> None:
         """Each input runs as a sequence of its own: each must fit the context and the KV cache."""
         p, longest = request.params, max(request.params.embedding.lengths)
-        if longest > self.max_model_len:
-            raise RequestRejected(f"an input of {longest} tokens exceeds the model's context of "
-                                  f"{self.max_model_len} tokens")
-        capacity = self.runner.num_blocks * self.block_manager.block_size
-        if longest > capacity:
-            raise RequestRejected(f"an input of {longest} tokens exceeds the whole KV cache ({capacity} tokens): "
-                                  "raise --kv-memory")
+        self._check_fits(longest, f"an input of {longest} tokens", f"an input of {longest} tokens")
         dims = p.embedding.dimensions
         if dims is not None and dims > self.hidden_size:
             raise RequestRejected(f"dimensions {dims} exceeds the model's hidden size {self.hidden_size}")
