@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,10 +39,17 @@ class Database:
 
 
 def normalize_url(url: str) -> str:
-    """``postgresql://`` means psycopg 3 here (the driver berth installs), not psycopg2."""
+    """``postgresql://`` means psycopg 3 here (the driver berth installs), not psycopg2; and a SQLite
+    file named relative to the working directory (the default ``sqlite:///./berth.db``) is made
+    absolute, so the engine kept for it is never reused after the process changes directory."""
     for plain in ("postgresql://", "postgres://"):
         if url.startswith(plain):
             return "postgresql+psycopg://" + url[len(plain):]
+    if url.startswith("sqlite"):
+        parsed = make_url(url)
+        path = parsed.database
+        if path and path != ":memory:" and not path.startswith("file:") and not os.path.isabs(path):
+            return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
     return url
 
 

@@ -55,3 +55,23 @@ def test_the_schema_check_without_alembic_agrees_with_alembic(backend, tmp_path,
             assert schema_revision(engine) == MigrationContext.configure(conn).get_current_revision()
     assert schema_revision(engine) == head_revision()
     engine.dispose()
+
+
+def test_the_default_relative_database_is_the_one_in_the_current_directory(tmp_path, monkeypatch):
+    """``sqlite:///./berth.db`` means the directory the process is in when it opens it: a process
+    that opened it in one directory and moved to another (a test run, `berth` driven as a library)
+    must not go on writing the first one's file."""
+    url = "sqlite:///./berth.db"
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    a = open_database(url)
+    monkeypatch.chdir(second)
+    b = open_database(url)
+    try:
+        assert a is not b and (second / "berth.db").exists()
+        assert a.url == f"sqlite:///{first / 'berth.db'}"
+    finally:
+        close_database(a.url)
+        close_database(b.url)
