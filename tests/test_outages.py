@@ -346,12 +346,24 @@ def test_rabbitmq_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_pref
     settings, requests, job, db, worker = _job_on_the_servers(tmp_path, tiny_llama_dir, pg_url, queue_prefix, lengths)
     try:
         worker.run_until(0.2 * total)
-        waiting = sum(ready for ready, _ in _queue_counts(queue_prefix).values())
-        assert waiting > 0, "every message was delivered before the restart: make the job bigger"
-        assert _results(db)[0] < len(lengths), "the job ended before the outage: make the requests longer"
+        # The worker holds still while rabbitmqctl looks at the queues and stops the broker: each call
+        # boots an Erlang VM, seconds of CPU on a busy machine, in which the worker finished the whole
+        # job before the outage (a CI run beside two busy loops). Paused, the outage still comes at
+        # this point of the job however slow the control commands are.
+        worker.proc.send_signal(signal.SIGSTOP)
+        try:
+            waiting = sum(ready for ready, _ in _queue_counts(queue_prefix).values())
+            assert waiting > 0, "every message was delivered before the restart: make the job bigger"
+            assert _results(db)[0] < len(lengths), "the job ended before the outage: make the requests longer"
+        except BaseException:
+            worker.proc.send_signal(signal.SIGCONT)
+            raise
         try:
             t0 = time.monotonic()
-            stopped = _run("rabbitmqctl", "stop", timeout=120)
+            try:
+                stopped = _run("rabbitmqctl", "stop", timeout=120)
+            finally:
+                worker.proc.send_signal(signal.SIGCONT)
             assert stopped.returncode == 0, stopped.stderr
             worker.wait("the worker reporting the broker down", lambda: worker.metric("berth_broker_up") == 0)
             down_at = worker.tokens()
