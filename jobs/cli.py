@@ -31,9 +31,10 @@ def engine_options(command):
                      help="tokens computed per step [2048]"),
         click.option("--max-num-seqs", type=int, help="cap on running sequences [256]"),
         click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8"]),
-                     help="KV cache values: auto (the model's dtype, exact) or int8 (a scale per token and head: "
-                     "3.8x the tokens of float32 in the same memory, not bit-exact) [auto]"),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8_e4m3"]),
+                     help="KV cache values: auto (the model's dtype, exact), int8 (a scale per token and head: "
+                     "3.8x the tokens of float32 in the same memory, not bit-exact) or fp8_e4m3 (the same, in "
+                     "float8; CUDA of compute capability 8.9+ only) [auto]"),
         click.option("--no-prefix-cache", "enable_prefix_cache", flag_value=False, default=None,
                      help="turn the prefix cache off"),
     ]

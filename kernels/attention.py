@@ -23,19 +23,13 @@ TORCH_OPS = AttentionOps("torch", reference.write_kv, reference.paged_decode_att
                          reference.paged_prefill_attention)
 
 
-def select_ops(backend: str, device: torch.device | str, build_dir: Path | None = None,
-               kv_cache_dtype: str = "auto") -> AttentionOps:
+def select_ops(backend: str, device: torch.device | str, build_dir: Path | None = None) -> AttentionOps:
     """``auto`` takes Triton on CUDA and, on the CPU, the C decode kernel where a compiler builds it
     (into ``build_dir``; without one, the PyTorch path); ``torch`` forces the pure PyTorch path,
-    ``cpu`` the C kernel, ``triton`` the Triton kernels. An int8 KV cache (``kv_cache_dtype`` "int8")
-    runs on the C kernel and the PyTorch path; the Triton kernels do not read it yet."""
+    ``cpu`` the C kernel, ``triton`` the Triton kernels. Every path reads the caches of
+    ``kernels.kv_quant`` as their dtype says, but for the C kernel, which hands fp8 caches to the
+    PyTorch path (``Settings.check_kv_cache_dtype`` keeps fp8 off the CPU)."""
     on_cuda = torch.device(device).type == "cuda"
-    if kv_cache_dtype == "int8" and on_cuda:
-        if backend == "triton":
-            raise RuntimeError("kv_cache_dtype=int8 is not read by the Triton kernels yet: use kv_cache_dtype=auto "
-                               "on CUDA, or attention_backend=torch (slower)")
-        if backend == "auto":
-            backend = "torch"
     if backend == "cpu" or (backend == "auto" and not on_cuda):
         from kernels import cpu_attention
 

@@ -33,7 +33,8 @@ from kernels.cpu_features import cpu_flags, cpu_signature
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_KV_DTYPES = {**_DTYPES, kv_quant.STORAGE_DTYPE: 2}  # uint8: int8 rows with their scales (kernels/kv_quant.py)
+# uint8: int8 rows with their scales (kernels/kv_quant.py); fp8 rows are left to the reference
+_KV_DTYPES = {**_DTYPES, kv_quant.FORMATS["int8"].storage_dtype: 2}
 _ISA_FLAGS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out of a native build
 
 
@@ -49,7 +50,7 @@ class DecodeKernel:
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         if (q.device.type != "cpu" or q.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype
-                or not (k_cache.dtype == q.dtype or kv_quant.is_quantized(k_cache))
+                or not (k_cache.dtype == q.dtype or k_cache.dtype == kv_quant.FORMATS["int8"].storage_dtype)
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return False
         return (q.shape[1] // k_cache.shape[2] <= self.max_group and q.shape[2] <= self.max_dim

@@ -9,8 +9,9 @@ Layout shared by every implementation:
 - ``context_lens``: ``[num_seqs]`` int32, tokens in the cache for the sequence *including* the ones
   being computed in this step (their K/V are written before attention runs).
 - Grouped-query attention: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
-- An int8 cache (``kernels.kv_quant``) is ``uint8`` with rows of ``head_dim + 4`` bytes (values and
-  their scale): it is written quantized and read back as values in the query's dtype.
+- A quantized cache (``kernels.kv_quant``: int8 rows in a ``uint8`` tensor, fp8 rows in a
+  ``float8_e4m3fn`` one) has rows of ``head_dim + 4`` bytes (values and their scale): it is written
+  quantized and read back as values in the query's dtype.
 - ``window``: ``None`` for full causal attention; else a sliding window as transformers'
   (``masking_utils.sliding_window_causal_mask_function``): the query at position p sees the keys at
   positions k with ``p - window < k <= p``, its own and the ``window - 1`` before it. The blocks
@@ -29,10 +30,13 @@ from kernels import kv_quant
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots (quantized
-    into an int8 cache)."""
+    into an int8 or fp8 cache)."""
     kv_heads, row = k_cache.shape[2], k_cache.shape[3]
-    if kv_quant.is_quantized(k_cache):
-        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    fmt = kv_quant.row_format(k_cache)
+    if fmt is not None:  # copied as bytes: the CPU has no index_copy_ of float8
+        key = kv_quant.quantize(key, fmt.name).view(torch.uint8)
+        value = kv_quant.quantize(value, fmt.name).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -45,7 +49,8 @@ the longest of its group, so a batch mixing short and long contexts gathers litt
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """``[..., max_blocks]`` block ids -> ``[..., num_kv_heads, max_blocks * block_size, head_dim]``."""
     *lead, nb = block_table.shape
-    blocks = cache.index_select(0, block_table.reshape(-1).long())  # one indexing op, no padding rows
+    rows = cache.view(torch.uint8) if kv_quant.is_quantized(cache) else cache  # PyTorch has few float8 kernels
+    blocks = rows.index_select(0, block_table.reshape(-1).long()).view(cache.dtype)  # one indexing op, no padding
     bs, kvh, d = cache.shape[1:]
     return blocks.view(*lead, nb * bs, kvh, d).transpose(-3, -2)
 

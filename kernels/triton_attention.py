@@ -24,6 +24,19 @@ keeps an online softmax in float32 (base 2).
   before): a program's loop starts at the KV tile holding the first key its first query row sees,
   so the tiles wholly before the window are never loaded; within the tiles it does load, each row
   masks the keys before its own window.
+- A quantized cache (``kernels.kv_quant``: int8 or fp8_e4m3 rows of ``head_dim`` values and their
+  float32 scale; ``QUANTIZED``, a compile-time switch) is read and written in place. The kernels
+  see a row's bytes through two views of the same memory (``_kv_operands``): the values through the
+  cache as int8 or float8_e4m3fn, the scale through the cache as float32, whose element
+  ``(row offset + head_dim) // 4`` it is (a row is ``head_dim + 4`` bytes, a multiple of 4, so
+  every scale is 4-byte aligned). That is one aligned load per row, which the interpreter runs as
+  well; a pointer cast or 4 byte loads bitcast together would do the same in more steps.
+  Attention loads a tile's values and scales and dequantises them in registers to the query's
+  dtype, as the reference does (int8 and e4m3 values are exact in bfloat16 and float16);
+  ``write_kv`` quantizes each (token, kv head) row as ``kv_quant.quantize`` does, with correctly
+  rounded divisions and rounding ties to even, so on the interpreter its bytes equal the
+  reference's (on a GPU, PyTorch divides by a constant through its reciprocal: a scale may differ
+  in its last bit).
 
 The wrappers read only tensor shapes, never tensor values, so they do not synchronize with the
 device. They run on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run).
@@ -34,6 +47,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels import kv_quant
 
 KV_TILE = 64
 """Cached tokens per iteration of the attention loop (raised to the block size if that is larger)."""
@@ -96,21 +111,79 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(cache_ptr, scale_ptr, rows, in_range, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr):
+    """``[len(rows), HEAD_DIM]`` values of the cache rows at element offsets ``rows`` (zeros where not
+    ``in_range``): as stored, or dequantised to float32 with ``QUANTIZED``."""
+    x = tl.load(cache_ptr + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=in_range[:, None], other=0.0)
+    if QUANTIZED:
+        scale = tl.load(scale_ptr + (rows + HEAD_DIM) // 4, mask=in_range, other=0.0)
+        x = x.to(tl.float32) * scale[:, None]
+    return x
+
+
+@triton.jit
+def _store_rows(cache_ptr, scale_ptr, rows, x, mask, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+                VALUE_MAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """Store ``x`` ``[len(rows), HEAD_DIM]`` at the cache rows at element offsets ``rows`` where ``mask``:
+    as is, or with ``QUANTIZED`` as ``kv_quant.quantize`` does (scale ``max|row| / VALUE_MAX``)."""
+    offsets = rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    if QUANTIZED:
+        x = x.to(tl.float32)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), VALUE_MAX), 1e-30)
+        x = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -VALUE_MAX), VALUE_MAX)
+        if IS_FP8:
+            x = _round_to_e4m3(x)
+        else:
+            x = _round_half_even(x)
+        tl.store(scale_ptr + (rows + HEAD_DIM) // 4, scale, mask=mask)
+    tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
+def _round_half_even(x):
+    """``x`` (float32) to the nearest integer, ties to even, as ``torch.round``."""
+    below = tl.floor(x)
+    fraction = x - below  # exact
+    odd = below - 2.0 * tl.floor(below * 0.5) == 1.0
+    return tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), below + 1.0, below)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (float32, ``|x| <= 448``) to the nearest float8_e4m3fn value, ties to even, still float32.
+
+    Its conversion to fp8 is then exact. (The GPU's conversion would round the same way, but the
+    interpreter's drops the carry of a mantissa that rounds up: 7.76 became 4.) e4m3 keeps 3
+    mantissa bits: a value of exponent e (from -6 down, the subnormals, the step is 2^-9) lies on a
+    grid of 2^(e-3), whose powers of two are built from their exponent bits, so scaling is exact. The
+    magnitude is rounded and the sign bit put back, so a negative value that rounds to zero is -0,
+    as PyTorch stores it.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 + 3 - exponent) << 23).to(tl.float32, bitcast=True)
+    magnitude = _round_half_even(tl.abs(x) * inverse) * step
+    return tl.where(bits < 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _first_tile(first_pos, window, TILE: tl.constexpr):
     """The start of the KV tile holding the first key that a query at ``first_pos`` sees in its window."""
     return tl.maximum(first_pos - window + 1, 0) // TILE * TILE
 
 
 @triton.jit
-def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, qk_scale, window,
-            stride_cache_block, stride_cache_slot, stride_cache_head,
+def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr,
+            kv_head, qk_scale, window, stride_cache_block, stride_cache_slot, stride_cache_head,
             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr):
     """Online softmax of the rows of ``q`` over one sequence's cached positions ``[kv_start, kv_end)``.
 
     ``q``: ``[M, HEAD_DIM]``; row r sees positions ``<= q_pos[r]`` (and, with ``HAS_WINDOW``, only those
     ``> q_pos[r] - window``). ``block_table_ptr`` points at the sequence's row of the block table;
-    ``qk_scale`` is the softmax scale times log2(e).
+    ``qk_scale`` is the softmax scale times log2(e). With ``QUANTIZED``, ``k_scale_ptr`` and
+    ``v_scale_ptr`` are the caches as float32 (see the module docstring).
     Returns ``(acc, row_max, row_sum)``: the unnormalised output ``[M, HEAD_DIM]`` and the running max
     and sum ``[M]`` (base 2), all float32. An empty range gives zeros and a max of -inf. Without a
     window each row must see a position of the first tile, else its max is still -inf at the second
@@ -120,16 +193,14 @@ def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_pt
     acc = tl.zeros([q.shape[0], HEAD_DIM], tl.float32)
     row_max = tl.full([q.shape[0]], float("-inf"), tl.float32)
     row_sum = tl.zeros([q.shape[0]], tl.float32)
-    dims = tl.arange(0, HEAD_DIM)
     for tile_start in range(kv_start, kv_end, TILE):
         pos = tile_start + tl.arange(0, TILE)
         in_range = pos < kv_end
         block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0)
         rows = _cache_offset(block_ids, pos % BLOCK_SIZE, kv_head, stride_cache_block, stride_cache_slot,
                              stride_cache_head)
-        offsets = rows[:, None] + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0).to(q.dtype)
+        k = _load_rows(k_cache_ptr, k_scale_ptr, rows, in_range, HEAD_DIM, QUANTIZED).to(q.dtype)
+        v = _load_rows(v_cache_ptr, v_scale_ptr, rows, in_range, HEAD_DIM, QUANTIZED).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -152,34 +223,37 @@ def _attend(q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_table_pt
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_kv_heads,
-                     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+                     num_kv_heads, stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                      stride_cache_block, stride_cache_slot, stride_cache_head,
-                     HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Program t copies token t's key and value, all kv heads, into cache slot ``slot_mapping[t]``."""
+                     HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     QUANTIZED: tl.constexpr, VALUE_MAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """Program t copies token t's key and value, all kv heads, into cache slot ``slot_mapping[t]``
+    (each (token, kv head) row quantized with its own scale, with ``QUANTIZED``)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    mask = (heads < num_kv_heads)[:, None]
+    mask = heads < num_kv_heads
     slot = tl.load(slot_mapping_ptr + token)
-    dst = _cache_offset(slot // BLOCK_SIZE, slot % BLOCK_SIZE, heads, stride_cache_block, stride_cache_slot,
-                        stride_cache_head)[:, None] + dims[None, :]
+    rows = _cache_offset(slot // BLOCK_SIZE, slot % BLOCK_SIZE, heads, stride_cache_block, stride_cache_slot,
+                         stride_cache_head)
     key = tl.load(key_ptr + _row_offsets(token, heads, stride_key_token, stride_key_head, HEAD_DIM),
-                  mask=mask)
+                  mask=mask[:, None], other=0.0)
     value = tl.load(value_ptr + _row_offsets(token, heads, stride_value_token, stride_value_head, HEAD_DIM),
-                    mask=mask)
-    tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                    mask=mask[:, None], other=0.0)
+    _store_rows(k_cache_ptr, k_scale_ptr, rows, key, mask, HEAD_DIM, QUANTIZED, VALUE_MAX, IS_FP8)
+    _store_rows(v_cache_ptr, v_scale_ptr, rows, value, mask, HEAD_DIM, QUANTIZED, VALUE_MAX, IS_FP8)
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
+                   out_ptr,
                    partial_out_ptr, partial_lse_ptr, qk_scale, num_heads, window,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
                    stride_cache_block, stride_cache_slot, stride_cache_head,
                    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   QUANTIZED: tl.constexpr):
     """Program (s, g, i): the query heads of kv head g of sequence s over split i of its context (of
     its window's tiles, with ``HAS_WINDOW``).
 
@@ -202,10 +276,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     kv_end = tl.minimum(kv_start + tiles_per_split * TILE, context_len)
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + context_len - 1
     acc, row_max, row_sum = _attend(
-        q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+        q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale, window,
         stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION,
-        HAS_WINDOW)
+        HAS_WINDOW, QUANTIZED)
     if NUM_SPLITS == 1:
         out = acc / row_sum[:, None]
         tl.store(out_ptr + _row_offsets(tokens, heads, stride_out_token, stride_out_head, HEAD_DIM),
@@ -239,13 +313,14 @@ def _combine_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_heads,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-                    context_lens_ptr, out_ptr, qk_scale, num_seqs, window,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                    query_start_loc_ptr, context_lens_ptr, out_ptr, qk_scale, num_seqs, window,
                     stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
                     stride_cache_block, stride_cache_slot, stride_cache_head,
                     QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    QUANTIZED: tl.constexpr):
     """Program (t, g): ``BLOCK_Q`` query tokens of one sequence x the query heads of kv head g.
 
     Sequence s owns tiles ``query_start_loc[s] // BLOCK_Q + s`` onwards (see the module docstring);
@@ -269,10 +344,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         if HAS_WINDOW:
             kv_first = _first_tile(chunk_start_pos + first_token - q_begin, window, TILE)
         acc, row_max, row_sum = _attend(
-            q, q_pos, kv_first, kv_end, k_cache_ptr, v_cache_ptr,
+            q, q_pos, kv_first, kv_end, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_block_table, kv_head, qk_scale, window,
             stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION,
-            HAS_WINDOW)
+            HAS_WINDOW, QUANTIZED)
         if HAS_WINDOW:  # rows past the chunk's end (never stored) may see no key: 0 / 0
             row_sum = tl.where(row_sum > 0, row_sum, 1.0)
         out = acc / row_sum[:, None]
@@ -286,18 +361,22 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots, in place."""
+    """Scatter ``key``/``value`` ``[tokens, num_kv_heads, head_dim]`` into their slots, in place
+    (quantized, each (token, kv head) row with its scale, into an int8 or fp8 cache)."""
     _check_caches(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
-    assert value.shape == key.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), \
+    assert value.shape == key.shape and k_cache.shape[2] == num_kv_heads and _head_dim(k_cache) == head_dim, \
         f"key {tuple(key.shape)}, value {tuple(value.shape)} do not fit a cache of {tuple(k_cache.shape)}"
     if num_tokens == 0:
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    fmt = kv_quant.row_format(k_cache)
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, num_kv_heads,
+        key, value, *_kv_operands(k_cache, v_cache), slot_mapping, num_kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), *k_cache.stride()[:3],
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1])
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        QUANTIZED=fmt is not None, VALUE_MAX=fmt.max_value if fmt else 0.0,
+        IS_FP8=fmt is not None and fmt.value_dtype != torch.int8)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -331,10 +410,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial_out = torch.empty((num_seqs * num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((num_seqs * num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse, scale * _LOG2E, num_heads,
-        window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_cache.stride()[:3], QUERIES_PER_KV=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None,
+        q, *_kv_operands(k_cache, v_cache), block_tables, context_lens, out, partial_out, partial_lse,
+        scale * _LOG2E, num_heads, window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), *k_cache.stride()[:3], QUERIES_PER_KV=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, QUANTIZED=kv_quant.is_quantized(k_cache),
         **_dot_operands(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs * num_heads,)](
@@ -366,10 +446,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = max(1, PREFILL_ROWS // group_pad)
     block_size = k_cache.shape[1]
     _prefill_kernel[(total_tokens // block_q + num_seqs, k_cache.shape[2])](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, num_seqs, window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *k_cache.stride()[:3],
-        QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE=max(KV_TILE, block_size), HAS_WINDOW=window is not None, **_dot_operands(q))
+        q, *_kv_operands(k_cache, v_cache), block_tables, query_start_loc, context_lens, out, scale * _LOG2E,
+        num_seqs, window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *k_cache.stride()[:3], QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE=max(KV_TILE, block_size), HAS_WINDOW=window is not None,
+        QUANTIZED=kv_quant.is_quantized(k_cache), **_dot_operands(q))
     return out
 
 
@@ -381,14 +462,34 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Assert the cache layout the kernels support: equal K/V layouts, power-of-two sizes >= 16."""
     assert k_cache.dim() == 4, \
         f"caches are [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}"
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), \
-        "k_cache and v_cache must have the same shape and strides"
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() \
+        and k_cache.dtype == v_cache.dtype, "k_cache and v_cache must have the same shape, strides and dtype"
     assert k_cache.stride(3) == 1, "the caches' head_dim must be contiguous"
-    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    block_size, head_dim = k_cache.shape[1], _head_dim(k_cache)
     assert _is_power_of_two_at_least_16(head_dim), \
         f"the Triton kernels need a power-of-two head_dim >= 16 (e.g. 64 or 128), got {head_dim}"
     assert _is_power_of_two_at_least_16(block_size), \
         f"the Triton kernels need a power-of-two block_size >= 16 (e.g. 16 or 32), got {block_size}"
+
+
+def _head_dim(cache: torch.Tensor) -> int:
+    """Values per (token, kv head) row: a quantized row holds its scale's 4 bytes after them."""
+    return cache.shape[3] - kv_quant.SCALE_BYTES if kv_quant.is_quantized(cache) else cache.shape[3]
+
+
+def _kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' cache arguments ``(k values, v values, k scales, v scales)``.
+
+    A quantized cache is passed as two views of its memory (see the module docstring): its values as
+    int8 (the int8 format's ``uint8`` cache viewed as int8) or float8_e4m3fn, and the same bytes as
+    float32 for the scales (``view`` checks that every row and the start are 4-byte aligned). A plain
+    cache is passed as is, twice: the kernels compiled without ``QUANTIZED`` never read the scales.
+    """
+    fmt = kv_quant.row_format(k_cache)
+    if fmt is None:
+        return k_cache, v_cache, k_cache, v_cache
+    return (k_cache.view(fmt.value_dtype), v_cache.view(fmt.value_dtype),
+            k_cache.view(torch.float32), v_cache.view(torch.float32))
 
 
 def _check_window(window: int | None) -> None:
@@ -400,7 +501,7 @@ def _query_group(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     """Query heads per kv head, checking that ``q`` fits the cache."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    assert head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}"
+    assert head_dim == _head_dim(k_cache), f"q head_dim {head_dim} != cache head_dim {_head_dim(k_cache)}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
     return num_heads // num_kv_heads
 

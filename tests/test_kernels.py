@@ -12,6 +12,11 @@ with ``kernels.reference`` on the same inputs. Tolerances, elementwise (``torch.
 The interpreter cannot multiply bfloat16, so there the kernels take their matrix products of
 bfloat16 inputs in float32: these tests check the indexing, masking, softmax, loads and stores, not
 the rounding of bfloat16 tensor-core products (``benchmarks/kernels_bench.py`` checks that on a GPU).
+
+Quantized caches (``kernels.kv_quant``, int8 and fp8_e4m3) keep the same tolerances: the kernels
+dequantise a row exactly as the reference does (the float32 product of value and scale, rounded to
+the query's dtype), so what differs is still only the summation order. ``write_kv`` must store the
+reference's very bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package: pip install 'berth[test]'")
 
-from kernels import reference  # noqa: E402
+from kernels import kv_quant, reference  # noqa: E402
 
 # A module imported earlier in this session without the interpreter holds compiled kernels, which
 # cannot take CPU tensors: define them again, now interpreted.
@@ -129,6 +134,53 @@ def test_write_kv_matches_reference(block_size, key_dtype, cache_dtype):
     assert torch.equal(v_cache, expected_v)
 
 
+KV_FORMATS = list(kv_quant.FORMATS)
+
+
+def ties(fmt: str) -> torch.Tensor:
+    """A row whose scale is exactly 1 (its largest value is the format's ``max_value``) and whose other
+    values fall halfway between two stored values, or just under a step that carries into the next
+    exponent: rounding ties to even and the carry must both match ``torch``'s."""
+    if fmt == "int8":
+        row = [127.0, 63.5, 62.5, -0.5, 0.5, 1.5, 126.5, -126.5, 2.4999, 0.0]
+    else:  # e4m3 steps: 2 in [16, 32), 2^-9 below 2^-6; 7.76 and 15.9 round up into the next exponent
+        row = [448.0, 17.0, 19.0, -17.0, 2 ** -10, 3 * 2 ** -10, 7.76, 15.9, 447.0, 1e-6]
+    return torch.tensor(row + [0.0] * (HEAD_DIM - len(row)))
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_write_kv_quantizes_as_the_reference(fmt, key_dtype):
+    """The bytes the reference stores (values and scales), with strided key/value views, 3 kv heads,
+    rows from 1e-4 to 1e2 (fp8 subnormals among them), an all-zero row and rows of ties."""
+    gen = torch.Generator().manual_seed(len(fmt))
+    num_kv_heads, num_blocks, num_tokens, block_size = 3, 5, 23, 16
+    caches = make_caches(num_blocks, block_size, num_kv_heads, HEAD_DIM, torch.float32, gen)
+    k_cache, v_cache = (kv_quant.quantize(c, fmt) for c in caches)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, HEAD_DIM, generator=gen)
+    kv *= torch.logspace(-4, 2, num_tokens)[:, None, None]
+    kv[3, 1] = 0.0
+    kv[5, :] = ties(fmt)
+    kv[6, :] = -ties(fmt) * 0.25  # a scale of 1/4: the same ties, scaled exactly
+    kv = kv.to(key_dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, expected_k, expected_v, slots)
+    triton_attention.write_kv(key, value, k_cache, v_cache, slots)
+
+    assert k_cache.dtype == kv_quant.FORMATS[fmt].storage_dtype
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
+def quantized(inputs: tuple, fmt: str) -> tuple:
+    """Attention inputs with their K and V caches quantized to ``fmt``."""
+    q, k_cache, v_cache, *rest = inputs
+    return (q, kv_quant.quantize(k_cache, fmt), kv_quant.quantize(v_cache, fmt), *rest)
+
+
 # --------------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------------
@@ -170,6 +222,20 @@ def test_decode_other_shapes(block_size, head_dim, dtype):
                    reference.paged_decode_attention(*inputs, scale))
 
 
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("block_size, queries_per_kv, dtype", [
+    (16, 3, torch.float32), (32, 8, torch.bfloat16), (16, 2, torch.float16)], ids=dtype_id)
+def test_decode_quantized_cache_matches_reference(fmt, block_size, queries_per_kv, dtype):
+    """Int8 and fp8 caches read in place: one split and three, full attention and a 20-token window."""
+    inputs = quantized(decode_inputs([1, 15, 33, 97, 130, 300], block_size, queries_per_kv, dtype,
+                                     seed=block_size), fmt)
+    for window in (None, 20):
+        expected = reference.paged_decode_attention(*inputs, SCALE, window)
+        for splits in (1, 3):
+            assert_matches(triton_attention.paged_decode_attention(*inputs, SCALE, window, num_splits=splits),
+                           expected)
+
+
 # --------------------------------------------------------------------------------------------------
 # prefill
 # --------------------------------------------------------------------------------------------------
@@ -187,6 +253,16 @@ def test_prefill_matches_reference(block_size, queries_per_kv, dtype):
     inputs = prefill_inputs(PREFILL_BATCH, block_size, queries_per_kv, dtype, seed=100 + queries_per_kv)
     assert_matches(triton_attention.paged_prefill_attention(*inputs, SCALE),
                    reference.paged_prefill_attention(*inputs, SCALE))
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+@pytest.mark.parametrize("queries_per_kv, dtype", [(1, torch.float32), (3, torch.bfloat16)], ids=dtype_id)
+def test_prefill_quantized_cache_matches_reference(fmt, queries_per_kv, dtype):
+    """Chunks over int8 and fp8 caches, full attention and a 20-token window."""
+    inputs = quantized(prefill_inputs(PREFILL_BATCH, 16, queries_per_kv, dtype, seed=300 + queries_per_kv), fmt)
+    for window in (None, 20):
+        assert_matches(triton_attention.paged_prefill_attention(*inputs, SCALE, window),
+                       reference.paged_prefill_attention(*inputs, SCALE, window))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,11 +351,12 @@ def windowed_loaded(tmp_path_factory, smol_tokenizer):
     return load_model(str(path), torch.float32)
 
 
-@pytest.mark.parametrize("model", ["tiny_loaded", "windowed_loaded"])
-def test_engine_with_triton_kernels_matches_the_torch_path(model, request, text_ids):
+@pytest.mark.parametrize("model, kv_cache_dtype", [
+    ("tiny_loaded", "auto"), ("windowed_loaded", "auto"), ("tiny_loaded", "int8")])
+def test_engine_with_triton_kernels_matches_the_torch_path(model, kv_cache_dtype, request, text_ids):
     """The engine behind the attention interface, once with the Triton kernels (interpreted here),
     once with PyTorch: chunked prefill and decode give the same greedy tokens, with and without a
-    sliding window."""
+    sliding window, and on an int8 cache (the backend Triton picks on CUDA for it too)."""
     from tests.conftest import cut_prompts
     from worker.engine.engine import Engine
     from worker.engine.request import SamplingParams
@@ -290,7 +367,8 @@ def test_engine_with_triton_kernels_matches_the_torch_path(model, request, text_
     tokens = {}
     for backend in ("triton", "torch"):
         engine = Engine(loaded=tiny_loaded, kv_memory="8MiB", block_size=16, max_num_batched_tokens=32,
-                        attention_backend=backend)
+                        attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
         assert engine.runner.ops.name == backend
+        assert kv_quant.is_quantized(engine.runner.kv_caches[0][0]) == (kv_cache_dtype != "auto")
         tokens[backend] = [o.completions[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]

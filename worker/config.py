@@ -76,8 +76,9 @@ class Settings(BaseSettings):
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     # "auto": the model's dtype (exact); "int8": int8 values with a float32 scale per token and kv head
-    # (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same --kv-memory, not bit-exact
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    # (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same --kv-memory, not bit-exact;
+    # "fp8_e4m3": the same rows of float8 e4m3 values, CUDA of compute capability 8.9+ only
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
 
     # --- engine
     # "auto" (stored as 0): room for max_num_seqs requests of max_model_len tokens, at most KV_AUTO_SHARE of
@@ -309,6 +310,24 @@ class Settings(BaseSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def check_kv_cache_dtype(self, device: str) -> None:
+        """``ConfigError`` where ``kv_cache_dtype`` cannot run on ``device`` (a resolved one, e.g.
+        ``cuda:0``): fp8_e4m3 needs a GPU that converts float8 in hardware, compute capability 8.9 and
+        newer (Ada, Hopper, Blackwell); the CPU's kernels and older GPUs read int8."""
+        if self.kv_cache_dtype != "fp8_e4m3":
+            return
+        import torch
+
+        where = "the CPU"
+        if torch.device(device).type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability >= (8, 9):
+                return
+            where = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+        raise ConfigError(f"kv_cache_dtype=fp8_e4m3 needs a CUDA GPU of compute capability 8.9 or newer, and this "
+                          f"engine runs on {where}: use kv_cache_dtype=int8 (--kv-cache-dtype, "
+                          "BERTH_KV_CACHE_DTYPE), the same memory a token, read by every kernel")
 
     def resolved_threads(self) -> int:
         return self.threads or os.cpu_count() or 1

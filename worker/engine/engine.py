@@ -115,6 +115,7 @@ class Engine:
             settings = Settings(**{**(settings.model_dump() if settings else {}), **overrides})
         self.settings = settings = settings or Settings()
         self.device = torch.device(settings.resolved_device())
+        settings.check_kv_cache_dtype(str(self.device))
         if self.device.type == "cpu":
             torch.set_num_threads(settings.resolved_threads())
         dtype = DTYPES[settings.dtype]

@@ -87,18 +87,19 @@ class ModelRunner:
                  kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0,
                  kv_cache_dtype: str = "auto"):
         """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0;
-        ``kv_cache_dtype`` "int8" stores rows of int8 values and their scale (``kernels.kv_quant``)."""
+        ``kv_cache_dtype`` "int8" or "fp8_e4m3" stores rows of int8 or fp8 values and their scale
+        (``kernels.kv_quant``)."""
         self.device = device
         self.block_size = block_size
-        self.ops = select_ops(attention_backend, device, cache_dir("kernels"), kv_cache_dtype)
+        self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
         with one_thread():  # thousands of short operations (worker.model.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
         self.long_table_row = long_table_row(loaded.config)
         self.pooling = model_pooling(loaded.path)  # how an embeddings input's rows become its vector
         m = self.model
         self.num_layers = len(m.layers)
-        quantized = kv_cache_dtype == "int8"
-        self.kv_dtype = kv_quant.STORAGE_DTYPE if quantized else dtype
+        quantized = kv_cache_dtype != "auto"
+        self.kv_dtype = kv_quant.FORMATS[kv_cache_dtype].storage_dtype if quantized else dtype
         row = kv_quant.row_bytes(m.head_dim) if quantized else m.head_dim  # elements of a (token, kv head) row
         self.block_shape = (block_size, m.num_kv_heads, row)
         self.block_bytes = 2 * self.num_layers * block_size * m.num_kv_heads * row * self.kv_dtype.itemsize
@@ -111,7 +112,8 @@ class ModelRunner:
         self.kv_bytes = self.num_blocks * self.block_bytes
         self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks, self.block_shape, self.kv_dtype, device)
         log.info("KV cache: %d blocks of %d tokens in %s (%.0f MiB reserved, %s)", self.num_blocks, block_size,
-                 "int8 with a scale per token and head" if quantized else str(dtype).removeprefix("torch."),
+                 f"{kv_cache_dtype} with a scale per token and head" if quantized
+                 else str(dtype).removeprefix("torch."),
                  self.kv_bytes / 2**20, "touched as used" if device.type == "cpu" else f"on {device}")
 
     # ---- the step
@@ -190,6 +192,7 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k, v in self.kv_caches:
+            k, v = _moved(k), _moved(v)
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -201,16 +204,22 @@ class ModelRunner:
         k0 = self.kv_caches[0][0]
         out = torch.empty((len(self.kv_caches), 2, len(blocks), *k0.shape[1:]), dtype=k0.dtype, device=self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
-            torch.index_select(k, 0, idx, out=out[layer, 0])
-            torch.index_select(v, 0, idx, out=out[layer, 1])
+            torch.index_select(_moved(k), 0, idx, out=_moved(out[layer, 0]))
+            torch.index_select(_moved(v), 0, idx, out=_moved(out[layer, 1]))
         return out.to(device)
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         idx = torch.tensor(blocks, device=self.device)
-        data = data.to(self.device)
+        data = _moved(data.to(self.device))
         for layer, (k, v) in enumerate(self.kv_caches):
-            k[idx] = data[layer, 0]
-            v[idx] = data[layer, 1]
+            _moved(k)[idx] = data[layer, 0]
+            _moved(v)[idx] = data[layer, 1]
+
+
+def _moved(blocks: torch.Tensor) -> torch.Tensor:
+    """KV blocks as the block moves copy them: a quantized cache's rows as bytes (the int8 format's
+    are already; PyTorch has few float8 kernels, and on the CPU no indexed copy of float8)."""
+    return blocks.view(torch.uint8) if kv_quant.is_quantized(blocks) else blocks
 
 
 def _pad(tables: list[list[int]]) -> np.ndarray:
