@@ -18,7 +18,7 @@ from worker.model import linear
 from worker.model.linear import make_int8_linear, quantize_per_channel
 
 TEXTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):"]
-SAME_FIRST = 8  # greedy tokens that must equal float32's (measured: see test_default_model_int8_greedy...)
+SAME_FIRST = 8  # of the greedy tokens equal to float32's: measured, the first to part are tokens 19 and 10
 
 
 def _case(rows: int, out_features: int, in_features: int, seed: int):
