@@ -38,31 +38,48 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* res[i][j] = sum_k xr[i][k] * wr[j][k] */
-static inline void tile(const float *const xr[MR], const int8_t *const wr[NR], int64_t K, float res[MR][NR]) {
-    __m256 acc[MR][NR];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = widen8(wr[j] + k);
-        for (int i = 0; i < MR; i++) {
-            __m256 xv = _mm256_loadu_ps(xr[i] + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
+/* res[i][j] = sum_k xr[i][k] * wr[j][k] for i < R (R batch rows: a tile for each of 1..MR, so that a
+ * batch of one computes one row, not MR copies of it). */
+#define DEFINE_TILE(NAME, R)                                                                                  \
+    static inline void NAME(const float *const xr[MR], const int8_t *const wr[NR], int64_t K, float res[MR][NR]) { \
+        __m256 acc[R][NR];                                                                                    \
+        for (int i = 0; i < R; i++)                                                                           \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                                     \
+        int64_t k = 0;                                                                                        \
+        for (; k + 8 <= K; k += 8) {                                                                          \
+            __m256 wv[NR];                                                                                    \
+            for (int j = 0; j < NR; j++) wv[j] = widen8(wr[j] + k);                                           \
+            for (int i = 0; i < R; i++) {                                                                     \
+                __m256 xv = _mm256_loadu_ps(xr[i] + k);                                                       \
+                for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);               \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int i = 0; i < R; i++)                                                                           \
+            for (int j = 0; j < NR; j++) res[i][j] = hsum(acc[i][j]);                                         \
+        for (; k < K; k++)                                                                                    \
+            for (int i = 0; i < R; i++)                                                                       \
+                for (int j = 0; j < NR; j++) res[i][j] += xr[i][k] * (float)wr[j][k];                         \
     }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) res[i][j] = hsum(acc[i][j]);
-    for (; k < K; k++)
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NR; j++) res[i][j] += xr[i][k] * (float)wr[j][k];
+DEFINE_TILE(tile1, 1)
+DEFINE_TILE(tile2, 2)
+DEFINE_TILE(tile3, 3)
+DEFINE_TILE(tile4, 4)
+
+static inline void tile(const float *const xr[MR], int rows, const int8_t *const wr[NR], int64_t K,
+                        float res[MR][NR]) {
+    switch (rows) {
+        case 1: tile1(xr, wr, K, res); break;
+        case 2: tile2(xr, wr, K, res); break;
+        case 3: tile3(xr, wr, K, res); break;
+        default: tile4(xr, wr, K, res);
+    }
 }
 #else
 #define ISA "none"
 
-static inline void tile(const float *const xr[MR], const int8_t *const wr[NR], int64_t K, float res[MR][NR]) {
-    for (int i = 0; i < MR; i++)
+static inline void tile(const float *const xr[MR], int rows, const int8_t *const wr[NR], int64_t K,
+                        float res[MR][NR]) {
+    for (int i = 0; i < rows; i++)
         for (int j = 0; j < NR; j++) {
             const float *a = xr[i];
             const int8_t *b = wr[j];
@@ -76,7 +93,7 @@ static inline void tile(const float *const xr[MR], const int8_t *const wr[NR], i
 
 const char *berth_int8_isa(void) { return ISA; }
 
-/* Output rows [n0, n1) for every batch row. Tiles past the edges repeat the last row and are not stored. */
+/* Output rows [n0, n1) for every batch row. Tiles past the last output row repeat it and are not stored. */
 static void rows(const float *x, const int8_t *q, const float *scales, const float *bias, float *out,
                  int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
@@ -87,8 +104,8 @@ static void rows(const float *x, const int8_t *q, const float *scales, const flo
             for (int64_t m = m0; m < m1; m += MR) {
                 const float *xr[MR];
                 for (int i = 0; i < MR; i++) xr[i] = x + (m + i < m1 ? m + i : m1 - 1) * K;
-                float res[MR][NR];
-                tile(xr, wr, K, res);
+                float res[MR][NR] = {{0}};
+                tile(xr, m1 - m < MR ? (int)(m1 - m) : MR, wr, K, res);
                 for (int i = 0; i < MR && m + i < m1; i++)
                     for (int j = 0; j < NR && n + j < n1; j++)
                         out[(m + i) * N + n + j] = res[i][j] * scales[n + j] + (bias ? bias[n + j] : 0.0f);
