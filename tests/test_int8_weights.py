@@ -71,6 +71,24 @@ def test_int8_linear_without_bias(int8_path):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_large_batches_may_take_the_widened_weights(monkeypatch):
+    """With ``FLOAT_FROM_ROWS`` set, batches of that many rows or more multiply in float32 by the same int8
+    weights widened once: the same products as the kernel's, to float32 rounding."""
+    if linear.int8_multiply_path("cpu", torch.float32) != "kernel":
+        pytest.skip("the int8 kernel could not be built here (no C compiler)")
+    weight, bias, x = _case(12, 96, 80, seed=4)
+    only_int8 = make_int8_linear(weight, bias)
+    monkeypatch.setattr(linear, "FLOAT_FROM_ROWS", 8)
+    both_forms = make_int8_linear(weight, bias)
+    calls = []
+    monkeypatch.setattr(linear.int8_kernel.Int8Kernel, "linear",
+                        lambda self, *args: calls.append(args[0].shape[0]) or torch.zeros(1))
+    both_forms(x[:7]), both_forms(x)
+    assert calls == [7]  # 12 rows went to float32
+    monkeypatch.undo()
+    torch.testing.assert_close(both_forms(x), only_int8(x), atol=1e-5, rtol=1e-5)
+
+
 def test_the_int8_multiply_is_chosen_and_logged_once(caplog):
     linear.int8_multiply_path.cache_clear()
     try:

@@ -90,6 +90,12 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 
+FLOAT_FROM_ROWS: int | None = None
+"""None: int8 linears keep only the int8 weights. A number: they also keep them widened to float32 (five
+bytes a weight in all) and multiply batches of this many rows or more in float32 through oneDNN, for a CPU
+where the int8 kernel loses at large batches (benchmarks/int8_weights.py measures both)."""
+
+
 @functools.cache
 def int8_multiply_path(device_type: str, dtype: torch.dtype) -> str:
     """"kernel", "int8pack" or "dequantize": the multiply every int8 linear of this device and dtype uses,
@@ -123,7 +129,11 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
     if path == "kernel":
         kernel = int8_kernel.load(cache_dir("kernels"))
         bias32 = None if bias is None else bias.float().contiguous()
-        return lambda x: kernel.linear(x, q, scales, bias32)
+        float_from = FLOAT_FROM_ROWS
+        if float_from is None:
+            return lambda x: kernel.linear(x, q, scales, bias32)
+        wide = make_linear(q.float() * scales[:, None], bias32)  # the same int8 weights, widened once
+        return lambda x: wide(x) if x.shape[0] >= float_from else kernel.linear(x, q, scales, bias32)
     scales = scales.to(weight.dtype)
     if path == "int8pack":
         if bias is None:
