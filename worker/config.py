@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     # (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same --kv-memory, not bit-exact;
     # "fp8_e4m3": the same rows of float8 e4m3 values, CUDA of compute capability 8.9+ only
     kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
+    # "auto": the linear layers' weights in the model's dtype (exact); "int8": the q/k/v/o and gate/up/down
+    # weights as int8 with a float32 scale per output row (worker/model/linear.py), not bit-exact
+    weight_dtype: Literal["auto", "int8"] = "auto"
 
     # --- engine
     # "auto" (stored as 0): room for max_num_seqs requests of max_model_len tokens, at most KV_AUTO_SHARE of

@@ -134,7 +134,7 @@ class Engine:
         self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
                                   kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
                                   max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len,
-                                  kv_cache_dtype=settings.kv_cache_dtype)
+                                  kv_cache_dtype=settings.kv_cache_dtype, weight_dtype=settings.weight_dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         mode = settings.preemption_mode
@@ -337,7 +337,7 @@ class Engine:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Names the KV cache's meaning: model files, dtype, KV cache dtype and block size. Checkpointed
+        """Names the KV cache's meaning: model files, dtype, KV cache dtype, weight dtype and block size. Checkpointed
         blocks are reused only under the same fingerprint."""
         h = hashlib.sha256()
         path = Path(self.model_path)
@@ -351,6 +351,8 @@ class Engine:
         h.update(f"{self.settings.dtype}:{self.settings.block_size}".encode())
         if self.settings.kv_cache_dtype != "auto":  # "auto" hashes as before: its checkpoints stay valid
             h.update(f":kv={self.settings.kv_cache_dtype}".encode())
+        if self.settings.weight_dtype != "auto":  # int8 weights compute other keys and values than exact ones
+            h.update(f":weights={self.settings.weight_dtype}".encode())
         return h.hexdigest()[:32]
 
     @property

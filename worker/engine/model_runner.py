@@ -85,15 +85,17 @@ def reserve_kv_cache(num_layers: int, num_blocks: int, block_shape: tuple[int, .
 class ModelRunner:
     def __init__(self, loaded, *, dtype: torch.dtype, device: torch.device, block_size: int,
                  kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", weight_dtype: str = "auto"):
         """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0;
         ``kv_cache_dtype`` "int8" or "fp8_e4m3" stores rows of int8 or fp8 values and their scale
-        (``kernels.kv_quant``)."""
+        (``kernels.kv_quant``); ``weight_dtype`` "int8" multiplies by int8 weights
+        (``worker.model.linear.make_int8_linear``)."""
         self.device = device
         self.block_size = block_size
         self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
         with one_thread():  # thousands of short operations (worker.model.torch_threads)
-            self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops)
+            self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops,
+                                      int8_weights=weight_dtype == "int8")
         self.long_table_row = long_table_row(loaded.config)
         self.pooling = model_pooling(loaded.path)  # how an embeddings input's rows become its vector
         m = self.model

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kernels.attention import AttentionOps
 from worker.model.architectures import architecture, gate_up_modules, layer_windows, qkv_modules
 from worker.model.base import ModelLoadError
-from worker.model.linear import Linear, make_linear
+from worker.model.linear import Linear, make_int8_linear, make_linear
 from worker.model.rotary import rotary_tables
 
 
@@ -74,20 +74,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., dim:]), dim=-1)
 
 
-def _projection(w: dict[str, torch.Tensor], prefix: str, modules: list[str], bias: bool) -> Linear:
+QUANTIZE_LM_HEAD = False
+"""With int8 weights, the LM head stays in the model's dtype: it is the largest single matrix and the one
+nearest the logits (benchmarks/int8_weights.py measures it quantized too, by setting this)."""
+
+
+def _projection(w: dict[str, torch.Tensor], prefix: str, modules: list[str], bias: bool, int8: bool) -> Linear:
     """One linear for the checkpoint's ``modules`` that the step runs together: a fused tensor used
     as it lies (Phi-3's), or the parts concatenated (the one copy fusing costs)."""
     def joined(kind: str) -> torch.Tensor:
         tensors = [w.pop(f"{prefix}{m}.{kind}") for m in modules]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    return make_linear(joined("weight"), joined("bias") if bias else None)
+    return (make_int8_linear if int8 else make_linear)(joined("weight"), joined("bias") if bias else None)
 
 
 class DecoderModel:
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 ops: AttentionOps):
-        """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``)."""
+                 ops: AttentionOps, int8_weights: bool = False):
+        """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``);
+        ``int8_weights``: the attention and MLP projections multiply by int8 weights (not bit-exact)."""
         arch = architecture(config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"this {config.model_type} model's activation is {config.hidden_act!r}; berth's "
@@ -103,18 +109,19 @@ class DecoderModel:
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}  # no copy if already there
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = make_linear(self.embed if config.tie_word_embeddings else w.pop("lm_head.weight"))
+        head = self.embed if config.tie_word_embeddings else w.pop("lm_head.weight")  # the embedding stays float
+        self.lm_head = (make_int8_linear if int8_weights and QUANTIZE_LM_HEAD else make_linear)(head)
         self.layers = []
         windows = layer_windows(config)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             self.layers.append(Layer(
                 input_norm=w[p + "input_layernorm.weight"],
-                qkv=_projection(w, p, qkv_modules(arch), arch.qkv_bias),
-                o=_projection(w, p, ["self_attn.o_proj"], arch.o_bias),
+                qkv=_projection(w, p, qkv_modules(arch), arch.qkv_bias, int8_weights),
+                o=_projection(w, p, ["self_attn.o_proj"], arch.o_bias, int8_weights),
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=_projection(w, p, gate_up_modules(arch), arch.mlp_bias),
-                down=_projection(w, p, ["mlp.down_proj"], arch.mlp_bias),
+                gate_up=_projection(w, p, gate_up_modules(arch), arch.mlp_bias, int8_weights),
+                down=_projection(w, p, ["mlp.down_proj"], arch.mlp_bias, int8_weights),
                 q_norm=w[p + "self_attn.q_norm.weight"] if arch.qk_norm else None,
                 k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None,
                 window=windows[i]))
