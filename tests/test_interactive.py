@@ -105,6 +105,34 @@ def test_whole_and_streamed_answers_equal_the_batch_result(tmp_path, tiny_llama_
             assert text == want_text
 
 
+def test_samples_and_logprobs_stream_as_the_batch_has_them(tmp_path, tiny_llama_dir, tiny_engine):
+    """n = 3 sampled with a seed, with logprobs: each choice's pieces and logprobs entries, put together
+    by index, are the batch result's choice."""
+    body = {**request_line(0, max_tokens=12)["body"], "n": 3, "temperature": 0.9, "seed": 11, "logprobs": True,
+            "top_logprobs": 2}
+    want = _batch(tmp_path, tiny_engine, [{"custom_id": "n", "method": "POST", "url": "/v1/chat/completions",
+                                            "body": body}])["n"]["choices"]
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
+    with serving(settings, engine=tiny_engine) as server:
+        c = client(server, key_for(settings, "alice"))
+        chunks = list(c.chat.completions.create(**body, stream=True))
+        whole = c.chat.completions.create(**body)
+    texts, logprobs, finish = {}, {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.logprobs is not None:
+                logprobs.setdefault(choice.index, []).extend(e.model_dump() for e in choice.logprobs.content)
+            if choice.finish_reason:
+                assert choice.index not in finish
+                finish[choice.index] = choice.finish_reason
+    assert [texts[c["index"]] for c in want] == [c["message"]["content"] for c in want]
+    assert len(set(texts.values())) > 1  # the samples differ: each stream is its own
+    assert [finish[c["index"]] for c in want] == [c["finish_reason"] for c in want]
+    assert [logprobs[c["index"]] for c in want] == [c["logprobs"]["content"] for c in want]
+    assert [ch.model_dump()["message"]["content"] for ch in whole.choices] == [c["message"]["content"] for c in want]
+
+
 def test_the_default_model_streams_real_text_equal_to_its_batch_result(tmp_path, smol_path):
     """The default model (SmolLM2): real text, with characters of several bytes that tokens split."""
     from worker.config import Settings
