@@ -16,6 +16,8 @@ import pytest
 from jobs.generate import generate_file
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, tiny_settings
+from tests.test_tools import _line as _tool_line
+from tests.test_tools import qwen_dir, qwen_engine  # noqa: F401 (fixtures: a tiny Qwen3 that calls tools)
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, SamplingParams, Sequence
 from worker.engine.scheduler import Scheduler
@@ -131,6 +133,24 @@ def test_samples_and_logprobs_stream_as_the_batch_has_them(tmp_path, tiny_llama_
     assert [finish[c["index"]] for c in want] == [c["finish_reason"] for c in want]
     assert [logprobs[c["index"]] for c in want] == [c["logprobs"]["content"] for c in want]
     assert [ch.model_dump()["message"]["content"] for ch in whole.choices] == [c["message"]["content"] for c in want]
+
+
+def test_a_required_tool_call_streams_as_one_tool_calls_chunk(tmp_path, qwen_dir, qwen_engine):
+    """With tools the answer comes whole at the end: the batch result's calls as ``delta.tool_calls``."""
+    line = _tool_line(0, "Weather in Oslo?", tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    line["body"]["model"] = TINY_NAME
+    want = _batch(tmp_path, qwen_engine, [line])["t0"]["choices"][0]
+    assert want["finish_reason"] == "tool_calls"
+    settings = tiny_settings(qwen_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
+                             storage_url=f"file://{tmp_path / 'store'}")
+    with serving(settings, engine=qwen_engine) as server:
+        c = client(server, key_for(settings, "alice"))
+        chunks = [ch for ch in c.chat.completions.create(**line["body"], stream=True) if ch.choices]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    calls = chunks[-1].choices[0].delta.tool_calls
+    assert [(t.index, t.type, t.function.name, t.function.arguments) for t in calls] == [
+        (k, "function", t["function"]["name"], t["function"]["arguments"]) for k, t in enumerate(want["message"]["tool_calls"])]
+    assert all(t.id.startswith("call_") for t in calls)
 
 
 def test_the_default_model_streams_real_text_equal_to_its_batch_result(tmp_path, smol_path):
