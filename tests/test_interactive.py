@@ -334,3 +334,32 @@ def test_interactive_tenants_share_by_weight_and_batch_gets_what_is_left():
     assert "9" not in given  # the interactive prompts took the whole budget
     by_tenant = {t: sum(n for s, n in plan.scheduled if s.request.tenant == t) for t in ("a", "b")}
     assert by_tenant == {"a": 20, "b": 10}
+
+
+def test_seats_held_for_interactive_work_are_never_taken_by_batch_work(monkeypatch, tiny_llama_dir):
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_cache=False)
+    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=4, interactive_seats=2)
+    batch = [_seq(i, 5) for i in range(4)]
+    for s in batch:
+        sched.add(s)
+    _decode(sched.schedule())
+    assert len(sched.running) == 2  # two seats held
+    live = [_seq(10 + i, 5, interactive=True) for i in range(3)]
+    for s in live[:2]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert not plan.preempted and set(live[:2]) <= set(sched.running)  # the held seats, no preemption
+    _decode(plan)
+    sched.add(live[2])
+    plan = sched.schedule()  # a third takes a batch sequence's seat
+    assert live[2] in sched.running and [s.request.interactive for s in plan.preempted] == [False]
+
+    monkeypatch.setenv("BERTH_INTERACTIVE_SEATS", "0.5")  # the setting, end to end: the environment to the engine
+    from worker.config import Settings
+    from worker.engine.engine import Engine
+
+    assert Settings().interactive_seats == 0.5
+    engine = Engine(tiny_settings(tiny_llama_dir, max_num_seqs=8))
+    assert engine.scheduler.interactive_seats == 4
+    with pytest.raises(ValueError):
+        Settings(interactive_seats=1)

@@ -140,7 +140,8 @@ class Engine:
         if mode == "auto":  # swapping pays where the cache lives apart from host memory
             mode = "swap" if self.device.type == "cuda" else "recompute"
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
-                                   settings.aging_steps, mode)
+                                   settings.aging_steps, mode,
+                                   interactive_seats=int(settings.max_num_seqs * settings.interactive_seats))
         # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
         # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
         self._apart = self._side_scheduler()

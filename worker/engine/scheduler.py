@@ -19,7 +19,8 @@ stream) is served before any batch work, in a pass of its own over the same loop
 takes what that pass left of the budget, the seats and the KV cache. When an interactive sequence
 needs a seat or KV blocks that batch work holds, a running batch sequence is preempted for it (of
 the batch tenant holding the most seats for its weight, its lowest-priority, most recently
-admitted one), never the other way round. Tenants' shares hold within each class: each class has
+admitted one), never the other way round; ``interactive_seats`` are never taken by batch work at
+all (``Settings.interactive_seats``). Tenants' shares hold within each class: each class has
 its own turns, leads and seat claims; a tenant's weight is the same in both.
 """
 
@@ -68,13 +69,15 @@ class _Step:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 aging_steps: int = 50, preemption_mode: str = "recompute"):
+                 aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0):
+        """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive)."""
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, not {preemption_mode!r}")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
+        self.interactive_seats = interactive_seats
         self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
         self.waiting = WaitingQueue(aging_steps, self.shares)
         self.fair = {False: TokenShares(self.shares), True: TokenShares(self.shares)}  # per class
@@ -243,8 +246,9 @@ class Scheduler:
         step.asking.add(tenant)
         if interactive:  # batch sequences give up their seats: only interactive ones count
             free, total = self.max_num_seqs - sum(step.seats.values()), self.max_num_seqs
-        else:  # the seats interactive work left
-            free = self.max_num_seqs - len(self.running)
+        else:  # the seats interactive work left, less those held for it
+            interactive = len(self.running) - sum(step.seats.values())
+            free = self.max_num_seqs - len(self.running) - max(0, self.interactive_seats - interactive)
             total = free + sum(step.seats.values())
         if not self.waiting.may_seat(tenant, step.seats, free, total, step.asking, interactive):
             return 0
