@@ -5,6 +5,7 @@ ahead of batch work in the scheduler; a caller that leaves frees its request's K
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import urllib.error
@@ -207,6 +208,25 @@ def test_a_caller_that_leaves_mid_stream_frees_its_kv_blocks(tmp_path, tiny_llam
         assert first.choices[0].finish_reason is None
         assert tiny_engine.block_manager.num_free_blocks < idle  # its blocks are held while it runs
         stream.close()  # the caller leaves
+        _until(lambda: not tiny_engine.has_unfinished() and tiny_engine.block_manager.num_free_blocks == idle,
+               "the request's blocks back on the free list")
+        assert tiny_engine.stats.output_tokens - before < max_tokens  # aborted, not run to its end
+
+
+def test_a_caller_that_leaves_before_its_whole_answer_frees_its_kv_blocks(tmp_path, tiny_llama_dir, tiny_engine):
+    """``stream: false``: the caller closes its connection while the request runs; the engine drops it."""
+    idle = tiny_engine.block_manager.num_free_blocks
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
+    max_tokens = 1800
+    with serving(settings, engine=tiny_engine) as server:
+        key = key_for(settings, "alice")
+        before = tiny_engine.stats.output_tokens
+        body = json.dumps({"model": TINY_NAME, "prompt": "Once", "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            _until(lambda: tiny_engine.stats.output_tokens > before, "the request generating")
         _until(lambda: not tiny_engine.has_unfinished() and tiny_engine.block_manager.num_free_blocks == idle,
                "the request's blocks back on the free list")
         assert tiny_engine.stats.output_tokens - before < max_tokens  # aborted, not run to its end
