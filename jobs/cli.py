@@ -30,6 +30,9 @@ def engine_options(command):
         click.option("--max-num-batched-tokens", "--token-budget", "max_num_batched_tokens", type=int,
                      help="tokens computed per step [2048]"),
         click.option("--max-num-seqs", type=int, help="cap on running sequences [256]"),
+        click.option("--interactive-seats", type=float,
+                     help="share of --max-num-seqs held for chat and completions requests; batch work runs in the "
+                     "rest [0: none held, they preempt batch work for a seat]"),
         click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8_e4m3"]),
                      help="KV cache values: auto (the model's dtype, exact), int8 (a scale per token and head: "

@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     enable_prefix_cache: bool = True
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
     aging_steps: int = 50  # a waiting request gains one priority level every this many steps
+    # The share of max_num_seqs held for interactive requests (berth serve's chat and completions): batch
+    # work never runs in more than the rest of the seats, so an interactive request finds one free without
+    # preempting batch work. 0: none held (an interactive request preempts a batch sequence for a seat).
+    interactive_seats: float = 0.0
     max_model_len: int = 0  # 0 = the model's context length
 
     # --- services (used by the jobs side)
@@ -270,6 +274,13 @@ class Settings(BaseSettings):
     def _positive(cls, v):
         if v < 1:
             raise ValueError("must be at least 1")
+        return v
+
+    @field_validator("interactive_seats")
+    @classmethod
+    def _interactive_seats(cls, v):
+        if not 0 <= v < 1:
+            raise ValueError("interactive_seats is a share of max_num_seqs: at least 0, under 1")
         return v
 
     @field_validator("queue_prefix")

@@ -1,4 +1,5 @@
-"""``berth serve``'s HTTP API: OpenAI's Files and Batches API over berth's jobs, for the unmodified
+"""``berth serve``'s HTTP API: OpenAI's Files and Batches API over berth's jobs, and its chat and
+completions routes for one request answered now (``jobs.http.completions``), for the unmodified
 openai client (``base_url="http://HOST:PORT/v1"``).
 
     app = create_app(settings)              # uvicorn jobs.http.app:app serves one from the environment
@@ -34,7 +35,9 @@ from jobs.finalize import finished_lines
 from jobs.http import batches
 from jobs.http.dashboard import dashboard_router
 from jobs.http.errors import ApiError, install
+from jobs.http.completions import add_completion_routes
 from jobs.http.guard import TENANT_SCOPE_KEY, RequestGuard
+from jobs.http.interactive import InteractiveChannel
 from jobs.http.idempotency import fingerprint, idempotent
 from jobs.http.keys import tenant_of_key
 from jobs.http.origin import allowed_hosts
@@ -56,6 +59,7 @@ from jobs.lifecycle import JobNotFound
 from jobs.models import now
 from jobs.retry import retry_job
 from jobs.tasks import FINALIZE, INGEST
+from jobs.validate import model_info
 from worker.config import Settings
 
 log = logging.getLogger("berth.http")
@@ -72,15 +76,16 @@ _UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-da
 
 
 def create_app(settings: Settings | None = None, open_access: bool = False, tasks: Tasks | None = None,
-               listen_host: str | None = None) -> FastAPI:
+               listen_host: str | None = None, channel: InteractiveChannel | None = None) -> FastAPI:
     """``listen_host``: the address an open server listens on, the one name it answers besides
-    ``localhost`` and ``BERTH_HTTP_ALLOWED_HOSTS`` (default: any loopback name)."""
+    ``localhost`` and ``BERTH_HTTP_ALLOWED_HOSTS`` (default: any loopback name); ``channel``: where
+    chat and completions requests run (none: they are checked, then answered 503)."""
     settings = settings or Settings()
     db = open_database(settings.database_url)
     files = JobFiles(settings.storage_url)
     tasks = tasks or Tasks(settings)
     model_name, started = settings.served_model_name(), int(now())
-    app = FastAPI(title="berth", version="0.1.0", summary="OpenAI's Files and Batches API over berth's jobs",
+    app = FastAPI(title="berth", version="0.1.0", summary="OpenAI's Files and Batches API over berth's jobs, chat and completions answered now",
                   responses=ERRORS)
     app.state.tasks = tasks
     install(app)
@@ -236,6 +241,9 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
 
         return batch_of(tenant, idempotent(db, tenant, "batches.retry", idempotency_key, fingerprint(batch_id),
                                            retry))
+
+    # ---- chat and completions, answered now (jobs.http.completions)
+    add_completion_routes(app, channel, lambda: model_info(settings), TenantName)
 
     # ---- models
     def model_object() -> dict:

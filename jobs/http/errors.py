@@ -27,7 +27,7 @@ log = logging.getLogger("berth.http")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class ApiError(Exception):
@@ -97,7 +97,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http(request: Request, exc: HTTPException):
         if exc.status_code == 404:
-            return error_response(404, "Unknown route: berth serves /v1/files, /v1/batches and /v1/models")
+            return error_response(404, "Unknown route: berth serves /v1/files, /v1/batches, /v1/models, "
+                                  "/v1/chat/completions and /v1/completions")
         if exc.status_code == 413 and (limit := request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)) is not None:
             return body_too_large(request.method, request.url.path, limit)
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

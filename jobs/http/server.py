@@ -2,8 +2,10 @@
 
 With no broker (``BERTH_BROKER_URL`` empty) nothing else runs the queue, so the server runs an
 engine worker on a thread of its own (with the embedded housekeeping chores) and a laptop gets a
-local OpenAI Batch endpoint from one command. With a broker, ``berth serve`` only serves: engine
-workers and the Celery worker run elsewhere.
+local OpenAI Batch endpoint from one command; the same worker answers the chat and completions
+routes (``jobs.http.interactive.EmbeddedChannel``), ahead of batch work. With a broker, ``berth
+serve`` only serves: engine workers and the Celery worker run elsewhere (and the chat and
+completions routes answer 503 until the RabbitMQ channel is built).
 
     with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)
@@ -22,6 +24,7 @@ from typing import Iterator
 import uvicorn
 
 from jobs.http.app import create_app
+from jobs.http.interactive import EmbeddedChannel
 from jobs.http.tasks import Tasks
 from worker.config import Settings
 from worker.consumer.queues import is_embedded
@@ -43,8 +46,11 @@ class Server:
         self.settings, self.host, self.open_access = settings, host, open_access
         self.port = port or _free_port(host)
         self.tasks = Tasks(settings)
-        self.app = create_app(settings, open_access=open_access, tasks=self.tasks, listen_host=host)
         self.run_worker = is_embedded(settings) if worker is None else worker
+        # chat and completions run in this server's engine worker (RabbitMQ's interactive queue: not yet)
+        self.channel = EmbeddedChannel(settings) if self.run_worker else None
+        self.app = create_app(settings, open_access=open_access, tasks=self.tasks, listen_host=host,
+                              channel=self.channel)
         self._engine = engine
         self._stop = threading.Event()
         self._worker_thread: threading.Thread | None = None
@@ -96,7 +102,8 @@ class Server:
             return
         from jobs.engine_worker import engine_worker
 
-        worker = engine_worker(self.settings, self._engine)  # the model loads before the first request
+        # the model loads before the first request
+        worker = engine_worker(self.settings, self._engine, interactive=self.channel.inbox)
 
         def work() -> None:
             try:

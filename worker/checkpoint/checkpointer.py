@@ -223,6 +223,8 @@ def _remaining_steps(state: RequestState) -> int:
 
 
 def _resumable(request: Request) -> bool:
-    """Embeddings requests are never checkpointed: their KV lives only as long as their prefill."""
+    """Embeddings requests are never checkpointed: their KV lives only as long as their prefill; nor
+    interactive ones: their caller is gone with the worker, and nobody would resume them."""
     p = request.params
-    return p.logprobs is None and p.embedding is None and not any(s.is_finished for s in request.sequences)
+    return (p.logprobs is None and p.embedding is None and not request.interactive
+            and not any(s.is_finished for s in request.sequences))

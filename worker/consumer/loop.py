@@ -63,6 +63,12 @@ with its generated tokens (and KV blocks, when they were worth writing and readi
 than computing them). A new request is first looked up in the fleet's prefix store
 (``PrefixStore``, ``Settings.prefix_store``: the blocks of its prompt that other workers published)
 the same way, and a prefix that requests shared here is published after the step.
+
+Interactive requests (``worker.consumer.interactive``, ``berth serve``'s chat and completions routes
+on the embedded defaults): an ``InteractiveInbox`` given to the worker is drained each iteration
+(requests in, aborts of callers that left), and after each step its requests' new text goes to their
+callers. They are never in the database, never checkpointed, and the scheduler serves them ahead
+of batch work. A worker draining refuses new ones; one stopping ends those left with an error.
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.housekeeper import Chore, Housekeeper
+from worker.consumer.interactive import InteractiveInbox
 from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.consumer.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
@@ -128,9 +135,12 @@ class Inflight:
 
 class EngineWorker:
     def __init__(self, settings: Settings, engine: Engine, ledger: Ledger, *, broker: BrokerLink | None = None,
-                 chores: list[Chore] = ()):
+                 chores: list[Chore] = (), interactive: InteractiveInbox | None = None):
         self.settings = settings
         self.engine = engine
+        self.interactive = interactive  # live callers' requests, beside the queue's
+        if interactive is not None:
+            interactive.attach(engine)
         self.ledger = ledger
         self.name = worker_name()
         self.metrics = WorkerMetrics()
@@ -182,15 +192,17 @@ class EngineWorker:
         graceful = False
         try:
             while True:
-                busy = self.engine.has_unfinished()
+                busy = self.engine.has_unfinished() or (self.interactive is not None and self.interactive.pending())
                 if not self.stop_requested and not self.broker.maintain() and not busy:
-                    time.sleep(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
+                    self._idle(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
                 if not self.database.ready() and not busy:
-                    time.sleep(IDLE_WAIT)  # no database and nothing to run: the same
+                    self._idle(IDLE_WAIT)  # no database and nothing to run: the same
                 wait = 0 if busy else RESTORE_WAIT if self._restoring() else IDLE_WAIT
-                self.incoming += self.broker.receive(self.window - len(self.incoming), wait)
+                self._receive(wait)
                 self._record([])  # outcomes kept while the database was down, when a try is due
                 self._admit()
+                if self.interactive is not None:
+                    self.interactive.admit()
                 self._add_restored()
                 self._start_suspects()
                 if self.engine.has_unfinished():
@@ -211,6 +223,8 @@ class EngineWorker:
                         graceful = True
                         break
         finally:
+            if self.interactive is not None:
+                self.interactive.fail_all("the server's engine worker stopped", close=True)
             self.housekeeper.stop()
             if graceful and self.checkpoints is not None:  # what is handed back continues from here elsewhere
                 self.checkpoints.save_all(CHECKPOINT_FLUSH)
@@ -221,6 +235,24 @@ class EngineWorker:
 
     def stop(self) -> None:
         self.stop_requested += 1
+
+    def _receive(self, wait: float) -> None:
+        """Deliveries, waiting up to ``wait`` for the first; with live callers' requests beside the queue,
+        the wait is on them (a request or an abort ends it) after one look at the queue."""
+        limit = self.window - len(self.incoming)
+        if self.interactive is None or not wait:
+            self.incoming += self.broker.receive(limit, wait)
+            return
+        got = self.broker.receive(limit, 0)
+        if not got:
+            self.interactive.wait(wait)
+        self.incoming += got
+
+    def _idle(self, seconds: float) -> None:
+        if self.interactive is not None:
+            self.interactive.wait(seconds)
+        else:
+            time.sleep(seconds)
 
     def _install_signal_handlers(self) -> dict:
         """SIGTERM and SIGINT ask the loop to stop; the handlers replaced, to put back."""
@@ -466,6 +498,8 @@ class EngineWorker:
             log.exception("worker %s: an engine step failed outside any one request; handing its requests back",
                           self.name)
             self._hand_back(count_attempt=True)
+            if self.interactive is not None:
+                self.interactive.fail_all("the engine failed a step: try again")
             return
         self.metrics.observe_step(self.engine, time.perf_counter() - t0)
         if self.checkpoints is not None:
@@ -474,6 +508,8 @@ class EngineWorker:
         if self.prefixes is not None:
             self.prefixes.after_step()
         self._watch_suspects()
+        if self.interactive is not None:
+            self.interactive.after_step(outputs)
         done = []
         for output in outputs:
             item = self.inflight.get(output.request_id)
@@ -566,6 +602,8 @@ class EngineWorker:
         log.info("worker %s stopping: %d requests running, up to %.0fs to finish", self.name,
                  len(self.inflight), self.settings.drain_timeout)
         self.broker.cancel()
+        if self.interactive is not None:
+            self.interactive.close("the server is stopping: try again on another")
         self._hand_back(count_attempt=False, only_unstarted=True)
         return time.monotonic() + self.settings.drain_timeout
 

@@ -141,7 +141,8 @@ class Engine:
         if mode == "auto":  # swapping pays where the cache lives apart from host memory
             mode = "swap" if self.device.type == "cuda" else "recompute"
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
-                                   settings.aging_steps, mode)
+                                   settings.aging_steps, mode,
+                                   interactive_seats=int(settings.max_num_seqs * settings.interactive_seats))
         # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
         # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
         self._apart = self._side_scheduler()
@@ -472,7 +473,7 @@ class Engine:
             bs = self.block_manager.block_size
             for seq, n in plan.prefix_hits:
                 n = min(n, seq.num_prompt_tokens // bs)
-                if n and not seq.request.resume_output_ids:
+                if n and not seq.request.resume_output_ids and not seq.request.interactive:
                     self._shared.append(SharedPrefix(seq.request.request_id, seq.block_hashes[:n],
                                                      seq.block_table[:n]))
         if self.stats.steps % 8 == 1:
@@ -676,6 +677,14 @@ class Engine:
             seq.stop_text_end = min(hits)
         return bool(hits)
 
+    def final_text(self, seq: Sequence) -> str:
+        """A finished sample's text, as its result shows it: without the stop token that ended it,
+        cut where a stop string began."""
+        ids = seq.output_token_ids
+        shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_set else ids
+        text = self.tokenizer.decode(shown, skip_special_tokens=True)
+        return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+
     def _output(self, request: Request) -> RequestOutput:
         del self.requests[request.request_id]
         self.stats.requests_finished += 1
@@ -683,15 +692,9 @@ class Engine:
             vectors = torch.stack([seq.pooled for seq in sorted(request.sequences, key=lambda s: s.sample_index)])
             return RequestOutput(request.request_id, request.prompt_token_ids, [], embeddings=vectors,
                                  embedding=request.params.embedding)
-        completions = []
-        for seq in request.sequences:
-            ids = seq.output_token_ids
-            shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in request.stop_set else ids
-            text = self.tokenizer.decode(shown, skip_special_tokens=True)
-            if seq.stop_text_end is not None:
-                text = text[:seq.stop_text_end]
-            completions.append(Completion(seq.sample_index, ids, text, seq.finish_reason,
-                                          seq.logprobs if request.params.logprobs is not None else None))
+        completions = [Completion(seq.sample_index, seq.output_token_ids, self.final_text(seq), seq.finish_reason,
+                                  seq.logprobs if request.params.logprobs is not None else None)
+                       for seq in request.sequences]
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
                              num_cached_prompt_tokens=request.cached_prompt_tokens or 0)
 

@@ -193,6 +193,9 @@ class Request:
     stop_set: frozenset[int] = frozenset()
     started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
     isolated: bool = False  # stepped apart from every other request until ``Engine.release`` (``Engine.step``)
+    # A live caller waits on it (a stream): scheduled before batch work, which it may preempt
+    # (worker/engine/scheduler.py); never checkpointed, its prefix never published.
+    interactive: bool = False
     grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
     grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
     # Who may share its cached prefix blocks: None is its tenant alone; requests with the same salt share

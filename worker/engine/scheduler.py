@@ -13,6 +13,15 @@ When the KV cache has no room, a running sequence not yet served this step is pr
 tenant furthest over its share, its lowest-priority, most recently admitted one. Its blocks are
 freed and it is recomputed later, or its blocks are copied to host memory and copied back later
 (swap). A step that preempted admits nothing new.
+
+Two classes, interactive first: a request marked ``Request.interactive`` (a live caller waiting on a
+stream) is served before any batch work, in a pass of its own over the same loop, and batch work
+takes what that pass left of the budget, the seats and the KV cache. When an interactive sequence
+needs a seat or KV blocks that batch work holds, a running batch sequence is preempted for it (of
+the batch tenant holding the most seats for its weight, its lowest-priority, most recently
+admitted one), never the other way round; ``interactive_seats`` are never taken by batch work at
+all (``Settings.interactive_seats``). Tenants' shares hold within each class: each class has
+its own turns, leads and seat claims; a tenant's weight is the same in both.
 """
 
 from __future__ import annotations
@@ -52,23 +61,27 @@ class _Step:
     queues: dict[str, list[Sequence]]  # per tenant, its running sequences not yet served in full, the next last
     seats: Counter[str]  # running sequences per tenant
     asking: set[str]  # tenants whose claim to seats counts (WaitingQueue.may_seat)
+    interactive: bool = False  # the class this pass serves
+    below: _Step | None = None  # the batch pass of the same step: its running sequences make room for this one
     asked: set[str] = field(default_factory=set)  # tenants that asked for a seat this step
     partly: dict[Sequence, int] = field(default_factory=dict)  # given part of what they ask (more may follow)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 aging_steps: int = 50, preemption_mode: str = "recompute"):
+                 aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0):
+        """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive)."""
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, not {preemption_mode!r}")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
+        self.interactive_seats = interactive_seats
         self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
         self.waiting = WaitingQueue(aging_steps, self.shares)
-        self.fair = TokenShares(self.shares)
-        self.asking: set[str] = set()  # tenants that asked for a running seat in the last step
+        self.fair = {False: TokenShares(self.shares), True: TokenShares(self.shares)}  # per class
+        self.asking: dict[bool, set[str]] = {False: set(), True: set()}  # per class: asked for a seat last step
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.step_count = 0
@@ -105,22 +118,39 @@ class Scheduler:
     # ---- the step
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
-        queues: dict[str, list[Sequence]] = {}
+        out = SchedulerOutput()
+        lanes: dict[bool, dict[str, list[Sequence]]] = {False: {}, True: {}}
         for seq in sorted(self.running, key=lambda s: (s.priority, -s.admitted_order)):  # best last
-            queues.setdefault(seq.request.tenant, []).append(seq)
-        seats = Counter({t: len(q) for t, q in queues.items()})
-        waiting = self.waiting.tenants()
-        tenants = queues.keys() | waiting | {s.request.tenant for s in self.swapped}
+            lanes[seq.request.interactive].setdefault(seq.request.tenant, []).append(seq)
+        batch = self._pass(False, lanes[False], out)
         budget = self.max_num_batched_tokens
-        asking = self.asking | (waiting - queues.keys())  # asked last step, or has nothing running
-        step = _Step(SchedulerOutput(), budget, self.fair.turns(tenants, budget, seats), queues, seats, asking)
+        if lanes[True] or self.waiting.tenants(True) or any(s.request.interactive for s in self.swapped):
+            budget = self._serve(self._pass(True, lanes[True], out, below=batch), budget)
+        self._serve(batch, budget)
+        out.copies = self.bm.take_copies()
+        return out
+
+    def _pass(self, interactive: bool, queues: dict[str, list[Sequence]], out: SchedulerOutput,
+              below: _Step | None = None) -> _Step:
+        """One class's pass of a step, before its turns are drawn (``_serve``)."""
+        seats = Counter({t: len(q) for t, q in queues.items()})
+        asking = self.asking[interactive] | (self.waiting.tenants(interactive) - queues.keys())
+        return _Step(out, 0, None, queues, seats, asking, interactive, below)
+
+    def _serve(self, step: _Step, budget: int) -> int:
+        """Serve one class's tenants in turn from ``budget``; what is left of it."""
+        interactive = step.interactive
+        tenants = (step.queues.keys() | self.waiting.tenants(interactive)
+                   | {s.request.tenant for s in self.swapped if s.request.interactive == interactive})
+        step.budget = budget
+        step.turns = self.fair[interactive].turns(tenants, budget, step.seats)
         while step.budget and (tenant := step.turns.next()) is not None:
             self._turn(tenant, step)
         step.turns.end()
-        self.asking = step.asked
+        self.asking[interactive] = step.asked
         step.out.scheduled += step.partly.items()
-        step.out.copies = self.bm.take_copies()
-        return step.out
+        step.partly = {}
+        return step.budget
 
     def _turn(self, tenant: str, step: _Step) -> None:
         """Serve ``tenant`` up to one turn's tokens: its running sequences best first, then new ones;
@@ -157,7 +187,7 @@ class Scheduler:
         already this step). False when ``seq`` itself goes: preempted, or left with what it was given
         (only sequences already served this step are left to preempt)."""
         while (victim := self._victim(step)) is not None:
-            self._preempt(victim, step)
+            self._preempt(victim, step if victim.request.interactive == step.interactive else step.below)
             if victim is seq:
                 return False
             if self.bm.allocate(seq, given + n):
@@ -167,33 +197,69 @@ class Scheduler:
         return False
 
     def _victim(self, step: _Step) -> Sequence | None:
-        """Of the tenant furthest over its share (in tokens, then in seats for its weight), the
-        lowest-priority, most recently admitted running sequence not yet served this step."""
-        clock, seats, weight = step.turns.clock, step.seats, self.fair.weight
+        """A batch sequence when an interactive one needs room (``_batch_victim``); else, of the
+        tenant furthest over its share (in tokens, then in seats for its weight), the lowest-priority,
+        most recently admitted running sequence of the class not yet served this step."""
+        if step.below is not None and (victim := self._batch_victim(step.below)) is not None:
+            return victim
+        clock, seats, weight = step.turns.clock, step.seats, self.fair[step.interactive].weight
         candidates = [((clock[t], seats[t] / weight(t)), q[0]) for t, q in step.queues.items()
                       if q and q[0] not in step.partly]
         return max(candidates, key=lambda c: c[0])[1] if candidates else None
 
+    def _batch_victim(self, batch: _Step) -> Sequence | None:
+        """The running batch sequence to preempt for an interactive one: of the batch tenant holding
+        the most seats for its weight, the lowest-priority, most recently admitted (none of them has
+        been served yet: the interactive pass comes first)."""
+        weight = self.fair[False].weight
+        candidates = [(batch.seats[t] / weight(t), t) for t, q in batch.queues.items() if q]
+        return batch.queues[max(candidates)[1]][0] if candidates else None
+
+    def _room_for_interactive(self, step: _Step, fits) -> bool:
+        """Preempt batch sequences until ``fits()``; False when none is left to preempt."""
+        while not fits():
+            victim = self._batch_victim(step.below) if step.below is not None else None
+            if victim is None:
+                return False
+            self._preempt(victim, step.below)
+        return True
+
     def _bring_in(self, tenant: str, limit: int, step: _Step) -> int:
-        """Make ``tenant``'s next swapped-out or waiting sequence run, with up to ``limit`` tokens; the
-        tokens given, none when it has no such sequence or there is no room (a seat, KV blocks, or a
-        step that has just preempted)."""
-        if step.out.preempted:
+        """Make ``tenant``'s next swapped-out or waiting sequence of the class run, with up to ``limit``
+        tokens; the tokens given, none when it has no such sequence or there is no room (a seat, KV
+        blocks, or a step that has just preempted one of its class). An interactive one takes the
+        seat and blocks of batch sequences when it must (``_room_for_interactive``)."""
+        interactive = step.interactive
+        if any(s.request.interactive == interactive for s in step.out.preempted):
             return 0
-        free = self.max_num_seqs - len(self.running)
-        seq = next((s for s in self.swapped if s.request.tenant == tenant), None) if self.swapped else None
+        swapped = [s for s in self.swapped if s.request.interactive == interactive] if self.swapped else ()
+        seat = lambda: self.max_num_seqs > len(self.running)  # noqa: E731
+        seq = next((s for s in swapped if s.request.tenant == tenant), None)
         if seq is not None:
-            return self._swap_in(seq, limit, step) if free > 0 else 0
-        seq = self.waiting.head(tenant)
-        if seq is None or self.swapped:
+            if interactive and not self._room_for_interactive(step, seat):
+                return 0
+            return self._swap_in(seq, limit, step) if seat() else 0
+        seq = self.waiting.head(tenant, interactive)
+        if seq is None or swapped:
             return 0
         step.asked.add(tenant)
         step.asking.add(tenant)
-        if not self.waiting.may_seat(tenant, step.seats, free, self.max_num_seqs, step.asking):
+        if interactive:  # batch sequences give up their seats: only interactive ones count
+            free, total = self.max_num_seqs - sum(step.seats.values()), self.max_num_seqs
+        else:  # the seats interactive work left, less those held for it
+            interactive = len(self.running) - sum(step.seats.values())
+            free = self.max_num_seqs - len(self.running) - max(0, self.interactive_seats - interactive)
+            total = free + sum(step.seats.values())
+        if not self.waiting.may_seat(tenant, step.seats, free, total, step.asking, interactive):
             return 0
         hits = self.bm.prefix_hits(seq)
         n = min(seq.num_tokens - len(hits) * self.bm.block_size, limit)
-        if not self.bm.allocate(seq, n, hits):
+        if interactive:
+            if not self._room_for_interactive(step, seat):
+                return 0
+            if not self._room_for_interactive(step, lambda: self.bm.allocate(seq, n, hits)):
+                return 0
+        elif not self.bm.allocate(seq, n, hits):
             return 0
         self.waiting.remove(seq)
         cached = len(hits) * self.bm.block_size

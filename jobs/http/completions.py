@@ -1,0 +1,268 @@
+"""OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions`` on ``berth serve``: one request, answered
+now, whole (``stream: false``) or as server-sent events (``stream: true``).
+
+The body is checked by the batch lines' own front door (``jobs.batch_format.to_request``): every field
+a batch line takes means the same here (structured outputs and tools included), and a bad one is a
+400 with OpenAI's error body naming it. Only ``stream`` and ``stream_options`` (``include_usage``)
+are read here, as a batch line refuses ``stream: true``. The request runs through an
+``InteractiveChannel`` (``jobs.http.interactive``), ahead of batch work in the engine.
+
+- ``stream: false``: the ``chat.completion`` or ``text_completion`` object a batch result line's
+  ``response.body`` holds (``jobs.batch_format.response_line`` builds both).
+- ``stream: true``: ``chat.completion.chunk`` events (a first chunk per choice with ``delta.role``,
+  then ``delta.content`` pieces, then one with ``finish_reason``) or ``text_completion`` chunks, and
+  ``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
+  last chunk with no choices carries the usage. The pieces add up to the batch result's text
+  (``worker.engine.text_delta``). A request with ``tools`` sends its answer in one chunk at the end,
+  as content or as ``delta.tool_calls``, once the text can be read for calls. An error before the
+  first token is an HTTP error; one after it, a last event ``{"error": {...}}``.
+
+A caller that disconnects, mid-stream or while waiting for a whole answer, aborts its request: the
+engine drops it, and frees its KV blocks, before its next step.
+"""
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from jobs.batch_format import BatchLine, LineError, response_line, to_request
+from jobs.batch_format import _logprobs as logprobs_object
+from jobs.http.errors import ApiError, error_response
+from jobs.http.interactive import InteractiveChannel, Subscription
+from jobs.http.schemas import ErrorBody
+from jobs.line_text import shown
+from jobs.request_fields import CHAT_URL, COMPLETIONS_URL
+from jobs.validate import ModelInfo
+from worker.consumer.interactive import Delta, Done, Failed
+
+log = logging.getLogger("berth.http")
+
+_FAILED_STATUS = {"request_rejected": 400, "server_unavailable": 503}
+_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "additionalProperties": True,
+    "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"},
+                   "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}}}}}
+_ANSWERS = {200: {"content": {"application/json": {"schema": {"type": "object"}},
+                              "text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, model: Callable[[], ModelInfo],
+                          tenant_dependency) -> None:
+    """The two routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's."""
+
+    async def answer(request: Request, tenant: str, url: str) -> Response:
+        body = _json_object(await request.body())
+        stream, include_usage = _stream_fields(body)
+        info = (channel.model() if channel is not None else None) or await run_in_threadpool(model)
+        line = BatchLine(1, "request", url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+        request_id = f"i-{uuid.uuid4().hex[:24]}"
+        try:
+            engine_request = await run_in_threadpool(
+                to_request, line, info.tokenizer, info.name, info.max_model_len, request_id=request_id,
+                tenant=tenant, vocab_size=info.vocab_size, structured_limits=info.structured_limits,
+                hidden_size=info.hidden_size)
+        except LineError as exc:
+            raise ApiError(400, exc.message, _param(exc.param), exc.code) from None
+        except Exception as exc:  # noqa: BLE001 (a check that broke: this request's 400, as a line's error)
+            log.warning("checking a %s body raised", url, exc_info=True)
+            raise ApiError(400, f"the request could not be checked ({type(exc).__name__}); fix it or report it as a "
+                           "bug", None, "invalid_request") from None
+        if channel is None or not channel.ready():
+            raise ApiError(503, "this server runs no engine for requests answered at once: `berth serve` on the "
+                           "embedded defaults does (BERTH_BROKER_URL unset)", None, "engine_unavailable")
+        reply = _Reply(line, engine_request.params.tool_calls, info, engine_request.params.n, stream,
+                       include_usage)
+        return _Answer(channel.open(engine_request), reply)
+
+    extra = {"openapi_extra": _BODY, "responses": {**_ANSWERS, 503: {"model": ErrorBody}}}
+
+    @app.post("/v1/chat/completions", summary="OpenAI's chat completions, answered now (stream or not)", **extra)
+    async def chat_completions(request: Request, tenant: tenant_dependency) -> Response:
+        return await answer(request, tenant, CHAT_URL)
+
+    @app.post("/v1/completions", summary="OpenAI's completions, answered now (stream or not)", **extra)
+    async def completions(request: Request, tenant: tenant_dependency) -> Response:
+        return await answer(request, tenant, COMPLETIONS_URL)
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON: send one JSON object", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}", None, "invalid_request")
+    return body
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream: must be true or false, got {shown(stream)}", "stream", "invalid_type")
+    if options is None:
+        return bool(stream), False
+    if not isinstance(options, dict):
+        raise ApiError(400, f"stream_options: must be an object, got {shown(options)}", "stream_options",
+                       "invalid_type")
+    if not stream:
+        raise ApiError(400, "stream_options: only with stream true", "stream_options", "invalid_value")
+    for name, value in options.items():
+        if name != "include_usage":
+            raise ApiError(400, f"stream_options.{shown(name)}: not an option berth knows (include_usage is)",
+                           "stream_options", "invalid_value")
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"stream_options.include_usage: must be true or false, got {shown(value)}",
+                           "stream_options.include_usage", "invalid_type")
+    return True, bool(options.get("include_usage"))
+
+
+def _param(param: str | None) -> str | None:
+    return param.removeprefix("body.") if param else param
+
+
+class _Reply:
+    """One request's answer, as OpenAI writes it: the whole object, or its chunks."""
+
+    def __init__(self, line: BatchLine, tool_calls: str | None, info: ModelInfo, n: int, stream: bool,
+                 include_usage: bool):
+        self.line, self.tool_calls, self.info, self.n = line, tool_calls, info, n
+        self.stream, self.include_usage = stream, include_usage
+        self.chat = line.url == CHAT_URL
+        self.created = int(time.time())
+        self.id: str | None = None
+
+    def body(self, output) -> dict:
+        return response_line(self.line, output, self.info.name, self.info.tokenizer, self.tool_calls)["response"]["body"]
+
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.info.name, "choices": choices, **extra}
+        if self.include_usage and "usage" not in chunk:
+            chunk["usage"] = None
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+    def first(self, request_id: str) -> list[bytes]:
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.n)]
+
+    def deltas(self, d: Delta) -> list[bytes]:
+        """A sample's new text, and its end; a request with tools says all at ``done``."""
+        if self.tool_calls is not None:
+            return []
+        out = []
+        if d.text or d.logprobs:
+            out.append(self._choice(d.index, d.text, self._logprobs(d.logprobs), None))
+        if d.finish_reason is not None:
+            out.append(self._choice(d.index, None, None, d.finish_reason))
+        return out
+
+    def done(self, output) -> list[bytes]:
+        body = self.body(output)
+        out = []
+        if self.tool_calls is not None:  # the whole answer, read for calls, in one chunk a choice
+            for choice in body["choices"]:
+                message = choice["message"]
+                delta: dict[str, Any] = {"content": message["content"]}
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                out.append(self._chunk([{"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"],
+                                         "finish_reason": choice["finish_reason"]}]))
+        if self.include_usage:
+            out.append(self._chunk([], usage=body["usage"]))
+        return out + [b"data: [DONE]\n\n"]
+
+    def _choice(self, index: int, text: str | None, logprobs, finish_reason: str | None) -> bytes:
+        if self.chat:
+            choice = {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def _logprobs(self, entries) -> dict | None:
+        return None if entries is None else logprobs_object(list(entries), self.info.tokenizer, self.chat)
+
+
+class _Answer(Response):
+    """The answer to one request, sent as its events come; a disconnect aborts the request at once."""
+
+    def __init__(self, subscription: Subscription, reply: _Reply):
+        super().__init__()
+        self.subscription, self.reply = subscription, reply
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.subscription.abort()  # the caller left: the engine drops it before its next step
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                await (self._stream(send) if self.reply.stream else self._whole(send))
+            except OSError:  # the caller left while we wrote
+                pass
+            finally:
+                self.subscription.abort()
+                group.cancel_scope.cancel()
+
+    async def _whole(self, send: Send) -> None:
+        while True:
+            for event in await self.subscription.next():
+                if isinstance(event, Done):
+                    body = json.dumps(self.reply.body(event.output), ensure_ascii=False).encode()
+                    await _send_bytes(send, 200, "application/json", body)
+                    return
+                if isinstance(event, Failed):
+                    await self._error(send, event)
+                    return
+
+    async def _stream(self, send: Send) -> None:
+        events = await self.subscription.next()  # the first token, or an error told as an HTTP status
+        if isinstance(events[0], Failed):
+            await self._error(send, events[0])
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        chunks = self.reply.first(self.subscription.request_id)
+        while True:
+            for event in events:
+                if isinstance(event, Delta):
+                    chunks += self.reply.deltas(event)
+                elif isinstance(event, Done):
+                    chunks += self.reply.done(event.output)
+                elif isinstance(event, Failed):
+                    error = {"error": {"message": event.reason, "type": "server_error", "param": None,
+                                       "code": event.code}}
+                    chunks.append(b"data: " + json.dumps(error, ensure_ascii=False).encode() + b"\n\n")
+            if chunks:
+                await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+                chunks = []
+            if self.subscription.over:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            events = await self.subscription.next()
+
+    async def _error(self, send: Send, failed: Failed) -> None:
+        status = _FAILED_STATUS.get(failed.code, 500)
+        response = error_response(status, failed.reason, None, failed.code)
+        await _send_bytes(send, status, "application/json", response.body)
+
+
+async def _send_bytes(send: Send, status: int, content_type: str, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,93 @@
+"""The seam between ``berth serve``'s chat and completions routes and an engine: ``InteractiveChannel``.
+
+A channel takes a request the door accepted (an engine ``Request``, checked as a batch line is) and
+gives back a ``Subscription``: the request's events (``worker.consumer.interactive``: ``Delta``s of
+text, then ``Done`` with the ``RequestOutput`` a batch result is built from, or ``Failed``), read
+on the server's event loop, and ``abort`` for a caller that left. The routes (``jobs.http.completions``)
+know nothing else of where the request runs.
+
+``EmbeddedChannel`` is the embedded defaults': the request goes to the engine worker this server
+runs on a thread (``jobs.http.server``), through its ``InteractiveInbox``; the engine's thread hands
+each step's events to the event loop with ``call_soon_threadsafe`` into the subscription's queue.
+
+The RabbitMQ channel (not built yet) is a second implementation of the same two methods: ``open``
+publishes the request, checked here, to the model's interactive queue (``<prefix>.interactive.<model>``)
+with ``reply_to`` RabbitMQ's direct reply-to (``amq.rabbitmq.reply-to``) on a channel this server
+consumes, and a ``correlation_id`` naming the subscription; the worker's ``InteractiveInbox`` is fed
+by a consumer of that queue and its sink publishes each step's events back; ``abort`` publishes an
+abort naming the request to the worker that acked it. A worker that dies before the first event is
+replaced by the broker's redelivery to another; after it, the subscription ends with ``Failed`` (the
+server notices the worker's silence by a deadline), never with text given twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Protocol
+
+from jobs.validate import ModelInfo
+from worker.config import Settings
+from worker.consumer.interactive import Done, Event, Failed, InteractiveInbox
+from worker.engine.request import Request
+
+
+class Subscription:
+    """One request's events, read on the event loop that opened it."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort):
+        self.request_id = request_id
+        self._queue, self._abort = queue, abort
+        self.over = False  # its last event was read, or it was aborted
+
+    async def next(self) -> list[Event]:
+        """The next events (one step's); the last holds ``Done`` or ``Failed``."""
+        events = await self._queue.get()
+        if any(isinstance(e, (Done, Failed)) for e in events):
+            self.over = True
+        return events
+
+    def abort(self) -> None:
+        """Drop the request in the engine (its KV blocks freed before the next step); nothing when it is over."""
+        if not self.over:
+            self.over = True
+            self._abort(self.request_id)
+
+
+class InteractiveChannel(Protocol):
+    def model(self) -> ModelInfo | None:
+        """What requests are checked against, when the channel knows its engine's (None: the settings')."""
+
+    def ready(self) -> bool:
+        """Whether an engine takes requests now."""
+
+    def open(self, request: Request) -> Subscription:
+        """Start ``request``; its events come to the running event loop."""
+
+
+class EmbeddedChannel:
+    """Requests to the engine worker in this process (``jobs.http.server`` gives ``inbox`` to it)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.inbox = InteractiveInbox()
+
+    def ready(self) -> bool:
+        return self.inbox.engine is not None
+
+    def model(self) -> ModelInfo | None:
+        return self._model() if self.inbox.engine is not None else None
+
+    @functools.cache
+    def _model(self) -> ModelInfo:  # the engine's tokenizer: no second copy
+        return ModelInfo.of_engine(self.inbox.engine, self.settings)
+
+    def open(self, request: Request) -> Subscription:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(events: list[Event]) -> None:  # on the engine's thread; raises once the loop is closed
+            loop.call_soon_threadsafe(queue.put_nowait, events)
+
+        self.inbox.submit(request, sink)
+        return Subscription(request.request_id, queue, self.inbox.abort)
