@@ -232,6 +232,22 @@ def test_a_caller_that_leaves_before_its_whole_answer_frees_its_kv_blocks(tmp_pa
         assert tiny_engine.stats.output_tokens - before < max_tokens  # aborted, not run to its end
 
 
+def test_the_readme_streaming_snippet_talks_to_berth_serve(tmp_path, tiny_llama_dir):
+    """The Quick start's second Python block, as written, against the tiny model under the default name."""
+    from pathlib import Path
+
+    from worker.config import DEFAULT_MODEL_NAME, Settings
+
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    snippet = section.split("```python\n")[2].split("\n```", 1)[0]
+    assert "stream=True" in snippet
+    settings = Settings(model=str(tiny_llama_dir), model_name=DEFAULT_MODEL_NAME, kv_memory="64MiB", threads=1,
+                        database_url=f"sqlite:///{tmp_path / 'berth.db'}", storage_url=f"file://{tmp_path / 's'}")
+    with serving(settings) as server:
+        exec(snippet.replace("http://127.0.0.1:8000", server.url).replace("berth-...", key_for(settings, "me")), {})
+
+
 def test_bad_bodies_get_openais_error_objects(tmp_path, tiny_llama_dir, tiny_engine):
     settings = embedded_settings(tiny_llama_dir, tmp_path)
     key = key_for(settings, "alice")
