@@ -150,7 +150,8 @@ def test_a_required_tool_call_streams_as_one_tool_calls_chunk(tmp_path, qwen_dir
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
     calls = chunks[-1].choices[0].delta.tool_calls
     assert [(t.index, t.type, t.function.name, t.function.arguments) for t in calls] == [
-        (k, "function", t["function"]["name"], t["function"]["arguments"]) for k, t in enumerate(want["message"]["tool_calls"])]
+        (k, "function", t["function"]["name"], t["function"]["arguments"])
+        for k, t in enumerate(want["message"]["tool_calls"])]
     assert all(t.id.startswith("call_") for t in calls)
 
 
