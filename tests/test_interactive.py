@@ -150,7 +150,8 @@ def test_a_required_tool_call_streams_as_one_tool_calls_chunk(tmp_path, qwen_dir
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
     calls = chunks[-1].choices[0].delta.tool_calls
     assert [(t.index, t.type, t.function.name, t.function.arguments) for t in calls] == [
-        (k, "function", t["function"]["name"], t["function"]["arguments"]) for k, t in enumerate(want["message"]["tool_calls"])]
+        (k, "function", t["function"]["name"], t["function"]["arguments"])
+        for k, t in enumerate(want["message"]["tool_calls"])]
     assert all(t.id.startswith("call_") for t in calls)
 
 
@@ -230,6 +231,22 @@ def test_a_caller_that_leaves_before_its_whole_answer_frees_its_kv_blocks(tmp_pa
         _until(lambda: not tiny_engine.has_unfinished() and tiny_engine.block_manager.num_free_blocks == idle,
                "the request's blocks back on the free list")
         assert tiny_engine.stats.output_tokens - before < max_tokens  # aborted, not run to its end
+
+
+def test_the_readme_streaming_snippet_talks_to_berth_serve(tmp_path, tiny_llama_dir):
+    """The Quick start's second Python block, as written, against the tiny model under the default name."""
+    from pathlib import Path
+
+    from worker.config import DEFAULT_MODEL_NAME, Settings
+
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    snippet = section.split("```python\n")[2].split("\n```", 1)[0]
+    assert "stream=True" in snippet
+    settings = Settings(model=str(tiny_llama_dir), model_name=DEFAULT_MODEL_NAME, kv_memory="64MiB", threads=1,
+                        database_url=f"sqlite:///{tmp_path / 'berth.db'}", storage_url=f"file://{tmp_path / 's'}")
+    with serving(settings) as server:
+        exec(snippet.replace("http://127.0.0.1:8000", server.url).replace("berth-...", key_for(settings, "me")), {})
 
 
 def test_bad_bodies_get_openais_error_objects(tmp_path, tiny_llama_dir, tiny_engine):

@@ -85,7 +85,8 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
     files = JobFiles(settings.storage_url)
     tasks = tasks or Tasks(settings)
     model_name, started = settings.served_model_name(), int(now())
-    app = FastAPI(title="berth", version="0.1.0", summary="OpenAI's Files and Batches API over berth's jobs, chat and completions answered now",
+    app = FastAPI(title="berth", version="0.1.0",
+                  summary="OpenAI's Files and Batches API over berth's jobs, chat and completions answered now",
                   responses=ERRORS)
     app.state.tasks = tasks
     install(app)

@@ -140,7 +140,8 @@ class _Reply:
         self.id: str | None = None
 
     def body(self, output) -> dict:
-        return response_line(self.line, output, self.info.name, self.info.tokenizer, self.tool_calls)["response"]["body"]
+        line = response_line(self.line, output, self.info.name, self.info.tokenizer, self.tool_calls)
+        return line["response"]["body"]
 
     def _chunk(self, choices: list[dict], **extra) -> bytes:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
