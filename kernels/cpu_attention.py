@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kernels import kv_quant, reference
-from kernels.cpu_features import cpu_flags, cpu_signature
+from kernels.c_build import build
+from kernels.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -85,27 +81,9 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
         log.warning("this CPU has no AVX2 + FMA: the AVX2 decode-attention path cannot run here")
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: CPU decode attention uses the slower PyTorch path")
+    lib = build(SOURCE, folder, _ISA_FLAGS[isa], "CPU decode attention uses the PyTorch path")
+    if lib is None:
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + cpu_signature().encode() + str(isa).encode()).hexdigest()[:16]
-    folder = Path(folder)
-    target = folder / f"cpu_decode-{key}.so"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", *_ISA_FLAGS[isa], "-fopenmp", "-shared", "-fPIC",
-                   "-o", str(built), str(SOURCE), "-lm"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                log.warning("building %s failed (%s): CPU decode attention uses the PyTorch path\n%s",
-                            SOURCE.name, " ".join(cmd), result.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: a concurrent build never leaves a torn file
-    lib = ctypes.CDLL(str(target))
     lib.berth_paged_decode.restype = None
     lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
         ctypes.c_int] * 4

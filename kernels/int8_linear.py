@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_features import cpu_signature
+from kernels.c_build import build
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_linear.c")
@@ -51,25 +46,9 @@ class Int8Kernel:
 @functools.cache
 def load(folder: Path) -> Int8Kernel | None:
     """The kernel, built into ``folder`` on first use, or None where it cannot be built (logged)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: the int8 linear kernel cannot be built")
+    lib = build(SOURCE, folder, without="int8 linears take PyTorch's path")
+    if lib is None:
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + cpu_signature().encode()).hexdigest()[:16]
-    folder = Path(folder)
-    target = folder / f"int8_linear-{key}.so"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                log.warning("building %s failed (%s)\n%s", SOURCE.name, " ".join(cmd), result.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: a concurrent build never leaves a torn file
-    lib = ctypes.CDLL(str(target))
     lib.berth_int8_linear.restype = None
     lib.berth_int8_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.berth_int8_isa.restype = ctypes.c_char_p
