@@ -182,28 +182,31 @@ def engine_figures(args) -> dict:
         try:
             engine = Engine(settings[weight_dtype], loaded=loaded)
             report["perplexity"][label] = round(perplexity(engine, text_ids, args.chunk), 4)
+            print(f"perplexity {label}: {report['perplexity'][label]}", flush=True)
             del engine
         finally:
             decoder.QUANTIZE_LM_HEAD, decoder.make_int8_linear = False, berth_int8
-    runs = {"float32": ("auto", None), "int8": ("int8", None)}
-    if args.float_from_rows:
-        runs[f"int8, float32 from {args.float_from_rows} rows"] = ("int8", args.float_from_rows)
+    runs = {"float32": ("auto", linear.FLOAT_FROM_ROWS),
+            f"int8 (float32 from {linear.FLOAT_FROM_ROWS} rows)": ("int8", linear.FLOAT_FROM_ROWS)}
+    if args.int8_only:
+        runs["int8 only"] = ("int8", None)
     tps: dict[str, list[float]] = {name: [] for name in runs}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
         for name, (w, float_from) in runs.items():
-            linear.FLOAT_FROM_ROWS = float_from
+            default, linear.FLOAT_FROM_ROWS = linear.FLOAT_FROM_ROWS, float_from
             try:
                 engine = warmed_engine(loaded, settings[w])
             finally:
-                linear.FLOAT_FROM_ROWS = None
+                linear.FLOAT_FROM_ROWS = default
             t0 = time.perf_counter()
             results = engine.generate(workload.prompts, [greedy_params(n) for n in workload.output_lens])
             tokens = [r.completions[0].token_ids for r in results]
             tps[name].append(useful_timing(workload, time.perf_counter() - t0, tokens)["tokens_per_s"])
+            print(f"{name}: {tps[name][-1]} useful tokens/s, load average {os.getloadavg()[0]:.2f}", flush=True)
             outputs[name] = tokens
             del engine
-    exact, quant = outputs["float32"], outputs["int8"]
+    exact, quant = outputs["float32"], outputs[list(runs)[1]]  # what --weight-dtype int8 runs
     report["same_first_32"] = round(sum(a[:32] == b[:32] for a, b in zip(exact, quant)) / len(exact), 3)
     report["same_whole"] = round(sum(a == b for a, b in zip(exact, quant)) / len(exact), 3)
     report["tokens_per_s"] = tps
@@ -232,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     parser.add_argument("--model", default="")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--float-from-rows", type=int, default=0,
-                        help="also run int8 with float32 multiplies from this many rows (0: not)")
+    parser.add_argument("--int8-only", action="store_true",
+                        help="also run int8 keeping only the int8 weights (FLOAT_FROM_ROWS None)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=256, help="tokens per prefill chunk for the perplexity")
     parser.add_argument("--out", type=Path, default=None)

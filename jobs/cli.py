@@ -39,8 +39,8 @@ def engine_options(command):
                      "3.8x the tokens of float32 in the same memory, not bit-exact) or fp8_e4m3 (the same, in "
                      "float8; CUDA of compute capability 8.9+ only) [auto]"),
         click.option("--weight-dtype", type=click.Choice(["auto", "int8"]),
-                     help="linear layers' weights: auto (the model's dtype, exact) or int8 (a scale per output row: "
-                     "a quarter of float32's bytes, not bit-exact) [auto]"),
+                     help="linear layers' weights: auto (the model's dtype, exact) or int8 (a scale per output row; "
+                     "decode streams a quarter of float32's bytes; not bit-exact) [auto]"),
         click.option("--no-prefix-cache", "enable_prefix_cache", flag_value=False, default=None,
                      help="turn the prefix cache off"),
     ]

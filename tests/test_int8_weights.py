@@ -28,12 +28,15 @@ def _case(rows: int, out_features: int, in_features: int, seed: int):
     return weight, torch.randn(out_features, generator=g), torch.randn(rows, in_features, generator=g)
 
 
-@pytest.fixture(params=["kernel", "dequantize"])
+@pytest.fixture(params=["kernel", "kernel, float32 from 64 rows", "dequantize"])
 def int8_path(request, monkeypatch):
-    """Each int8 multiply berth may pick on a CPU: its C kernel, or widening the weights (no compiler)."""
-    if request.param == "kernel" and linear.int8_multiply_path("cpu", torch.float32) != "kernel":
+    """Each int8 multiply berth may pick on a CPU: its C kernel at every batch size, the kernel below 64
+    rows and the widened weights above (the default), or widening the weights at each call (no compiler)."""
+    path = request.param.split(",")[0]
+    if path == "kernel" and linear.int8_multiply_path("cpu", torch.float32) != "kernel":
         pytest.skip("the int8 kernel could not be built here (no C compiler)")
-    monkeypatch.setattr(linear, "int8_multiply_path", lambda device, dtype: request.param)
+    monkeypatch.setattr(linear, "int8_multiply_path", lambda device, dtype: path)
+    monkeypatch.setattr(linear, "FLOAT_FROM_ROWS", 64 if "float32" in request.param else None)
     return request.param
 
 
@@ -72,11 +75,12 @@ def test_int8_linear_without_bias(int8_path):
 
 
 def test_large_batches_may_take_the_widened_weights(monkeypatch):
-    """With ``FLOAT_FROM_ROWS`` set, batches of that many rows or more multiply in float32 by the same int8
-    weights widened once: the same products as the kernel's, to float32 rounding."""
+    """Batches of ``FLOAT_FROM_ROWS`` rows or more multiply in float32 by the same int8 weights widened once:
+    the same products as the kernel's, to float32 rounding."""
     if linear.int8_multiply_path("cpu", torch.float32) != "kernel":
         pytest.skip("the int8 kernel could not be built here (no C compiler)")
     weight, bias, x = _case(12, 96, 80, seed=4)
+    monkeypatch.setattr(linear, "FLOAT_FROM_ROWS", None)
     only_int8 = make_int8_linear(weight, bias)
     monkeypatch.setattr(linear, "FLOAT_FROM_ROWS", 8)
     both_forms = make_int8_linear(weight, bias)

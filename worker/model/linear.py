@@ -16,8 +16,9 @@ slower than float32: that is said once too, with the setting to change.
 row, symmetric (``scale = max|row| / 127``), from the float weights the loader gives (for a GGUF file,
 its tensors dequantised, Q8_0 ones included: their blocks are not used as they lie). The activations
 stay float: quantizing them too, as PyTorch's FBGEMM and oneDNN int8 multiplies do with a scale per
-batch, cost the default model most of its accuracy. On a CPU that is berth's C kernel
-(``kernels/int8_linear.c``), which streams a quarter of float32's bytes; the choice and its reason are
+batch, cost the default model most of its accuracy. On a CPU, decode-sized batches go through berth's
+C kernel (``kernels/int8_linear.c``), which streams a quarter of float32's bytes, and large ones through
+oneDNN with the same int8 weights widened once (``FLOAT_FROM_ROWS``); the choice and its reason are
 logged once, as for float. benchmarks/README.md has what each multiply costs per batch size and what
 int8 does to perplexity and greedy output.
 """
@@ -90,10 +91,11 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 
-FLOAT_FROM_ROWS: int | None = None
-"""None: int8 linears keep only the int8 weights. A number: they also keep them widened to float32 (five
-bytes a weight in all) and multiply batches of this many rows or more in float32 through oneDNN, for a CPU
-where the int8 kernel loses at large batches (benchmarks/int8_weights.py measures both)."""
+FLOAT_FROM_ROWS: int | None = 64
+"""With the int8 kernel, batches of this many rows or more multiply in float32 through oneDNN by the same
+int8 weights widened once at load; smaller ones (decode) stream the int8 weights. The kernel wins below
+about 64 rows and loses above (benchmarks/README.md), so both forms are kept: five bytes a weight, a quarter
+more than float32 alone. None keeps the int8 form only (a quarter of float32's bytes, slower prefill)."""
 
 
 @functools.cache
@@ -122,8 +124,8 @@ def int8_multiply_path(device_type: str, dtype: torch.dtype) -> str:
 
 
 def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """As ``make_linear``, but multiplying by ``weight`` quantized to int8 per output row (not bit-exact).
-    Only the int8 values and their scales are kept: a quarter of float32's bytes."""
+    """As ``make_linear``, but multiplying by ``weight`` quantized to int8 per output row (not bit-exact);
+    with the int8 kernel, batches of ``FLOAT_FROM_ROWS`` rows or more use those weights widened to float32."""
     path = int8_multiply_path(weight.device.type, weight.dtype)
     q, scales = quantize_per_channel(weight)
     if path == "kernel":
