@@ -30,7 +30,6 @@ than float32 (and slower than ``SKIP_FROM_MS``) at one batch size is not timed a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from kernels.int8_linear import load as load_int8_kernel  # noqa: E402
 from worker.config import cache_dir  # noqa: E402
 from worker.model.linear import make_linear, quantize_per_channel  # noqa: E402
+from benchmarks.throughput import save_report  # noqa: E402
 
 ROWS = (1, 4, 16, 64, 256, 1024)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -260,8 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["load_average_1m"].append(round(os.getloadavg()[0], 2))
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        save_report(report, args.out)
     return report
 
 

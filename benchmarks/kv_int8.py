@@ -17,7 +17,6 @@ Reports, for the default model (or ``--model``):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (QUICK_REQUESTS, _cpu_model, greedy_params,  # noqa: E402
+from benchmarks.throughput import (QUICK_REQUESTS, _cpu_model, greedy_params, save_report,  # noqa: E402
                                    kv_bytes_for, useful_timing, warmed_engine)
 from benchmarks.workload import make_workload  # noqa: E402
 from worker.config import Settings, default_model_path  # noqa: E402
@@ -119,8 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"greedy outputs equal to the exact run: first 32 tokens {report['same_first_32']:.1%}, "
           f"whole {report['same_whole']:.1%}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        save_report(report, args.out)
     return report
 
 

@@ -65,3 +65,15 @@ def check_against_hf(hf, engine, prompts, generate_every: int = 1, new_tokens: i
             assert ours == hf_greedy(hf, prompt, new_tokens), f"prompt {i}: transformers' generate differs"
     assert worst < 1e-3, f"logits differ from transformers by {worst}"
     return worst
+
+
+def greedy_with(loaded, setting: str, values, texts, max_tokens: int = 24):
+    """An engine of ``loaded`` per value of ``setting`` and the greedy tokens of ``texts`` through each:
+    ``(engines, tokens)``, both keyed by the value."""
+    engines, tokens = {}, {}
+    for value in values:
+        engine = Engine(loaded=loaded, kv_memory="64MiB", threads=2, **{setting: value})
+        prompts = [engine.tokenizer.encode(t) for t in texts]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        engines[value], tokens[value] = engine, [o.completions[0].token_ids for o in outs]
+    return engines, tokens

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from tests.exactness_support import greedy_with
 from worker.config import Settings
 from worker.engine.engine import Engine
-from worker.engine.request import SamplingParams
 from worker.model import linear
 from worker.model.linear import make_int8_linear, quantize_per_channel
 
@@ -120,13 +120,7 @@ def test_without_the_kernel_the_weights_are_widened_and_it_says_so(monkeypatch, 
 @pytest.fixture(scope="module")
 def both(smol_loaded):
     """The default model's greedy tokens with float32 weights and with int8, and the two engines."""
-    engines, tokens = {}, {}
-    for w in ("auto", "int8"):
-        engine = Engine(loaded=smol_loaded, kv_memory="64MiB", weight_dtype=w, threads=2)
-        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-        outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-        engines[w], tokens[w] = engine, [o.completions[0].token_ids for o in outs]
-    return engines, tokens
+    return greedy_with(smol_loaded, "weight_dtype", ("auto", "int8"), TEXTS)
 
 
 def test_auto_quantizes_nothing_and_int8_every_projection_but_the_lm_head(smol_loaded, monkeypatch):

@@ -12,10 +12,10 @@ import torch
 
 from kernels import kv_quant
 from kernels.attention import select_ops
+from tests.exactness_support import greedy_with
 from worker.config import ConfigError, Settings
 from worker.engine.engine import Engine
 from worker.engine.model_runner import ModelRunner
-from worker.engine.request import SamplingParams
 
 TEXTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):"]
 
@@ -23,13 +23,7 @@ TEXTS = ["The capital of France is", "Write a short poem about the sea.", "def f
 @pytest.fixture(scope="module")
 def both(smol_loaded):
     """The default model's greedy tokens with the exact cache and with int8, and the two engines."""
-    engines, tokens = {}, {}
-    for kv in ("auto", "int8"):
-        engine = Engine(loaded=smol_loaded, kv_memory="64MiB", kv_cache_dtype=kv, threads=2)
-        prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-        outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-        engines[kv], tokens[kv] = engine, [o.completions[0].token_ids for o in outs]
-    return engines, tokens
+    return greedy_with(smol_loaded, "kv_cache_dtype", ("auto", "int8"), TEXTS)
 
 
 def test_int8_holds_more_blocks_in_the_same_memory(both):
