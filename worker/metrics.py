@@ -135,7 +135,10 @@ class WorkerMetrics:
             self.worker_deaths.labels(host).set(n)
 
     def observe_kv(self, engine) -> None:
-        """Every second or so: ``kv_usage`` walks the block tables, too slow for every step."""
+        """Every second or so: ``kv_usage`` walks the block tables, too slow for every step. The occupancy
+        too: a request aborted while no step follows (its caller left) would leave it stale otherwise."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
         kv = engine.kv_usage()
         self.kv_used.set(kv["blocks_used"])
         self.kv_free.set(kv["blocks_free"])

@@ -46,7 +46,7 @@ from worker.consumer.interactive import Delta, Done, Failed
 
 log = logging.getLogger("berth.http")
 
-_FAILED_STATUS = {"request_rejected": 400, "server_unavailable": 503}
+_FAILED_STATUS = {"request_rejected": 400, "invalid_request": 400, "server_unavailable": 503}
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "additionalProperties": True,
     "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"},

@@ -93,6 +93,10 @@ class BrokerChannel:
         self.consumers = 0  # of the interactive queue, when last counted
 
     # ---- the seam (the event loop's thread)
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
     def ready(self) -> bool:
         return self._connected and self.consumers > 0
 
