@@ -441,6 +441,7 @@ def test_killed_workers_lose_no_stream_text_twice_and_no_batch_work(tmp_path, ti
                 if a.proc.poll() is not None:
                     break
             assert a.proc.returncode == 139, "no stream landed on the killer worker"
+            print(f"\n(a) the stream landed on the killer worker at try {len(texts)}")
             assert _result_count(db, job.id) < N_BATCH, "the batch ended before the second kill: make it longer"
             whole = c.completions.create(**KILLER_BODY)  # b's answer, undisturbed
             assert texts == [whole.choices[0].text] * len(texts) and texts[0]
@@ -451,7 +452,7 @@ def test_killed_workers_lose_no_stream_text_twice_and_no_batch_work(tmp_path, ti
             _until(a2.ready, "the second worker ready", START, procs=[a2.proc])
             _until(lambda: server.channel.consumers >= 2, "the new worker counted")
             long = {"model": TINY_NAME, "prompt": "Once upon a time", "max_tokens": 800, "temperature": 0,
-                    "ignore_eos": True}
+                    "extra_body": {"ignore_eos": True}}
             stream = iter(c.completions.create(**long, stream=True))
             got = ""
             while len(got) < 10:
@@ -465,6 +466,7 @@ def test_killed_workers_lose_no_stream_text_twice_and_no_batch_work(tmp_path, ti
                 for chunk in stream:
                     got += _piece("/v1/completions", chunk)
             waited = time.monotonic() - t0
+            print(f"(b) {len(got)} characters streamed, then the error event {waited:.1f}s after the SIGKILL")
             assert "went silent" in str(raised.value.message), raised.value
             assert waited < settings.interactive_deadline + 60, waited
             full = c.completions.create(**long).choices[0].text  # the survivor's whole answer
