@@ -288,6 +288,9 @@ def tenant(name, weight, cache_group, **flags):
 @click.option("--prefetch", type=int, help="deliveries held at once [0: sized from the engine]")
 @click.option("--max-delivery-attempts", type=int, help="deliveries before a request is dead-lettered [3]")
 @click.option("--drain-timeout", type=float, help="seconds to finish running requests on SIGTERM [60]")
+@click.option("--interactive-prefetch", type=click.IntRange(0, 65535),
+              help="chat and completions requests held at once from the model's interactive queue (RabbitMQ); "
+              "0: a batch-only worker, which does not take them [8]")
 @service_options
 @engine_options
 def worker(**flags):

@@ -61,10 +61,12 @@ def queue_prefix():
     with Connection(AMQP_URL) as conn:
         channel = conn.channel()
         queues = [topology.request_queue(TINY_NAME, t).name for t in TENANTS]
-        for queue in (*queues, topology.dead_queue.name, topology.celery_queue, topology.jobs_queue.name):
+        for queue in (*queues, topology.dead_queue.name, topology.celery_queue, topology.jobs_queue.name,
+                      topology.interactive_queue(TINY_NAME).name):
             channel.queue_delete(queue)
         for exchange in (topology.exchange.name, topology.dead_exchange.name, topology.celery_queue,
-                         topology.events_exchange.name, topology.submit_exchange.name):
+                         topology.events_exchange.name, topology.submit_exchange.name,
+                         topology.interactive_abort_exchange.name):
             channel.exchange_delete(exchange)
 
 

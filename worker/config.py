@@ -202,6 +202,19 @@ class Settings(BaseSettings):
     metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
     metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
 
+    # --- interactive requests through RabbitMQ (berth serve's chat and completions routes with a broker)
+    # Interactive requests a worker holds at once from its model's interactive queue (its own prefetch,
+    # apart from the request queues'): the worker's interactive capacity. 0 = a batch-only worker, which
+    # does not consume that queue at all; a fleet can run some workers batch-only and the rest mixed.
+    interactive_prefetch: int = 8
+    # Seconds berth serve waits for a word (text or a keepalive, which a worker sends for each request
+    # that said nothing for a second) from the worker running an interactive request before it ends the
+    # request with an error: how long a worker that died after the first token leaves its caller waiting.
+    interactive_deadline: float = 10.0
+    # Seconds an interactive request may wait in the queue for a worker: its message's expiration, after
+    # which the broker drops it and berth serve answers 503 (nobody waits that long for an answer "now").
+    interactive_expiry: float = 60.0
+
     # --- jobs submitted through the queue (``<prefix>.jobs``), job events and webhooks (docs/queue.md)
     # Stores (file://FOLDER/{tenant} or s3://BUCKET/PREFIX/{tenant}, comma-separated) whose objects a submit
     # message may name as its input; empty: none, only inline requests. {tenant} is required in each: the
@@ -290,7 +303,15 @@ class Settings(BaseSettings):
             raise ValueError("queue_prefix must be 1-64 letters, digits, '_', '.' or '-'")
         return v
 
-    @field_validator("webhook_timeout", "webhook_backoff", "webhook_backoff_max", "event_keep_seconds")
+    @field_validator("interactive_prefetch")
+    @classmethod
+    def _interactive_prefetch(cls, v):
+        if not 0 <= v <= 65535:
+            raise ValueError("must be 0 (a batch-only worker) to 65535 (AMQP's largest prefetch)")
+        return v
+
+    @field_validator("webhook_timeout", "webhook_backoff", "webhook_backoff_max", "event_keep_seconds",
+                     "interactive_deadline", "interactive_expiry")
     @classmethod
     def _positive_seconds(cls, v):
         if not v > 0:

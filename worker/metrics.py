@@ -81,6 +81,12 @@ class WorkerMetrics:
                               registry=r)
         self.outcomes_waiting = Gauge("berth_outcomes_waiting", "Finished requests whose result waits for the "
                                       "database to come back (their messages unacked)", registry=r)
+        self.interactive_live = Gauge("berth_interactive_requests", "Interactive requests from the interactive "
+                                      "queue held by this worker (running, waiting or being admitted)", registry=r)
+        self.interactive_taken = Counter("berth_interactive_requests_taken", "Interactive requests taken from the "
+                                         "interactive queue and submitted to the engine", registry=r)
+        self.interactive_refused = Counter("berth_interactive_messages_refused", "Messages on the interactive queue "
+                                           "refused (unreadable, failing the checks, no reply-to address)", registry=r)
         self._last = (0, 0, 0)  # engine totals last seen: output tokens, prompt tokens, preemptions
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
@@ -129,7 +135,10 @@ class WorkerMetrics:
             self.worker_deaths.labels(host).set(n)
 
     def observe_kv(self, engine) -> None:
-        """Every second or so: ``kv_usage`` walks the block tables, too slow for every step."""
+        """Every second or so: ``kv_usage`` walks the block tables, too slow for every step. The occupancy
+        too: a request aborted while no step follows (its caller left) would leave it stale otherwise."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
         kv = engine.kv_usage()
         self.kv_used.set(kv["blocks_used"])
         self.kv_free.set(kv["blocks_free"])

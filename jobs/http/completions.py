@@ -5,7 +5,8 @@ The body is checked by the batch lines' own front door (``jobs.batch_format.to_r
 a batch line takes means the same here (structured outputs and tools included), and a bad one is a
 400 with OpenAI's error body naming it. Only ``stream`` and ``stream_options`` (``include_usage``)
 are read here, as a batch line refuses ``stream: true``. The request runs through an
-``InteractiveChannel`` (``jobs.http.interactive``), ahead of batch work in the engine.
+``InteractiveChannel`` (``jobs.http.interactive``: this server's engine on the embedded defaults, the
+engine workers through RabbitMQ with a broker), ahead of batch work in the engine.
 
 - ``stream: false``: the ``chat.completion`` or ``text_completion`` object a batch result line's
   ``response.body`` holds (``jobs.batch_format.response_line`` builds both).
@@ -45,7 +46,7 @@ from worker.consumer.interactive import Delta, Done, Failed
 
 log = logging.getLogger("berth.http")
 
-_FAILED_STATUS = {"request_rejected": 400, "server_unavailable": 503}
+_FAILED_STATUS = {"request_rejected": 400, "invalid_request": 400, "server_unavailable": 503}
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "additionalProperties": True,
     "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"},
@@ -76,11 +77,12 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
             raise ApiError(400, f"the request could not be checked ({type(exc).__name__}); fix it or report it as a "
                            "bug", None, "invalid_request") from None
         if channel is None or not channel.ready():
-            raise ApiError(503, "this server runs no engine for requests answered at once: `berth serve` on the "
-                           "embedded defaults does (BERTH_BROKER_URL unset)", None, "engine_unavailable")
+            raise ApiError(503, "no engine takes requests answered at once now: with a broker, run a `berth worker` "
+                           "with --interactive-prefetch above 0 (the default) for this model; on the embedded "
+                           "defaults, wait for this server's engine to load", None, "engine_unavailable")
         reply = _Reply(line, engine_request.params.tool_calls, info, engine_request.params.n, stream,
                        include_usage)
-        return _Answer(channel.open(engine_request), reply)
+        return _Answer(channel.open(engine_request, line), reply)
 
     extra = {"openapi_extra": _BODY, "responses": {**_ANSWERS, 503: {"model": ErrorBody}}}
 

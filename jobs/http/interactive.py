@@ -1,23 +1,24 @@
 """The seam between ``berth serve``'s chat and completions routes and an engine: ``InteractiveChannel``.
 
-A channel takes a request the door accepted (an engine ``Request``, checked as a batch line is) and
-gives back a ``Subscription``: the request's events (``worker.consumer.interactive``: ``Delta``s of
-text, then ``Done`` with the ``RequestOutput`` a batch result is built from, or ``Failed``), read
-on the server's event loop, and ``abort`` for a caller that left. The routes (``jobs.http.completions``)
-know nothing else of where the request runs.
+A channel takes a request the door accepted (an engine ``Request``, checked as a batch line is, and
+the line it was made from) and gives back a ``Subscription``: the request's events
+(``worker.consumer.interactive``: ``Delta``s of text, then ``Done`` with the ``RequestOutput`` a batch
+result is built from, or ``Failed``), read on the server's event loop, and ``abort`` for a caller that
+left. The routes (``jobs.http.completions``) know nothing else of where the request runs.
 
 ``EmbeddedChannel`` is the embedded defaults': the request goes to the engine worker this server
 runs on a thread (``jobs.http.server``), through its ``InteractiveInbox``; the engine's thread hands
 each step's events to the event loop with ``call_soon_threadsafe`` into the subscription's queue.
 
-The RabbitMQ channel (not built yet) is a second implementation of the same two methods: ``open``
-publishes the request, checked here, to the model's interactive queue (``<prefix>.interactive.<model>``)
-with ``reply_to`` RabbitMQ's direct reply-to (``amq.rabbitmq.reply-to``) on a channel this server
-consumes, and a ``correlation_id`` naming the subscription; the worker's ``InteractiveInbox`` is fed
-by a consumer of that queue and its sink publishes each step's events back; ``abort`` publishes an
-abort naming the request to the worker that acked it. A worker that dies before the first event is
-replaced by the broker's redelivery to another; after it, the subscription ends with ``Failed`` (the
-server notices the worker's silence by a deadline), never with text given twice.
+``jobs.http.interactive_broker.BrokerChannel`` is RabbitMQ's, a second implementation of the same
+methods: ``open`` publishes the line's body to the model's interactive queue
+(``<prefix>.interactive.<model>``) with ``reply_to`` RabbitMQ's direct reply-to
+(``amq.rabbitmq.reply-to``) on a channel this server consumes, and a ``correlation_id`` naming the
+subscription; the worker checks the body again, feeds it to its ``InteractiveInbox``
+(``worker.consumer.interactive_queue``) and publishes each step's events back; ``abort`` publishes an
+abort naming the request, which the worker running it acts on. A worker that dies before the first
+event is replaced by the broker's redelivery to another; after it, the subscription ends with
+``Failed`` (the server notices the worker's silence by a deadline), never with text given twice.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import functools
 from typing import Protocol
 
+from jobs.line_error import BatchLine
 from jobs.validate import ModelInfo
 from worker.config import Settings
 from worker.consumer.interactive import Done, Event, Failed, InteractiveInbox
@@ -61,8 +63,9 @@ class InteractiveChannel(Protocol):
     def ready(self) -> bool:
         """Whether an engine takes requests now."""
 
-    def open(self, request: Request) -> Subscription:
-        """Start ``request``; its events come to the running event loop."""
+    def open(self, request: Request, line: BatchLine) -> Subscription:
+        """Start ``request`` (made from ``line``: the body as the caller sent it, without the stream
+        fields); its events come to the running event loop."""
 
 
 class EmbeddedChannel:
@@ -82,7 +85,7 @@ class EmbeddedChannel:
     def _model(self) -> ModelInfo:  # the engine's tokenizer: no second copy
         return ModelInfo.of_engine(self.inbox.engine, self.settings)
 
-    def open(self, request: Request) -> Subscription:
+    def open(self, request: Request, line: BatchLine | None = None) -> Subscription:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

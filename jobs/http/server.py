@@ -4,8 +4,9 @@ With no broker (``BERTH_BROKER_URL`` empty) nothing else runs the queue, so the 
 engine worker on a thread of its own (with the embedded housekeeping chores) and a laptop gets a
 local OpenAI Batch endpoint from one command; the same worker answers the chat and completions
 routes (``jobs.http.interactive.EmbeddedChannel``), ahead of batch work. With a broker, ``berth
-serve`` only serves: engine workers and the Celery worker run elsewhere (and the chat and
-completions routes answer 503 until the RabbitMQ channel is built).
+serve`` only serves: engine workers and the Celery worker run elsewhere, and the chat and
+completions routes reach the engine workers through RabbitMQ (``jobs.http.interactive_broker``: the
+model's interactive queue, replies by direct reply-to), on a thread this server starts and stops.
 
     with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)
@@ -25,6 +26,7 @@ import uvicorn
 
 from jobs.http.app import create_app
 from jobs.http.interactive import EmbeddedChannel
+from jobs.http.interactive_broker import BrokerChannel
 from jobs.http.tasks import Tasks
 from worker.config import Settings
 from worker.consumer.queues import is_embedded
@@ -47,8 +49,12 @@ class Server:
         self.port = port or _free_port(host)
         self.tasks = Tasks(settings)
         self.run_worker = is_embedded(settings) if worker is None else worker
-        # chat and completions run in this server's engine worker (RabbitMQ's interactive queue: not yet)
-        self.channel = EmbeddedChannel(settings) if self.run_worker else None
+        # chat and completions: in this server's engine worker, or the engine workers' through RabbitMQ
+        self.channel: EmbeddedChannel | BrokerChannel | None = None
+        if self.run_worker:
+            self.channel = EmbeddedChannel(settings)
+        elif not is_embedded(settings):
+            self.channel = BrokerChannel(settings)
         self.app = create_app(settings, open_access=open_access, tasks=self.tasks, listen_host=host,
                               channel=self.channel)
         self._engine = engine
@@ -98,6 +104,8 @@ class Server:
             self._stop_worker()
 
     def _start_worker(self) -> None:
+        if isinstance(self.channel, BrokerChannel):
+            self.channel.start()
         if not self.run_worker:
             return
         from jobs.engine_worker import engine_worker
@@ -117,6 +125,8 @@ class Server:
 
     def _stop_worker(self) -> None:
         self._stop.set()
+        if isinstance(self.channel, BrokerChannel):
+            self.channel.close()
         if self._worker_thread is not None:
             self._worker_thread.join(timeout=self.settings.drain_timeout + 30)
         self.tasks.close()

@@ -9,12 +9,22 @@ read by ``worker.consumer.message_body``, the function the queue door reads its 
 
 A delivery is valid only on the channel it came on: after a reconnection the broker has requeued
 it, and ``is_current`` says so (its redelivery is then adopted by the request still running here).
+
+Interactive requests (``worker.consumer.interactive_queue``): a worker with ``interactive_prefetch`` > 0
+also consumes its model's interactive queue, on a channel of its own with that prefetch (the
+request queues' window and its channel-wide cap do not count them), and the aborts' fanout through
+an exclusive queue of its own on the same channel. Replies go to each request's direct reply-to
+address on a connection apart (``reply``): a producer with broker access can name a forged
+address, and RabbitMQ answers a publish to one by closing the whole connection (INTERNAL_ERROR),
+which must not cost the request queues' deliveries. A reply connection that fails is opened again
+once, for the same publish, then not before ``RECONNECT[0]`` seconds.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -25,8 +35,8 @@ from kombu.exceptions import OperationalError
 
 from worker.config import Settings
 from worker.consumer.backoff import Backoff
-from worker.consumer.message_body import keep_bodies_raw, raw_body, read_json
-from worker.consumer.queues import Topology, connect, queue_depth
+from worker.consumer.message_body import UnreadableBody, keep_bodies_raw, raw_body, read_json
+from worker.consumer.queues import Topology, connect, is_embedded, queue_depth
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("berth.worker")
@@ -45,6 +55,8 @@ class Delivery:
     redelivered: bool
     tenant: str | None  # of the queue it came from, where known
     message: object = field(default=None, repr=False)  # the broker's handle, for acks
+    reply_to: str | None = None  # an interactive request's: where its events go
+    correlation_id: str | None = None
 
     def decode(self) -> object:
         """The body as JSON; ``UnreadableBody`` with the reason for anything else."""
@@ -66,6 +78,14 @@ class BrokerLink:
         self.backoff = Backoff(*RECONNECT)
         self._received: list[Delivery] = []
         self._dead: kombu.Connection | None = None  # publishes dead letters, with confirms
+        # the embedded transport has no direct reply-to: berth serve answers in its own process there
+        self.interactive_prefetch = 0 if is_embedded(settings) else settings.interactive_prefetch
+        self.interactive: kombu.Consumer | None = None  # the model's interactive queue (and the aborts)
+        self._interactive_received: list[Delivery] = []
+        self._aborts: list[str] = []
+        self._replies: kombu.Connection | None = None  # publishes interactive requests' events
+        self._reply_producer: Producer | None = None
+        self._replies_failed_at: float | None = None
 
     # ---- the one guard
     def _errors(self) -> tuple:
@@ -97,6 +117,9 @@ class BrokerLink:
         self._qos(self.window)
         self.consumer.consume()
         self._received.clear()
+        self._interactive_received.clear()
+        self._aborts.clear()
+        self.interactive = self._consume_interactive() if self.interactive_prefetch else None
         self.broken = False
         self.metrics.broker_up.set(1)
 
@@ -137,8 +160,8 @@ class BrokerLink:
 
     def receive(self, limit: int, timeout: float) -> list[Delivery]:
         """Up to ``limit`` deliveries, waiting up to ``timeout`` seconds for the first."""
-        with self._guard():
-            while len(self._received) < limit and not self.broken:
+        with self._guard():  # interactive requests and aborts come whatever the limit (their own prefetch)
+            while (len(self._received) < limit or self.interactive is not None) and not self.broken:
                 try:
                     self.connection.drain_events(timeout=timeout)
                 except socket.timeout:
@@ -152,6 +175,74 @@ class BrokerLink:
         self._received.append(Delivery(message.body, message.content_type, message.content_encoding,
                                        bool(info.get("redelivered")), self._tenant_of(info), message))
 
+    # ---- interactive requests in
+    def _consume_interactive(self) -> kombu.Consumer:
+        channel = self.connection.channel()
+        keep_bodies_raw(channel)
+        consumer = kombu.Consumer(channel, queues=[self.topology.interactive_queue(self.model)],
+                                  on_message=self._on_interactive, accept=["json"], no_ack=False)
+        consumer.qos(prefetch_count=self.interactive_prefetch)
+        consumer.consume()
+        aborts = kombu.Consumer(channel, queues=[self.topology.interactive_abort_queue()],
+                                on_message=self._on_abort, accept=["json"], no_ack=True)
+        aborts.consume()
+        return consumer
+
+    def _on_interactive(self, message) -> None:
+        info, props = message.delivery_info or {}, message.properties or {}
+        self._interactive_received.append(Delivery(
+            message.body, message.content_type, message.content_encoding, bool(info.get("redelivered")), None,
+            message, _text(props.get("reply_to")), _text(props.get("correlation_id"))))
+
+    def _on_abort(self, message) -> None:
+        try:
+            payload = read_json(message.body, message.content_type, message.content_encoding, max_bytes=1024)
+        except UnreadableBody:
+            return
+        request_id = payload.get("request_id") if isinstance(payload, dict) else None
+        if isinstance(request_id, str) and len(request_id) <= 200:
+            self._aborts.append(request_id)
+
+    def take_interactive(self) -> tuple[list[Delivery], list[str]]:
+        """The interactive deliveries and aborts received since the last call (by ``receive``)."""
+        out, aborts = self._interactive_received, self._aborts
+        self._interactive_received, self._aborts = [], []
+        return out, aborts
+
+    def reply(self, reply_to: str, correlation_id: str | None, body: bytes) -> bool:
+        """Publish an interactive request's events to its direct reply-to address: transient, without a
+        confirm (the server counts the replies of each request, so a lost one ends its stream with an
+        error, never with text missing). False when the broker did not take it."""
+        if self._replies is None and self._replies_failed_at is not None \
+                and time.monotonic() - self._replies_failed_at < RECONNECT[0]:
+            return False
+        for attempt in (0, 1):
+            try:
+                if self._replies is None:
+                    self._replies = connect(self.settings)
+                    self._replies.ensure_connection(max_retries=0)  # never kombu's retries, which sleep
+                    self._reply_producer = Producer(self._replies.channel())
+                else:  # a close the broker sent (a forged address before): seen now, not after this publish
+                    self._poll_replies()
+                self._reply_producer.publish(
+                    body, exchange="", routing_key=reply_to, correlation_id=correlation_id, delivery_mode=1,
+                    content_type="application/json", content_encoding="utf-8", retry=False)
+                self._replies_failed_at = None
+                return True
+            except Exception as exc:  # noqa: BLE001 (a closed or unreachable connection: once more on a new one)
+                log.info("worker %s: the reply connection failed (%s: %s)%s", self.name, type(exc).__name__, exc,
+                         "; opening it again" if not attempt else "")
+                self._release(self._replies)
+                self._replies = None
+                self._replies_failed_at = time.monotonic()
+        return False
+
+    def _poll_replies(self) -> None:
+        try:
+            self._replies.drain_events(timeout=0)
+        except socket.timeout:
+            pass
+
     def _tenant_of(self, info: dict) -> str | None:
         key = str(info.get("routing_key") or "")
         for tenant, queue in self.queues.items():
@@ -163,8 +254,9 @@ class BrokerLink:
     def is_current(self, delivery: Delivery | None) -> bool:
         """Whether ``delivery`` can still be acked: not acked yet, and on the channel of now."""
         m = delivery.message if delivery is not None else None
-        return (m is not None and not self.broken and self.consumer is not None
-                and m.channel is self.consumer.channel and not m.acknowledged)
+        return (m is not None and not self.broken and self.consumer is not None and not m.acknowledged
+                and (m.channel is self.consumer.channel
+                     or (self.interactive is not None and m.channel is self.interactive.channel)))
 
     def ack(self, delivery: Delivery | None) -> None:
         if self.is_current(delivery):
@@ -226,16 +318,26 @@ class BrokerLink:
         if not self.broken:  # on a lost connection kombu would try to connect, sleeping 2s
             with self._guard():
                 self.connection.heartbeat_check()
+        if self._replies is not None:
+            try:
+                self._poll_replies()
+                self._replies.heartbeat_check()
+            except Exception:  # noqa: BLE001 (opened again for the next reply)
+                self._release(self._replies)
+                self._replies = None
 
     def cancel(self) -> None:
         """Stop taking deliveries (those in hand can still be acked)."""
         if not self.broken and self.consumer is not None:
             with self._guard():
                 self.consumer.cancel()
+                if self.interactive is not None:
+                    self.interactive.cancel()
 
     def close(self) -> None:
         self._release(self.connection)
         self._release(self._dead)
+        self._release(self._replies)
 
     @staticmethod
     def _release(connection) -> None:
@@ -244,3 +346,10 @@ class BrokerLink:
                 connection.release()
             except Exception:  # noqa: BLE001 (a broken connection may fail to close)
                 pass
+
+
+def _text(value) -> str | None:
+    """An AMQP property as text (a producer may send bytes, or nothing)."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None

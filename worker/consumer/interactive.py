@@ -18,7 +18,7 @@ its request aborted. Interactive requests are never written to the jobs database
 checkpointed: the caller holds the only claim to them, and a worker that dies loses them.
 
 On the embedded defaults the HTTP server and this loop share a process, and a sink is a closure.
-With RabbitMQ (not built yet), ``submit`` is fed by a consumer of the model's interactive queue
+With RabbitMQ (``worker.consumer.interactive_queue``), ``submit`` is fed by a consumer of the model's interactive queue
 (``<prefix>.interactive.<model>``, its own prefetch: the worker's interactive capacity), each message
 checked as the request queue's are; the sink publishes each batch of events to the message's
 ``reply_to`` (RabbitMQ's direct reply-to) with its ``correlation_id``; an abort arrives as a message

@@ -64,11 +64,14 @@ than computing them). A new request is first looked up in the fleet's prefix sto
 (``PrefixStore``, ``Settings.prefix_store``: the blocks of its prompt that other workers published)
 the same way, and a prefix that requests shared here is published after the step.
 
-Interactive requests (``worker.consumer.interactive``, ``berth serve``'s chat and completions routes
-on the embedded defaults): an ``InteractiveInbox`` given to the worker is drained each iteration
-(requests in, aborts of callers that left), and after each step its requests' new text goes to their
-callers. They are never in the database, never checkpointed, and the scheduler serves them ahead
-of batch work. A worker draining refuses new ones; one stopping ends those left with an error.
+Interactive requests (``worker.consumer.interactive``, ``berth serve``'s chat and completions routes):
+an ``InteractiveInbox`` is drained each iteration (requests in, aborts of callers that left), and
+after each step its requests' new text goes to their callers. On the embedded defaults the server
+hands them over in its process; with RabbitMQ they come from the model's interactive queue
+(``worker.consumer.interactive_queue``: its own prefetch, ``interactive_prefetch``; 0 = batch-only) and
+their text goes back by direct reply-to. They are never in the database, never checkpointed, and the
+scheduler serves them ahead of batch work. A worker draining refuses new ones (those from the queue
+that have not started go back to it); one stopping ends those left with an error.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.housekeeper import Chore, Housekeeper
 from worker.consumer.interactive import InteractiveInbox
+from worker.consumer.interactive_queue import Door, RemoteRequests
 from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.consumer.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
@@ -135,16 +139,26 @@ class Inflight:
 
 class EngineWorker:
     def __init__(self, settings: Settings, engine: Engine, ledger: Ledger, *, broker: BrokerLink | None = None,
-                 chores: list[Chore] = (), interactive: InteractiveInbox | None = None):
+                 chores: list[Chore] = (), interactive: InteractiveInbox | None = None, door: Door | None = None):
+        """``interactive``: live callers' requests handed over in this process (``berth serve`` on the
+        embedded defaults); ``door``: how an interactive queue's message becomes a request (``jobs``
+        checks it as a batch line), without which the worker does not consume that queue."""
         self.settings = settings
         self.engine = engine
-        self.interactive = interactive  # live callers' requests, beside the queue's
-        if interactive is not None:
-            interactive.attach(engine)
         self.ledger = ledger
         self.name = worker_name()
         self.metrics = WorkerMetrics()
         self.broker = broker or BrokerLink(settings, engine.model_name, self.metrics, self.name)
+        self.remote: RemoteRequests | None = None  # the interactive queue's requests (RabbitMQ)
+        if door is not None and getattr(self.broker, "interactive_prefetch", 0):
+            interactive = interactive or InteractiveInbox()
+            self.remote = RemoteRequests(interactive, self.broker, door, self.metrics, settings.http_max_body_bytes,
+                                         self.name)
+        elif hasattr(self.broker, "interactive_prefetch"):
+            self.broker.interactive_prefetch = 0  # nobody here would read them
+        self.interactive = interactive  # live callers' requests, beside the queue's
+        if interactive is not None:
+            interactive.attach(engine)
         self.database = DatabaseHealth(self.name, self.metrics)
         self.outcomes = OutcomeBook(ledger, self.database, self.metrics, self.name)
         self.housekeeper = Housekeeper(list(chores))
@@ -185,8 +199,10 @@ class EngineWorker:
         self.broker.connect()
         self._follow_tenants()
         self.housekeeper.start()
-        log.info("worker %s consuming %s.requests.%s.* (prefetch %d): ready, %.1fs since the process started",
-                 self.name, self.settings.queue_prefix, self.engine.model_name, self.window, seconds_since_start())
+        log.info("worker %s consuming %s.requests.%s.* (prefetch %d)%s: ready, %.1fs since the process started",
+                 self.name, self.settings.queue_prefix, self.engine.model_name, self.window,
+                 f" and {self.broker.topology.interactive_queue(self.engine.model_name).name} (prefetch "
+                 f"{self.broker.interactive_prefetch})" if self.remote is not None else "", seconds_since_start())
         drain_deadline = None
         next_control = next_depth = 0.0
         graceful = False
@@ -201,12 +217,16 @@ class EngineWorker:
                 self._receive(wait)
                 self._record([])  # outcomes kept while the database was down, when a try is due
                 self._admit()
+                if self.remote is not None:
+                    self.remote.admit()
                 if self.interactive is not None:
                     self.interactive.admit()
                 self._add_restored()
                 self._start_suspects()
                 if self.engine.has_unfinished():
                     self._step()
+                if self.remote is not None:
+                    self.remote.keepalive()
                 t = time.monotonic()
                 if t >= next_control:
                     next_control = t + CONTROL_INTERVAL
@@ -223,6 +243,8 @@ class EngineWorker:
                         graceful = True
                         break
         finally:
+            if self.remote is not None:  # those that said nothing yet: to another worker
+                self.remote.hand_back()
             if self.interactive is not None:
                 self.interactive.fail_all("the server's engine worker stopped", close=True)
             self.housekeeper.stop()
@@ -240,7 +262,7 @@ class EngineWorker:
         """Deliveries, waiting up to ``wait`` for the first; with live callers' requests beside the queue,
         the wait is on them (a request or an abort ends it) after one look at the queue."""
         limit = self.window - len(self.incoming)
-        if self.interactive is None or not wait:
+        if self.interactive is None or self.remote is not None or not wait:  # the broker brings them all
             self.incoming += self.broker.receive(limit, wait)
             return
         got = self.broker.receive(limit, 0)
@@ -602,6 +624,8 @@ class EngineWorker:
         log.info("worker %s stopping: %d requests running, up to %.0fs to finish", self.name,
                  len(self.inflight), self.settings.drain_timeout)
         self.broker.cancel()
+        if self.remote is not None:
+            self.remote.hand_back()
         if self.interactive is not None:
             self.interactive.close("the server is stopping: try again on another")
         self._hand_back(count_attempt=False, only_unstarted=True)

@@ -13,6 +13,17 @@ Topology (names start with ``Settings.queue_prefix``):
 - ``<prefix>.submit`` (bound to the queue ``<prefix>.jobs``) and ``<prefix>.events`` — jobs submitted
   through the queue and job events, the public contract of ``docs/queue.md``
   (``jobs.queue_door.consumer``, ``jobs.queue_door.events``).
+- ``<prefix>.interactive.<model>`` — the model's interactive queue: ``berth serve``'s chat and
+  completions requests, answered now (``worker.consumer.interactive_queue``, ``jobs.http.interactive_broker``).
+  A durable classic queue of transient messages, each with an expiration (``interactive_expiry``): an
+  interactive request is never persisted, never in the jobs database, never checkpointed (its caller
+  holds the only claim to it), and one nobody waits for any more is dropped, not run. The queue is
+  durable only because transient non-exclusive queues are deprecated in RabbitMQ 3.13+; it is published
+  to through the default exchange by its name. Each mixed worker consumes it with a prefetch of its own
+  (``interactive_prefetch``, its interactive capacity), on a channel apart from the request queues';
+  a batch-only worker (prefetch 0) does not consume it. Replies go by RabbitMQ's direct reply-to.
+- ``<prefix>.interactive.abort`` — a fanout exchange: "the caller of this interactive request left".
+  Every mixed worker binds a server-named exclusive queue to it, so the one running the request drops it.
 - ``<prefix>.dead`` — the dead-letter exchange and queue: a request that was delivered
   ``max_delivery_attempts`` times without finishing, or a message berth cannot read, is published
   there (with an ``x-berth-reason`` header) and its delivery acked.
@@ -148,6 +159,20 @@ class Topology:
         key = f"{model}.{tenant}"
         return Queue(f"{self.prefix}.requests.{key}", self.exchange, routing_key=key, durable=True,
                      queue_arguments={"x-queue-type": "classic", "x-max-priority": MAX_PRIORITY + 1})
+
+    def interactive_queue(self, model: str) -> Queue:
+        """The model's interactive requests (see the module's docstring); its messages are transient."""
+        return Queue(f"{self.prefix}.interactive.{model}", Exchange(""), routing_key=f"{self.prefix}.interactive.{model}",
+                     durable=True, queue_arguments={"x-queue-type": "classic"})
+
+    @property
+    def interactive_abort_exchange(self) -> Exchange:
+        """Aborts of interactive requests whose callers left, to every mixed worker."""
+        return Exchange(f"{self.prefix}.interactive.abort", "fanout", durable=True)
+
+    def interactive_abort_queue(self) -> Queue:
+        """One worker's binding to the aborts: server-named, exclusive, gone with its connection."""
+        return Queue("", self.interactive_abort_exchange, exclusive=True, auto_delete=True, durable=False)
 
     @property
     def dead_exchange(self) -> Exchange:
