@@ -142,7 +142,8 @@ class Engine:
             mode = "swap" if self.device.type == "cuda" else "recompute"
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.aging_steps, mode,
-                                   interactive_seats=int(settings.max_num_seqs * settings.interactive_seats))
+                                   interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
+                                   interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks))
         # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
         # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
         self._apart = self._side_scheduler()
@@ -171,7 +172,7 @@ class Engine:
         else:
             total = len(request.prompt_token_ids) + p.max_tokens
             self._check_fits(total, f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens})",
-                             f"prompt + max_tokens ({total} tokens)")
+                             f"prompt + max_tokens ({total} tokens)", request.interactive)
         self._check_tokens(request)
         request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
         request.stop_set = frozenset(request.stop_ids)
@@ -198,19 +199,24 @@ class Engine:
         for seq in request.sequences:
             self._home(request).add(seq)
 
-    def _check_fits(self, tokens: int, as_context: str, as_cache: str) -> None:
-        """A sequence of ``tokens`` must fit the model's context and the whole KV cache; the refusal
-        names it as ``as_context`` or ``as_cache``."""
+    def _check_fits(self, tokens: int, as_context: str, as_cache: str, interactive: bool) -> None:
+        """A sequence of ``tokens`` must fit the model's context and the whole KV cache, a batch one the
+        part of it batch work may hold (``Settings.interactive_kv_blocks``); the refusal names it as
+        ``as_context`` or ``as_cache``."""
         if tokens > self.max_model_len:
             raise RequestRejected(f"{as_context} exceeds the model's context of {self.max_model_len} tokens")
         capacity = self.runner.num_blocks * self.block_manager.block_size
         if tokens > capacity:
             raise RequestRejected(f"{as_cache} exceeds the whole KV cache ({capacity} tokens): raise --kv-memory")
+        batch = (self.runner.num_blocks - self.scheduler.interactive_blocks) * self.block_manager.block_size
+        if not interactive and tokens > batch:
+            raise RequestRejected(f"{as_cache} exceeds the part of the KV cache batch work may hold ({batch} "
+                                  "tokens; --interactive-kv-blocks holds the rest): raise --kv-memory")
 
     def _check_embedding(self, request: Request) -> None:
         """Each input runs as a sequence of its own: each must fit the context and the KV cache."""
         p, longest = request.params, max(request.params.embedding.lengths)
-        self._check_fits(longest, f"an input of {longest} tokens", f"an input of {longest} tokens")
+        self._check_fits(longest, f"an input of {longest} tokens", f"an input of {longest} tokens", request.interactive)
         dims = p.embedding.dimensions
         if dims is not None and dims > self.hidden_size:
             raise RequestRejected(f"dimensions {dims} exceeds the model's hidden size {self.hidden_size}")
