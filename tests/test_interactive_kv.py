@@ -4,6 +4,8 @@ preempting anything, and interactive work may still use every block."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -121,6 +123,25 @@ def test_nothing_held_is_the_scheduler_as_before():
     sched.add(live)
     plan = _step(sched)
     assert (live, 11) in plan.scheduled and plan.preempted
+
+
+def test_batch_tenants_share_the_seats_while_interactive_work_runs():
+    """Two batch tenants asking for seats at once get them by weight, however many interactive
+    sequences run (a batch admission once read the interactive lanes' claims when one ran, and none
+    when two or more did: the first tenant to ask took every seat)."""
+    for live in (1, 2):
+        sched = Scheduler(BlockManager(512, 4, enable_prefix_cache=False), 1000, max_num_seqs=6)
+        for i in range(live):
+            sched.add(_seq(90 + i, 4, interactive=True, max_tokens=500))
+        _step(sched)
+        for i in range(8):
+            seq = _seq(i, 40 if i < 4 else 4, max_tokens=500)
+            seq.request.tenant = "A" if i < 4 else "B"
+            sched.add(seq)
+        for _ in range(3):
+            _step(sched)
+        seats = Counter(s.request.tenant for s in sched.running if not s.request.interactive)
+        assert abs(seats["A"] - seats["B"]) <= 1 and sum(seats.values()) == 6 - live, (live, seats)
 
 
 workloads = st.lists(st.tuples(st.integers(0, 20), st.integers(1, 60), st.integers(1, 30), st.booleans()),

@@ -263,8 +263,8 @@ class Scheduler:
         if interactive:  # batch sequences give up their seats: only interactive ones count
             free, total = self.max_num_seqs - sum(step.seats.values()), self.max_num_seqs
         else:  # the seats interactive work left, less those held for it
-            interactive = len(self.running) - sum(step.seats.values())
-            free = self.max_num_seqs - len(self.running) - max(0, self.interactive_seats - interactive)
+            live = len(self.running) - sum(step.seats.values())
+            free = self.max_num_seqs - len(self.running) - max(0, self.interactive_seats - live)
             total = free + sum(step.seats.values())
         if not self.waiting.may_seat(tenant, step.seats, free, total, step.asking, interactive):
             return 0
