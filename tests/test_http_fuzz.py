@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import time
 
+import openai
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -220,3 +222,26 @@ def test_chat_and_completions_against_a_live_engine(live, mode):
         assert {path for path, _ in ran} == set(ROUTES) and {streamed for _, streamed in ran} == {False, True}, seen
     _well_after(server, engine, key, prompt, text, idle)
 
+
+def test_a_structured_output_that_leads_nowhere_is_the_callers_error(live):
+    """Once 500s (found by probing around the fuzz): a regular expression that matches nothing compiled,
+    and the engine then failed the request as its own fault; one that matches something but has a branch
+    that leads nowhere did the same when a sample took that branch. Now the first is a 400 naming the
+    field, the second a 400 (or, once streaming, an error event) saying the output cannot be completed."""
+    server, engine, key, (prompt, text, idle) = live
+    c = client(server, key, timeout=120)
+    b = engine.tokenizer("b", add_special_tokens=False)["input_ids"][0]
+    with pytest.raises(openai.BadRequestError) as raised:
+        c.completions.create(model=TINY_NAME, prompt="Hi", max_tokens=4,
+                             extra_body={"guided_regex": "[^\\x00-\\U0010FFFF]"})
+    assert raised.value.body["param"] == "guided_regex" and "matches no output" in raised.value.body["message"]
+    nowhere = {"guided_regex": "a[^\\x00-\\U0010FFFF]|b", "logit_bias": {str(b): -100}}  # "a", then nothing
+    with pytest.raises(openai.BadRequestError) as raised:
+        c.completions.create(model=TINY_NAME, prompt="Hi", max_tokens=4, extra_body=nowhere)
+    assert raised.value.body["code"] == "request_rejected" and "cannot be completed" in raised.value.body["message"]
+    response = requests.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                          json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 4, "stream": True, **nowhere})
+    assert response.status_code == 200
+    error = _events(response.text, cut_short=False)[-1]
+    assert error["error"]["type"] == "invalid_request_error" and error["error"]["code"] == "request_rejected"
+    _well_after(server, engine, key, prompt, text, idle)

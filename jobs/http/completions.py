@@ -246,8 +246,8 @@ class _Answer(Response):
                 elif isinstance(event, Done):
                     chunks += self.reply.done(event.output)
                 elif isinstance(event, Failed):
-                    error = {"error": {"message": event.reason, "type": "server_error", "param": None,
-                                       "code": event.code}}
+                    kind = "invalid_request_error" if _FAILED_STATUS.get(event.code) == 400 else "server_error"
+                    error = {"error": {"message": event.reason, "type": kind, "param": None, "code": event.code}}
                     chunks.append(b"data: " + json.dumps(error, ensure_ascii=False).encode() + b"\n\n")
             if chunks:
                 await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})

@@ -215,7 +215,7 @@ class InteractiveInbox:
 
     def _last_events(self, live: _Live, output: RequestOutput) -> list[Event]:
         if output.error is not None:
-            return [Failed(output.error)]
+            return [Failed(output.error, "request_rejected" if output.rejected else "server_error")]
         events: list[Event] = []
         for c in output.completions:
             if c.index in live.ended:

@@ -574,7 +574,7 @@ class Engine:
                 if seq.counts is not None:
                     seq.counts.add(token)
                 if seq.matcher is not None:
-                    grammar.accept(seq.matcher, token)
+                    grammar.accept(seq.matcher, token, self.grammars.vocab_size)
                 if logprob is not None:
                     seq.logprobs.append({"token_id": token, **logprob})
                 self.stats.output_tokens += 1
@@ -646,7 +646,8 @@ class Engine:
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         self.abort(request.request_id)
         return RequestOutput(request.request_id, request.prompt_token_ids, [],
-                             error=f"{type(exc).__name__}: {exc}"[:2000])
+                             error=f"{type(exc).__name__}: {exc}"[:2000],
+                             rejected=isinstance(exc, (RequestRejected, grammar.GrammarDeadEnd)))
 
     def _fork_if_due(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
         """When an n > 1 request's prompt is computed, its other samples share the prompt's blocks."""

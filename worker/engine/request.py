@@ -266,6 +266,7 @@ class RequestOutput:
     error: str | None = None
     embeddings: object | None = None  # an embeddings request: float32 [inputs, dimensions], unit rows
     embedding: EmbeddingParams | None = None  # what it asked for (how the door writes the vectors)
+    rejected: bool = False  # ``error`` is the request's own: what it asks cannot be run (a 400, not a 500)
 
     @property
     def num_output_tokens(self) -> int:
