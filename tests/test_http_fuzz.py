@@ -116,6 +116,37 @@ def test_without_a_key_every_route_is_401(operations):
 
 
 # ---- the chat and completions routes, against a live engine
+def test_the_documented_bodies_are_the_fields_berth_takes():
+    """Every field berth reads or accepts for each route is in its schema (and none it refuses); bodies
+    with many of them, as clients write them, are valid by it, and one with an unknown field is not."""
+    import jsonschema
+
+    from jobs.http.completion_bodies import REFUSED, body_schema
+    from jobs.request_fields import IMPLEMENTED, NO_EFFECT, NOT_YET, ONLY
+    from tests.test_structured_door import PERSON
+
+    for url in ROUTES:
+        schema = body_schema(url, TINY_NAME)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        taken = (IMPLEMENTED[url] - REFUSED) | set(NO_EFFECT) | {n for n, (values, _) in ONLY.items() if url in values}
+        assert set(schema["properties"]) == taken and not taken & (REFUSED | set(NOT_YET))
+    chat = {"model": TINY_NAME, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+        "tool_choice": "auto", "max_completion_tokens": 5, "n": 2, "logprobs": True, "top_logprobs": 3, "seed": 7,
+        "stop": ["\n"], "stream": True, "stream_options": {"include_usage": True}, "user": "u", "metadata": {},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    completion = {"model": TINY_NAME, "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2, "echo": False,
+                  "suffix": None, "best_of": 1, "guided_choice": ["a", "b"], "logit_bias": {"42": -5}, "top_k": -1}
+    for url, body in ((ROUTES[0], chat), (ROUTES[1], completion)):
+        validator = jsonschema.Draft202012Validator(body_schema(url, TINY_NAME))
+        assert not list(validator.iter_errors(body)), [e.message for e in validator.iter_errors(body)]
+        assert list(validator.iter_errors({**body, "frobnicate": 1}))
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, tiny_llama_dir):
     """``berth serve`` with its engine worker; a plain request's greedy answer and the idle free-block
