@@ -33,6 +33,9 @@ def engine_options(command):
         click.option("--interactive-seats", type=float,
                      help="share of --max-num-seqs held for chat and completions requests; batch work runs in the "
                      "rest [0: none held, they preempt batch work for a seat]"),
+        click.option("--interactive-kv-blocks", type=float,
+                     help="share of the KV cache's blocks held for chat and completions requests; batch work "
+                     "holds at most the rest [0: none held, they preempt batch work for blocks]"),
         click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8_e4m3"]),
                      help="KV cache values: auto (the model's dtype, exact), int8 (a scale per token and head: "

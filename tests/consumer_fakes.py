@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from worker.consumer.broker import Delivery
 from worker.consumer.ledger import Claim, Death, LedgerDown, Outcome
 from worker.consumer.queues import request_body
-from worker.engine.engine import EngineStats, RequestRejected
+from worker.engine.engine import EngineStats, RequestRejected, StepLatencies
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, Sequence
 
 MODEL = "m"
@@ -266,6 +266,7 @@ class FakeEngine:
         self.requests: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.stats = EngineStats()
+        self.latencies = StepLatencies()  # what a step measured: none here
         self.on_start = None
         self.shares: dict[str, float] = {}
         self.batches: list[set[str]] = []

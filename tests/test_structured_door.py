@@ -99,6 +99,7 @@ def _bad(param: str, says: str, **fields):
          structured_outputs={"json": PERSON, "choice": ["a"]}),
     _bad("body.guided_regex", "the grammar library cannot compile it", guided_regex="(ab"),
     _bad("body.guided_grammar", "the grammar library cannot compile it", guided_grammar="root ::= undefined_rule"),
+    _bad("body.guided_regex", "the regular expression matches no output", guided_regex="[^\\x00-\\U0010FFFF]"),
     _bad("body.guided_json", "not a valid JSON Schema: at $.type", guided_json={"type": "nope"}),
     _bad("body.response_format.json_schema.schema", "not a valid JSON Schema: at $.properties.age.minimum",
          response_format=_schema_format({"type": "object", "properties": {"age": {"minimum": "zero"}}})),

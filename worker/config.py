@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     # work never runs in more than the rest of the seats, so an interactive request finds one free without
     # preempting batch work. 0: none held (an interactive request preempts a batch sequence for a seat).
     interactive_seats: float = 0.0
+    # The share of the KV cache's blocks held for interactive requests, as interactive_seats holds seats:
+    # batch sequences never hold more than the rest, so an interactive request finds room for its prompt
+    # and its growth without preempting batch work (interactive ones may use every block). 0: none held
+    # (an interactive request preempts batch sequences for blocks).
+    interactive_kv_blocks: float = 0.0
     max_model_len: int = 0  # 0 = the model's context length
 
     # --- services (used by the jobs side)
@@ -289,11 +294,12 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("interactive_seats")
+    @field_validator("interactive_seats", "interactive_kv_blocks")
     @classmethod
-    def _interactive_seats(cls, v):
+    def _interactive_share(cls, v, info):
         if not 0 <= v < 1:
-            raise ValueError("interactive_seats is a share of max_num_seqs: at least 0, under 1")
+            of = "max_num_seqs" if info.field_name == "interactive_seats" else "the KV cache's blocks"
+            raise ValueError(f"{info.field_name} is a share of {of}: at least 0, under 1")
         return v
 
     @field_validator("queue_prefix")

@@ -3,16 +3,82 @@
 
 Counters for totals (use ``rate()`` on them), and gauges of the effective rates over the last
 ``RATE_WINDOW`` seconds for a glance without a query language.
+
+Interactive requests (``berth serve``'s chat and completions) and batch work share the engine; the
+``class`` label (``interactive``, ``batch``) tells them apart:
+
+- ``berth_time_to_first_token_seconds``: from a request's arrival in the engine worker (an interactive
+  one's submit) to its first sampled token;
+- ``berth_inter_token_seconds``: between a sequence's successive tokens (a preempted sequence's wait
+  included: what its caller sees);
+- ``berth_computed_tokens_total``: tokens run through the model, by class and ``kind`` (``prompt``;
+  ``output``: a decode's input or a recomputed output token).
+
+For example, each class's share of the tokens the steps computed, and the interactive p95 of each::
+
+    sum by (class) (rate(berth_computed_tokens_total[1m]))
+      / ignoring(class) group_left sum(rate(berth_computed_tokens_total[1m]))
+    histogram_quantile(0.95, sum by (le) (rate(berth_time_to_first_token_seconds_bucket{class="interactive"}[5m])))
+    histogram_quantile(0.95, sum by (le) (rate(berth_inter_token_seconds_bucket{class="interactive"}[5m])))
+
+The engine measures these a step at a time (``Engine.latencies``): the sequences of one step mostly
+share one time since their last token, so a step costs a few observations, not one per token.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from bisect import bisect_left
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 RATE_WINDOW = 10.0
+
+
+TTFT_BUCKETS = (.025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+ITL_BUCKETS = (.005, .01, .025, .05, .075, .1, .15, .25, .5, 1, 2.5, 5, 10, 30)
+
+
+class CountedHistogram:
+    """A histogram by one label that takes several observations of one value at once
+    (``observe(label, value, count)``), which prometheus_client's ``Histogram`` cannot; served by the
+    registry it is registered with like any other histogram."""
+
+    def __init__(self, name: str, documentation: str, label: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry):
+        self.name, self.documentation, self.label = name, documentation, label
+        self.bounds = (*buckets, float("inf"))
+        self._counts: dict[str, list] = {}  # label value -> a count per bucket (not cumulative), then the sum
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, label: str, value: float, count: int = 1) -> None:
+        i = bisect_left(self.bounds, value)  # the first bucket whose bound is >= value
+        with self._lock:
+            counts = self._counts.get(label)
+            if counts is None:
+                counts = self._counts[label] = [0] * len(self.bounds) + [0.0]
+            counts[i] += count
+            counts[-1] += value * count
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation, labels=[self.label])]
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        with self._lock:
+            snapshot = {k: list(v) for k, v in self._counts.items()}
+        for label, counts in sorted(snapshot.items()):
+            total, buckets = 0, []
+            for bound, n in zip(self.bounds, counts):
+                total += n
+                buckets.append((floatToGoString(bound), total))
+            family.add_metric([label], buckets, counts[-1])
+        return [family]
 
 
 class WorkerMetrics:
@@ -87,7 +153,17 @@ class WorkerMetrics:
                                          "interactive queue and submitted to the engine", registry=r)
         self.interactive_refused = Counter("berth_interactive_messages_refused", "Messages on the interactive queue "
                                            "refused (unreadable, failing the checks, no reply-to address)", registry=r)
+        self.time_to_first_token = CountedHistogram(
+            "berth_time_to_first_token_seconds", "From a request's arrival in the engine worker (an interactive "
+            "one's submit) to its first token, by class (interactive, batch)", "class", TTFT_BUCKETS, r)
+        self.inter_token = CountedHistogram(
+            "berth_inter_token_seconds", "Between successive tokens of a sequence, by class (interactive, batch)",
+            "class", ITL_BUCKETS, r)
+        self.computed_tokens = Counter("berth_computed_tokens", "Tokens run through the model, by class "
+                                       "(interactive, batch) and kind (prompt; output: a decode's input or a "
+                                       "recomputed output token)", ["class", "kind"], registry=r)
         self._last = (0, 0, 0)  # engine totals last seen: output tokens, prompt tokens, preemptions
+        self._last_computed: dict[tuple[str, str], int] = {}
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
 
@@ -107,6 +183,15 @@ class WorkerMetrics:
             if n != self._last_by_tenant.get(tenant, 0):
                 self.tenant_output_tokens.labels(tenant).inc(n - self._last_by_tenant.get(tenant, 0))
                 self._last_by_tenant[tenant] = n
+        for key, n in st.computed_tokens.items():
+            if n != self._last_computed.get(key, 0):
+                self.computed_tokens.labels(*key).inc(n - self._last_computed.get(key, 0))
+                self._last_computed[key] = n
+        latencies = engine.latencies
+        for label, value in latencies.first_token:
+            self.time_to_first_token.observe(label, value)
+        for (label, value), count in latencies.between_tokens.items():
+            self.inter_token.observe(label, value, count)
         self.step_seconds.observe(seconds)
         t = time.monotonic()
         self._window.append((t, totals[0], totals[1]))

@@ -36,6 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from jobs.batch_format import BatchLine, LineError, response_line, to_request
 from jobs.batch_format import _logprobs as logprobs_object
+from jobs.http.completion_bodies import openapi_body
 from jobs.http.errors import ApiError, error_response
 from jobs.http.interactive import InteractiveChannel, Subscription
 from jobs.http.schemas import ErrorBody
@@ -47,17 +48,14 @@ from worker.consumer.interactive import Delta, Done, Failed
 log = logging.getLogger("berth.http")
 
 _FAILED_STATUS = {"request_rejected": 400, "invalid_request": 400, "server_unavailable": 503}
-_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-    "type": "object", "additionalProperties": True,
-    "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"},
-                   "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}}}}}
 _ANSWERS = {200: {"content": {"application/json": {"schema": {"type": "object"}},
                               "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, model: Callable[[], ModelInfo],
-                          tenant_dependency) -> None:
-    """The two routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's."""
+                          tenant_dependency, model_name: str | None = None) -> None:
+    """The two routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's;
+    ``model_name``, the served model's, is the one the OpenAPI document names (``jobs.http.completion_bodies``)."""
 
     async def answer(request: Request, tenant: str, url: str) -> Response:
         body = _json_object(await request.body())
@@ -84,13 +82,15 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
                        include_usage)
         return _Answer(channel.open(engine_request, line), reply)
 
-    extra = {"openapi_extra": _BODY, "responses": {**_ANSWERS, 503: {"model": ErrorBody}}}
+    def extra(url: str) -> dict:
+        return {"openapi_extra": openapi_body(url, model_name), "responses": {**_ANSWERS, 503: {"model": ErrorBody}}}
 
-    @app.post("/v1/chat/completions", summary="OpenAI's chat completions, answered now (stream or not)", **extra)
+    @app.post("/v1/chat/completions", summary="OpenAI's chat completions, answered now (stream or not)",
+              **extra(CHAT_URL))
     async def chat_completions(request: Request, tenant: tenant_dependency) -> Response:
         return await answer(request, tenant, CHAT_URL)
 
-    @app.post("/v1/completions", summary="OpenAI's completions, answered now (stream or not)", **extra)
+    @app.post("/v1/completions", summary="OpenAI's completions, answered now (stream or not)", **extra(COMPLETIONS_URL))
     async def completions(request: Request, tenant: tenant_dependency) -> Response:
         return await answer(request, tenant, COMPLETIONS_URL)
 
@@ -248,8 +248,8 @@ class _Answer(Response):
                 elif isinstance(event, Done):
                     chunks += self.reply.done(event.output)
                 elif isinstance(event, Failed):
-                    error = {"error": {"message": event.reason, "type": "server_error", "param": None,
-                                       "code": event.code}}
+                    kind = "invalid_request_error" if _FAILED_STATUS.get(event.code) == 400 else "server_error"
+                    error = {"error": {"message": event.reason, "type": kind, "param": None, "code": event.code}}
                     chunks.append(b"data: " + json.dumps(error, ensure_ascii=False).encode() + b"\n\n")
             if chunks:
                 await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Union
 
@@ -99,6 +100,7 @@ class InteractiveInbox:
         """Queue ``request`` for the engine; its events go to ``sink``. Refused with ``Failed`` (through the
         sink) when the worker is stopping."""
         request.interactive = True
+        request.arrival_time = time.perf_counter()  # its time to first token counts from here
         with self._lock:
             closed = self._closed
             if closed is None:
@@ -213,7 +215,7 @@ class InteractiveInbox:
 
     def _last_events(self, live: _Live, output: RequestOutput) -> list[Event]:
         if output.error is not None:
-            return [Failed(output.error)]
+            return [Failed(output.error, "request_rejected" if output.rejected else "server_error")]
         events: list[Event] = []
         for c in output.completions:
             if c.index in live.ended:

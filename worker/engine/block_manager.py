@@ -81,18 +81,18 @@ class BlockManager:
         return hits
 
     # ---- allocation
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), keep_free: int = 0) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones.
 
         ``hits`` (from ``prefix_hits``) are taken first and count as computed. Returns False and
-        changes nothing when the free list cannot cover it.
+        changes nothing when the free list cannot cover it and leave ``keep_free`` blocks on it.
         """
         computed = seq.num_computed_tokens + len(hits) * self.block_size
         have = len(seq.block_table) + len(hits)
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - have)
         cow = self._needs_copy(seq) and num_new_tokens > 0
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        if fresh + cow + revived > len(self.free):
+        if fresh + cow + revived + keep_free > len(self.free):
             return False
         for b in hits:
             self._take(b)
@@ -109,10 +109,11 @@ class BlockManager:
         self._cache_full_blocks(seq, computed // self.block_size, computed + num_new_tokens)
         return True
 
-    def swap_in(self, seq: Sequence, num_computed_tokens: int) -> list[int] | None:
-        """Fresh blocks for a swapped-out sequence's computed tokens (the caller copies them back)."""
+    def swap_in(self, seq: Sequence, num_computed_tokens: int, keep_free: int = 0) -> list[int] | None:
+        """Fresh blocks for a swapped-out sequence's computed tokens (the caller copies them back), leaving
+        ``keep_free`` on the free list."""
         count = self.blocks_needed(num_computed_tokens)
-        if count > len(self.free):
+        if count + keep_free > len(self.free):
             return None
         seq.block_table = [self._pop_free() for _ in range(count)]
         seq.num_computed_tokens = num_computed_tokens

@@ -92,6 +92,9 @@ class EngineStats:
     recomputed_tokens: int = 0  # generated tokens computed again after a preemption
     output_tokens: int = 0
     output_tokens_by_tenant: Counter[str] = field(default_factory=Counter)
+    # tokens run through the model, by class ("interactive", "batch") and kind ("prompt", "output": a
+    # decode's input or a recomputed output token), so that each class's share of the steps can be read
+    computed_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
     requests_finished: int = 0
     preemptions: int = 0
     forward_seconds: float = 0.0
@@ -106,6 +109,19 @@ class EngineStats:
     def mean_slot_utilization(self) -> float:
         n = self.slot_utilization_count
         return self.slot_utilization_sum / n if n else 0.0
+
+
+CLASSES = ("batch", "interactive")  # a request's class, by ``Request.interactive``
+
+
+@dataclass
+class StepLatencies:
+    """What one ``Engine.step`` measured for a reader of metrics (``Engine.latencies``, new every step):
+    the time to first token of each request that got its first, and the times between a sequence's
+    token and the one before, each with how many sequences had it (those of a step mostly share one)."""
+
+    first_token: list[tuple[str, float]] = field(default_factory=list)  # (class, seconds since arrival)
+    between_tokens: Counter[tuple[str, float]] = field(default_factory=Counter)  # (class, seconds) -> tokens
 
 
 class Engine:
@@ -142,7 +158,8 @@ class Engine:
             mode = "swap" if self.device.type == "cuda" else "recompute"
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.aging_steps, mode,
-                                   interactive_seats=int(settings.max_num_seqs * settings.interactive_seats))
+                                   interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
+                                   interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks))
         # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
         # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
         self._apart = self._side_scheduler()
@@ -151,6 +168,7 @@ class Engine:
         self.hidden_size = loaded.config.hidden_size  # an embedding's length before ``dimensions`` cuts it
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.latencies = StepLatencies()
         self._swapped_kv: dict[int, torch.Tensor] = {}
         self._probation: list[list[Request]] = []  # suspects of a failed step, in groups to step alone
         self._compiling: list[Request] = []  # waiting for their grammar, outside the scheduler
@@ -171,11 +189,13 @@ class Engine:
         else:
             total = len(request.prompt_token_ids) + p.max_tokens
             self._check_fits(total, f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens})",
-                             f"prompt + max_tokens ({total} tokens)")
+                             f"prompt + max_tokens ({total} tokens)", request.interactive)
         self._check_tokens(request)
         request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
         request.stop_set = frozenset(request.stop_ids)
         request.arrival_step = self.scheduler.step_count
+        if request.arrival_time is None:
+            request.arrival_time = time.perf_counter()
         request.sequences = []
         if p.embedding is not None:  # an input per sequence, each prefilled and pooled, none sampled
             for i, ids in enumerate(request.inputs()):
@@ -198,19 +218,24 @@ class Engine:
         for seq in request.sequences:
             self._home(request).add(seq)
 
-    def _check_fits(self, tokens: int, as_context: str, as_cache: str) -> None:
-        """A sequence of ``tokens`` must fit the model's context and the whole KV cache; the refusal
-        names it as ``as_context`` or ``as_cache``."""
+    def _check_fits(self, tokens: int, as_context: str, as_cache: str, interactive: bool) -> None:
+        """A sequence of ``tokens`` must fit the model's context and the whole KV cache, a batch one the
+        part of it batch work may hold (``Settings.interactive_kv_blocks``); the refusal names it as
+        ``as_context`` or ``as_cache``."""
         if tokens > self.max_model_len:
             raise RequestRejected(f"{as_context} exceeds the model's context of {self.max_model_len} tokens")
         capacity = self.runner.num_blocks * self.block_manager.block_size
         if tokens > capacity:
             raise RequestRejected(f"{as_cache} exceeds the whole KV cache ({capacity} tokens): raise --kv-memory")
+        batch = (self.runner.num_blocks - self.scheduler.interactive_blocks) * self.block_manager.block_size
+        if not interactive and tokens > batch:
+            raise RequestRejected(f"{as_cache} exceeds the part of the KV cache batch work may hold ({batch} "
+                                  "tokens; --interactive-kv-blocks holds the rest): raise --kv-memory")
 
     def _check_embedding(self, request: Request) -> None:
         """Each input runs as a sequence of its own: each must fit the context and the KV cache."""
         p, longest = request.params, max(request.params.embedding.lengths)
-        self._check_fits(longest, f"an input of {longest} tokens", f"an input of {longest} tokens")
+        self._check_fits(longest, f"an input of {longest} tokens", f"an input of {longest} tokens", request.interactive)
         dims = p.embedding.dimensions
         if dims is not None and dims > self.hidden_size:
             raise RequestRejected(f"dimensions {dims} exceeds the model's hidden size {self.hidden_size}")
@@ -387,6 +412,7 @@ class Engine:
         (or their end) takes the last isolated one out. A worker runs the requests that were running
         when a worker died so, apart from all other work, to tell which of them kills a worker.
         """
+        self.latencies = StepLatencies()
         outputs = self._admit_compiled() if self._compiling else []
         if self._probation:
             return outputs + self._probe_step()
@@ -466,9 +492,16 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 (whatever a request made the step raise: find it, fail it alone)
             return self._step_failed(scheduled, scheduler, exc)
         self.stats.steps += 1
+        by_class = [0, 0, 0, 0]  # batch prompt, batch output, interactive prompt, interactive output
         for seq, n in scheduled:  # their keys and values are in the cache now
-            self._count_computed(seq, n)
+            prompt = self._count_computed(seq, n)
+            k = 2 * seq.request.interactive
+            by_class[k] += prompt
+            by_class[k + 1] += n - prompt
             seq.num_computed_tokens += n
+        for k, n in enumerate(by_class):
+            if n:
+                self.stats.computed_tokens[CLASSES[k >> 1], ("prompt", "output")[k & 1]] += n
         if self.watch_shared_prefixes:  # prompt blocks found, not a resumed request's own restored ones
             bs = self.block_manager.block_size
             for seq, n in plan.prefix_hits:
@@ -525,16 +558,23 @@ class Engine:
 
     def _finish_rows(self, rows: list[Sequence], sampled, scheduler: Scheduler) -> list[RequestOutput]:
         outputs = []
+        now, gaps = time.perf_counter(), self.latencies.between_tokens
         for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
             request = seq.request
             if request.request_id not in self.requests:  # failed by an earlier row of this step
                 continue
+            last, seq.last_token_time = seq.last_token_time, now
+            if last is not None:
+                gaps[CLASSES[request.interactive], now - last] += 1
+            elif request.first_token_time is None:  # a fork's first token is its parent's
+                request.first_token_time = now
+                self.latencies.first_token.append((CLASSES[request.interactive], now - request.arrival_time))
             try:
                 seq.token_ids.append(token)
                 if seq.counts is not None:
                     seq.counts.add(token)
                 if seq.matcher is not None:
-                    grammar.accept(seq.matcher, token)
+                    grammar.accept(seq.matcher, token, self.grammars.vocab_size)
                 if logprob is not None:
                     seq.logprobs.append({"token_id": token, **logprob})
                 self.stats.output_tokens += 1
@@ -606,7 +646,8 @@ class Engine:
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         self.abort(request.request_id)
         return RequestOutput(request.request_id, request.prompt_token_ids, [],
-                             error=f"{type(exc).__name__}: {exc}"[:2000])
+                             error=f"{type(exc).__name__}: {exc}"[:2000],
+                             rejected=isinstance(exc, (RequestRejected, grammar.GrammarDeadEnd)))
 
     def _fork_if_due(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
         """When an n > 1 request's prompt is computed, its other samples share the prompt's blocks."""
@@ -698,11 +739,13 @@ class Engine:
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
                              num_cached_prompt_tokens=request.cached_prompt_tokens or 0)
 
-    def _count_computed(self, seq: Sequence, n: int) -> None:
+    def _count_computed(self, seq: Sequence, n: int) -> int:
+        """Count ``n`` tokens of ``seq`` computed; how many of them were its prompt's."""
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         prompt = max(0, min(end, seq.num_prompt_tokens) - start)
         self.stats.prompt_tokens_computed += prompt
         self.stats.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
+        return prompt
 
     # ---- whole batches
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from worker.config import Settings
-from worker.engine.grammar_compile import COMPILE_THREADS, CompileTimeout, GrammarError, choice_grammar, compile_spec
+from worker.engine.grammar_compile import (COMPILE_THREADS, CompileTimeout, GrammarDeadEnd, GrammarError,
+                                           allows_nothing, choice_grammar, compile_spec)
 from worker.engine.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
 from worker.engine.request import StructuredOutput
 from worker.engine.schema_bounds import over_bounds
@@ -62,7 +63,8 @@ from worker.model.tokenizer import as_transformers
 if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
     import xgrammar as xgr
 
-__all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarError", "accept", "apply_bitmask",
+__all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarDeadEnd", "GrammarError", "accept",
+           "apply_bitmask",
            "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
@@ -213,9 +215,14 @@ def new_matcher(compiled: xgr.CompiledGrammar, output_ids: Sequence[int] = ()) -
     return matcher
 
 
-def accept(matcher: xgr.GrammarMatcher, token: int) -> None:
-    """Advance ``matcher`` past a sampled token (the mask allowed it: a refusal is a bug, failed alone)."""
+def accept(matcher: xgr.GrammarMatcher, token: int, vocab_size: int) -> None:
+    """Advance ``matcher`` past a sampled token. The mask allowed it, so a refusal is either a grammar
+    that allowed no token at all here (``GrammarDeadEnd``: the request's spec) or a bug; either fails
+    the request alone."""
     if not matcher.accept_token(token):
+        if allows_nothing(matcher, vocab_size):
+            raise GrammarDeadEnd("the structured output allows no token after the output so far, so it cannot be "
+                                 "completed: a part of the grammar matches nothing")
         raise GrammarError(f"the structured output's grammar refused sampled token {token}")
 
 

@@ -36,24 +36,46 @@ class CompileTimeout(GrammarError):
         self.seconds = seconds
 
 
+class GrammarDeadEnd(GrammarError):
+    """A sample's grammar allows no next token: the output so far cannot be completed (a part of the
+    grammar matches nothing). The request's own spec, not the engine's fault."""
+
+
 def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
-    """``spec`` compiled by ``compiler`` on the calling thread; ``GrammarError`` with the library's reason."""
+    """``spec`` compiled by ``compiler`` on the calling thread; ``GrammarError`` with the library's reason,
+    or when it matches no output at all (a regex such as ``[^\x00-\U0010FFFF]``: it compiles, and a
+    sample under it could draw no token)."""
     try:
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            return compiler.compile_grammar(choice_grammar(spec.value))
-        if spec.kind == "structural_tag":
-            return compiler.compile_structural_tag(spec.value)
-        return compiler.compile_grammar(spec.value)
+            compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        elif spec.kind == "json_object":
+            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        elif spec.kind == "regex":
+            compiled = compiler.compile_regex(spec.value)
+        elif spec.kind == "choice":
+            compiled = compiler.compile_grammar(choice_grammar(spec.value))
+        elif spec.kind == "structural_tag":
+            compiled = compiler.compile_structural_tag(spec.value)
+        else:
+            compiled = compiler.compile_grammar(spec.value)
     except GrammarError:
         raise
     except Exception as exc:  # noqa: BLE001 (xgrammar raises RuntimeError and kin, with the reason)
         raise GrammarError(f"{WHAT[spec.kind]} does not compile: {clean(exc)}") from None
+    import xgrammar as xgr
+
+    if allows_nothing(xgr.GrammarMatcher(compiled), compiled.tokenizer_info.vocab_size):
+        raise GrammarError(f"{WHAT[spec.kind]} matches no output: no token can begin one")
+    return compiled
+
+
+def allows_nothing(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether ``matcher`` allows no next token, not even the end (one mask, filled on its own)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
 
 
 def clean(exc: Exception) -> str:

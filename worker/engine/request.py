@@ -155,6 +155,7 @@ class Sequence:
     long_rope: bool = False  # past a longrope model's threshold: rotated with the long factors (worker.model.rotary)
     pooled: object | None = None  # an embeddings input: its pooled hidden state so far (worker.engine.pooling)
     cache_prefix: bool = True  # whether cached prefix blocks may stand in for computing its first tokens
+    last_token_time: float | None = None  # time.perf_counter() when its last token was sampled (by this engine)
 
     @property
     def num_tokens(self) -> int:
@@ -202,6 +203,10 @@ class Request:
     # (the worker passes a tenant group's or a request's own ``cache_salt`` here, already namespaced).
     cache_salt: str | None = None
     cached_prompt_tokens: int | None = None  # of its prompt, taken from the prefix cache when first admitted
+    # time.perf_counter() when it arrived (set by the engine unless its door set it: an interactive
+    # request's submit) and when the engine sampled its first token: time to first token.
+    arrival_time: float | None = None
+    first_token_time: float | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -261,6 +266,7 @@ class RequestOutput:
     error: str | None = None
     embeddings: object | None = None  # an embeddings request: float32 [inputs, dimensions], unit rows
     embedding: EmbeddingParams | None = None  # what it asked for (how the door writes the vectors)
+    rejected: bool = False  # ``error`` is the request's own: what it asks cannot be run (a 400, not a 500)
 
     @property
     def num_output_tokens(self) -> int:

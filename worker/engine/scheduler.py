@@ -20,8 +20,12 @@ takes what that pass left of the budget, the seats and the KV cache. When an int
 needs a seat or KV blocks that batch work holds, a running batch sequence is preempted for it (of
 the batch tenant holding the most seats for its weight, its lowest-priority, most recently
 admitted one), never the other way round; ``interactive_seats`` are never taken by batch work at
-all (``Settings.interactive_seats``). Tenants' shares hold within each class: each class has
-its own turns, leads and seat claims; a tenant's weight is the same in both.
+all (``Settings.interactive_seats``), and ``interactive_blocks`` of the KV cache's blocks stay free of
+batch work (``Settings.interactive_kv_blocks``): batch sequences are admitted, grow and preempt one
+another as if the cache were that much smaller, less what interactive sequences already hold, so an
+interactive request that the held blocks cover starts without preempting anything. Tenants' shares
+hold within each class: each class has its own turns, leads and seat claims; a tenant's weight is the
+same in both.
 """
 
 from __future__ import annotations
@@ -63,14 +67,17 @@ class _Step:
     asking: set[str]  # tenants whose claim to seats counts (WaitingQueue.may_seat)
     interactive: bool = False  # the class this pass serves
     below: _Step | None = None  # the batch pass of the same step: its running sequences make room for this one
+    keep_free: int = 0  # KV blocks this pass leaves free (held for interactive work: ``_batch_headroom``)
     asked: set[str] = field(default_factory=set)  # tenants that asked for a seat this step
     partly: dict[Sequence, int] = field(default_factory=dict)  # given part of what they ask (more may follow)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0):
-        """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive)."""
+                 aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0,
+                 interactive_blocks: int = 0):
+        """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive);
+        ``interactive_blocks``: KV blocks that batch sequences never hold."""
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, not {preemption_mode!r}")
         self.bm = block_manager
@@ -78,6 +85,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
         self.interactive_seats = interactive_seats
+        self.interactive_blocks = interactive_blocks
         self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
         self.waiting = WaitingQueue(aging_steps, self.shares)
         self.fair = {False: TokenShares(self.shares), True: TokenShares(self.shares)}  # per class
@@ -126,9 +134,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if lanes[True] or self.waiting.tenants(True) or any(s.request.interactive for s in self.swapped):
             budget = self._serve(self._pass(True, lanes[True], out, below=batch), budget)
+        if self.interactive_blocks:
+            batch.keep_free = self._batch_headroom()
         self._serve(batch, budget)
         out.copies = self.bm.take_copies()
         return out
+
+    def _batch_headroom(self) -> int:
+        """The free blocks batch work must leave: those held for interactive work that interactive
+        sequences do not hold yet (blocks two of them share count twice: a little more for batch)."""
+        held = sum(len(s.block_table) for s in self.running if s.request.interactive)
+        return max(0, self.interactive_blocks - held)
 
     def _pass(self, interactive: bool, queues: dict[str, list[Sequence]], out: SchedulerOutput,
               below: _Step | None = None) -> _Step:
@@ -164,7 +180,7 @@ class Scheduler:
                 given = partly.get(seq, 0) if partly else 0
                 wanted = len(seq.token_ids) - seq.num_computed_tokens - given
                 n = min(wanted, left)
-                if not self.bm.allocate(seq, given + n):
+                if not self.bm.allocate(seq, given + n, (), step.keep_free):
                     clock[tenant] = start + (cap - left) * rate  # up to date for the victim's choice
                     if not self._make_room(seq, given, n, step):
                         continue
@@ -190,7 +206,7 @@ class Scheduler:
             self._preempt(victim, step if victim.request.interactive == step.interactive else step.below)
             if victim is seq:
                 return False
-            if self.bm.allocate(seq, given + n):
+            if self.bm.allocate(seq, given + n, (), step.keep_free):
                 return True
         step.queues[seq.request.tenant].pop()
         step.out.scheduled.append((seq, step.partly.pop(seq)))  # no victim: it is the one partly served
@@ -247,8 +263,8 @@ class Scheduler:
         if interactive:  # batch sequences give up their seats: only interactive ones count
             free, total = self.max_num_seqs - sum(step.seats.values()), self.max_num_seqs
         else:  # the seats interactive work left, less those held for it
-            interactive = len(self.running) - sum(step.seats.values())
-            free = self.max_num_seqs - len(self.running) - max(0, self.interactive_seats - interactive)
+            live = len(self.running) - sum(step.seats.values())
+            free = self.max_num_seqs - len(self.running) - max(0, self.interactive_seats - live)
             total = free + sum(step.seats.values())
         if not self.waiting.may_seat(tenant, step.seats, free, total, step.asking, interactive):
             return 0
@@ -259,7 +275,7 @@ class Scheduler:
                 return 0
             if not self._room_for_interactive(step, lambda: self.bm.allocate(seq, n, hits)):
                 return 0
-        elif not self.bm.allocate(seq, n, hits):
+        elif not self.bm.allocate(seq, n, hits, step.keep_free):
             return 0
         self.waiting.remove(seq)
         cached = len(hits) * self.bm.block_size
@@ -273,11 +289,11 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, limit: int, step: _Step) -> int:
         computed = seq.num_computed_tokens
-        blocks = self.bm.swap_in(seq, computed)
+        blocks = self.bm.swap_in(seq, computed, step.keep_free)
         if blocks is None:
             return 0
         n = min(seq.num_tokens - computed, limit)
-        if not self.bm.allocate(seq, n):
+        if not self.bm.allocate(seq, n, (), step.keep_free):
             self.bm.free_sequence(seq)
             seq.num_computed_tokens = computed
             return 0
