@@ -157,6 +157,7 @@ class InteractiveStream:
     arrivals: list[float]
     bodies: list[dict]
     rate: float
+    duration: float
 
 
 def make_stream(tokenizer, rate: float, duration: float, max_tokens: int, seed: int, model: str) -> InteractiveStream:
@@ -171,12 +172,12 @@ def make_stream(tokenizer, rate: float, duration: float, max_tokens: int, seed: 
     bodies = [{"model": model, "messages": [{"role": "user", "content": tokenizer.decode(p)}],
                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}} for p in prompts[:len(arrivals)]]
-    return InteractiveStream(arrivals, bodies, rate)
+    return InteractiveStream(arrivals, bodies, rate, duration)
 
 
 def run_stream(url: str, stream: InteractiveStream, key: str | None, on_start=None, on_end=None) -> list[Streamed]:
     """Send each request at its arrival time (a thread each), wait for all; ``on_start()`` right at the
-    phase start and ``on_end()`` at its nominal end (the last arrival's window), before the stragglers finish."""
+    phase start and ``on_end()`` at its nominal end (``stream.duration``), before the stragglers finish."""
     with ThreadPoolExecutor(max_workers=min(512, max(1, len(stream.arrivals)))) as pool:
         start = time.perf_counter()
         if on_start:
@@ -185,6 +186,9 @@ def run_stream(url: str, stream: InteractiveStream, key: str | None, on_start=No
         for at, body in zip(stream.arrivals, stream.bodies):
             time.sleep(max(0.0, start + at - time.perf_counter()))
             futures.append(pool.submit(stream_chat, url, body, key, start))
+        time.sleep(max(0.0, start + stream.duration - time.perf_counter()))
+        if on_end:
+            on_end()
         results = [f.result() for f in futures]
     return results
 
@@ -406,7 +410,8 @@ def phase_batch(load_factory, duration: float) -> dict:
 
 def phase_interactive(url: str, stream: InteractiveStream, key: str | None, max_tokens: int, load_factory=None) -> dict:
     """The interactive stream, alone or (``load_factory``) beside a settled batch load whose tokens/s
-    is read over the stream's nominal window."""
+    is read over the stream's nominal window (``--duration`` from its start; stragglers then finish
+    with the load still on)."""
     if load_factory is None:
         return latency_figures(run_stream(url, stream, key), max_tokens)
     window = {}
@@ -414,9 +419,12 @@ def phase_interactive(url: str, stream: InteractiveStream, key: str | None, max_
         def start():
             window["t0"], window["before"] = time.perf_counter(), load.tokens()
 
-        results = run_stream(url, stream, key, on_start=start)
-        seconds, tokens = time.perf_counter() - window["t0"], load.tokens() - window["before"]
-        ran_dry = not load.still_running()
+        def end():
+            window["seconds"], window["tokens"] = time.perf_counter() - window["t0"], load.tokens() - window["before"]
+            window["ran_dry"] = not load.still_running()
+
+        results = run_stream(url, stream, key, on_start=start, on_end=end)
+    seconds, tokens, ran_dry = window["seconds"], window["tokens"], window["ran_dry"]
     figures = latency_figures(results, max_tokens)
     figures.update({"seconds": round(seconds, 2), "batch_tokens": int(tokens),
                     "batch_tokens_per_s": round(tokens / seconds, 2), "batch_ran_dry": ran_dry})
