@@ -141,8 +141,9 @@ def f32_gguf(source: str | Path, version: str = LLAMA_CPP_PYTHON, out_type: str 
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
-    subprocess.run(["nice", "-n", "19", str(binary("llama-quantize", version)), "--allow-requantize",
-                    str(source), str(partial), out_type], check=True, stdout=subprocess.DEVNULL)
+    with open(out.with_suffix(".log"), "w") as log:  # a line per tensor: kept beside the file, not printed
+        subprocess.run(["nice", "-n", "19", str(binary("llama-quantize", version)), "--allow-requantize",
+                        str(source), str(partial), out_type], check=True, stdout=log, stderr=subprocess.STDOUT)
     partial.rename(out)
     return out
 
