@@ -8,8 +8,9 @@ default model in ``--dtype`` with ``--threads``, started as its own process. Thr
 1. **batch alone**: a Batch API job (tenant ``batch``: the file uploaded through ``POST /v1/files``,
    ``POST /v1/batches``), the throughput benchmark's requests (``benchmarks/workload.py``: prompts of
    16-512 tokens as token ids, 8-256 output tokens each, greedy, EOS ignored) repeated to more lines
-   than the phase can finish, so the worker stays saturated. Once its tokens flow, ``--settle``
-   seconds pass, then its tokens/s is read over the phase from the worker's own counter
+   than the phase can finish, so the worker stays saturated. Once its rate is steady (two successive
+   5 s windows within 15%: past the first wave of prompts) and ``--settle`` seconds more, its
+   tokens/s is read over the phase from the worker's own counter
    (``berth_tenant_output_tokens_total{tenant="batch"}``); the job is then cancelled and the engine
    left to empty. This rate is the worker's capacity.
 2. **interactive alone**: a seeded Poisson stream of streaming chat requests (tenant ``live``,
@@ -79,6 +80,7 @@ BATCH_WORKLOAD = 256
 """Distinct batch requests (the throughput benchmark's full workload), repeated to fill a job."""
 START_TIMEOUT = 600.0
 FINAL = ("completed", "failed", "cancelled", "expired")
+FEW_REQUESTS = 20
 
 
 # ---------------------------------------------------------------- one streamed request
@@ -315,7 +317,7 @@ class BerthBatchLoad:
                 raise RuntimeError(f"batch {self.batch.id} generated nothing in {START_TIMEOUT:.0f} s: "
                                    f"{client.batches.retrieve(self.batch.id)}")
             time.sleep(0.2)
-        time.sleep(self.settle)
+        settle(self.tokens, self.settle)
         return self
 
     def tokens(self) -> float:
@@ -332,6 +334,21 @@ class BerthBatchLoad:
         while client.batches.retrieve(self.batch.id).status not in FINAL and time.monotonic() < deadline:
             time.sleep(0.5)
         self.server.wait_quiet()
+
+
+def settle(tokens, seconds: float, window: float = 5.0, tolerance: float = 0.15) -> None:
+    """Wait until a batch load is past its first wave: its tokens/s over two successive ``window``s
+    within ``tolerance`` of each other (the first prompts of a new load are all prefilled at once, so
+    its first tokens come long before its steady rate), then ``seconds`` more."""
+    deadline, previous = time.monotonic() + START_TIMEOUT, None
+    while time.monotonic() < deadline:
+        before = tokens()
+        time.sleep(window)
+        rate = (tokens() - before) / window
+        if previous and rate and abs(rate - previous) <= tolerance * previous:
+            break
+        previous = rate
+    time.sleep(seconds)
 
 
 # ---------------------------------------------------------------- llama-server
@@ -354,7 +371,7 @@ class LlamaBatchLoad:
             if self.errors or time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server batch load generated nothing: {self.errors[:3]}")
             time.sleep(0.2)
-        time.sleep(self.settle)
+        settle(self.tokens, self.settle)
         return self
 
     def _client(self) -> None:
@@ -463,6 +480,9 @@ def run_berth(args, batch_file: Path, tokenizer, log: Path) -> tuple[dict, float
                                "to finish within --duration?): no capacity to derive the rate from; pass --rate")
         rate = args.rate or args.load_share * capacity / args.interactive_tokens
         stream = make_stream(tokenizer, rate, args.duration, args.interactive_tokens, args.seed, server.model)
+        if len(stream.arrivals) < FEW_REQUESTS:
+            print(f"note: {len(stream.arrivals)} interactive requests a phase: too few for a p99 worth the name "
+                  "(a longer --duration, or --rate)", flush=True)
         url = f"{server.url}/v1/chat/completions"
         print(f"[{clock()}] berth: interactive alone ({len(stream.arrivals)} requests at {rate:.3f}/s)", flush=True)
         phases["interactive_alone"] = phase_interactive(url, stream, server.keys["live"], args.interactive_tokens)
