@@ -392,7 +392,8 @@ def useful_timing(workload: Workload, seconds: float, tokens: list[list[int]]) -
 def measure(name: str, fn: Callable[[], dict], guarded: bool = True) -> dict:
     """Run one system, noting the load average around it. If ``guarded``, an exception becomes
     ``{"error": ...}`` so the other systems still report (a failure of berth itself is raised)."""
-    print(f"[{clock()}] {LABELS[name]}: running", flush=True)
+    label = LABELS.get(name, name)
+    print(f"[{clock()}] {label}: running", flush=True)
     load_before = os.getloadavg()[0]
     try:
         result = fn()
@@ -400,9 +401,9 @@ def measure(name: str, fn: Callable[[], dict], guarded: bool = True) -> dict:
         if not guarded:
             raise
         result = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"[{clock()}] {LABELS[name]}: FAILED: {result['error']}", flush=True)
+        print(f"[{clock()}] {label}: FAILED: {result['error']}", flush=True)
     else:
-        print(f"[{clock()}] {LABELS[name]}: {result['seconds']:.1f} s, {result['tokens_per_s']:.1f} useful tok/s",
+        print(f"[{clock()}] {label}: {result['seconds']:.1f} s, {result['tokens_per_s']:.1f} useful tok/s",
               flush=True)
     result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return result
@@ -500,7 +501,7 @@ def compute_share(flops: dict, roof: dict, berth: dict) -> dict:
 def machine_info(threads: int) -> dict:
     import transformers
 
-    return {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "threads": threads,
+    return {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "cpu_flags": cpu_flags(), "threads": threads,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
 
@@ -513,6 +514,21 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+CPU_FLAG_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4", "vnni")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's flags that decide which matmul and attention code runs (AVX2, FMA, AVX-512 and its
+    BF16/VNNI parts, AMX), from ``/proc/cpuinfo``; empty where that file is missing."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(CPU_FLAG_PREFIXES))
+    except OSError:
+        pass
+    return []
 
 
 def structured_figures(free: dict, constrained: dict, share: float) -> dict:
