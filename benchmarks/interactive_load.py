@@ -417,20 +417,22 @@ def llama_args(args, workload: Workload, slots: int) -> list[str]:
 def phase_batch(load_factory, duration: float) -> dict:
     """Batch alone: its tokens/s over ``duration`` seconds once settled."""
     with load_factory() as load:
-        before, t0 = load.tokens(), time.perf_counter()
+        before, t0, load_before = load.tokens(), time.perf_counter(), os.getloadavg()[0]
         time.sleep(duration)
         tokens, seconds = load.tokens() - before, time.perf_counter() - t0
         ran_dry = not load.still_running()
     return {"seconds": round(seconds, 2), "batch_tokens": int(tokens), "batch_tokens_per_s": round(tokens / seconds, 2),
-            "batch_ran_dry": ran_dry}
+            "batch_ran_dry": ran_dry, "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
 def phase_interactive(url: str, stream: InteractiveStream, key: str | None, max_tokens: int, load_factory=None) -> dict:
     """The interactive stream, alone or (``load_factory``) beside a settled batch load whose tokens/s
     is read over the stream's nominal window (``--duration`` from its start; stragglers then finish
     with the load still on)."""
+    load_before = round(os.getloadavg()[0], 2)
     if load_factory is None:
-        return latency_figures(run_stream(url, stream, key), max_tokens)
+        figures = latency_figures(run_stream(url, stream, key), max_tokens)
+        return {**figures, "load_average_1m": [load_before, round(os.getloadavg()[0], 2)]}
     window = {}
     with load_factory() as load:
         def start():
@@ -444,7 +446,8 @@ def phase_interactive(url: str, stream: InteractiveStream, key: str | None, max_
     seconds, tokens, ran_dry = window["seconds"], window["tokens"], window["ran_dry"]
     figures = latency_figures(results, max_tokens)
     figures.update({"seconds": round(seconds, 2), "batch_tokens": int(tokens),
-                    "batch_tokens_per_s": round(tokens / seconds, 2), "batch_ran_dry": ran_dry})
+                    "batch_tokens_per_s": round(tokens / seconds, 2), "batch_ran_dry": ran_dry,
+                    "load_average_1m": [load_before, round(os.getloadavg()[0], 2)]})
     return figures
 
 
