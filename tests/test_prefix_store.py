@@ -116,7 +116,8 @@ def _fleet(settings, tenants_jobs: list[tuple[str, list]], loaded_engine):
 @pytest.fixture
 def fleet_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
     return tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
-                         storage_url=f"file://{tmp_path}/store", max_num_batched_tokens=2048)
+                         storage_url=f"file://{tmp_path}/store", max_num_batched_tokens=2048,
+                         interactive_prefetch=0)  # the workers' broker is swapped for a fake: no interactive queue
 
 
 @pytest.fixture
