@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     # and its growth without preempting batch work (interactive ones may use every block). 0: none held
     # (an interactive request preempts batch sequences for blocks).
     interactive_kv_blocks: float = 0.0
+    # The tokens of a step while interactive requests are in the engine: they take what they need first,
+    # batch work the rest of this bound. A live caller gets a token a step, so this bounds the time between
+    # its tokens that batch work adds (a step of max_num_batched_tokens takes seconds on a CPU). 0: no bound
+    # beyond max_num_batched_tokens.
+    interactive_step_tokens: int = 128
     max_model_len: int = 0  # 0 = the model's context length
 
     # --- services (used by the jobs side)
@@ -307,6 +312,13 @@ class Settings(BaseSettings):
     def _queue_prefix(cls, v):
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
             raise ValueError("queue_prefix must be 1-64 letters, digits, '_', '.' or '-'")
+        return v
+
+    @field_validator("interactive_step_tokens")
+    @classmethod
+    def _interactive_step_tokens(cls, v):
+        if v < 0:
+            raise ValueError("must be 0 (no bound beyond max_num_batched_tokens) or a number of tokens")
         return v
 
     @field_validator("interactive_prefetch")

@@ -159,7 +159,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.aging_steps, mode,
                                    interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
-                                   interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks))
+                                   interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks),
+                                   interactive_step_tokens=settings.interactive_step_tokens)
         # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
         # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
         self._apart = self._side_scheduler()

@@ -26,6 +26,15 @@ another as if the cache were that much smaller, less what interactive sequences 
 interactive request that the held blocks cover starts without preempting anything. Tenants' shares
 hold within each class: each class has its own turns, leads and seat claims; a tenant's weight is the
 same in both.
+
+While interactive work is in the engine, a step also carries at most ``interactive_step_tokens`` tokens in
+all (``Settings.interactive_step_tokens``): interactive sequences take what they need first, batch work
+only what is left of that bound. A live caller gets one token a step, so a step's time is the time
+between its tokens; on a CPU that time grows with every row a step carries, and a full batch step (a few
+hundred decodes and prefill chunks) would set the pace of every stream. Batch sequences beyond the bound
+keep their seats and blocks and wait a step; the running ones go first, as always. Batch throughput
+pays little: past a few dozen rows a step's time grows about as fast as its rows, so fewer rows a step
+means shorter steps more often, not fewer tokens a second.
 """
 
 from __future__ import annotations
@@ -75,9 +84,10 @@ class _Step:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0,
-                 interactive_blocks: int = 0):
+                 interactive_blocks: int = 0, interactive_step_tokens: int = 0):
         """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive);
-        ``interactive_blocks``: KV blocks that batch sequences never hold."""
+        ``interactive_blocks``: KV blocks that batch sequences never hold; ``interactive_step_tokens``: the
+        tokens of a step while interactive work is in the engine (0: ``max_num_batched_tokens``)."""
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, not {preemption_mode!r}")
         self.bm = block_manager
@@ -86,6 +96,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.interactive_seats = interactive_seats
         self.interactive_blocks = interactive_blocks
+        self.interactive_step_tokens = interactive_step_tokens or max_num_batched_tokens
         self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
         self.waiting = WaitingQueue(aging_steps, self.shares)
         self.fair = {False: TokenShares(self.shares), True: TokenShares(self.shares)}  # per class
@@ -133,7 +144,8 @@ class Scheduler:
         batch = self._pass(False, lanes[False], out)
         budget = self.max_num_batched_tokens
         if lanes[True] or self.waiting.tenants(True) or any(s.request.interactive for s in self.swapped):
-            budget = self._serve(self._pass(True, lanes[True], out, below=batch), budget)
+            left = self._serve(self._pass(True, lanes[True], out, below=batch), budget)
+            budget = min(left, max(0, self.interactive_step_tokens - (budget - left)))
         if self.interactive_blocks:
             batch.keep_free = self._batch_headroom()
         self._serve(batch, budget)
