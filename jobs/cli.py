@@ -36,10 +36,10 @@ def engine_options(command):
         click.option("--interactive-kv-blocks", type=float,
                      help="share of the KV cache's blocks held for chat and completions requests; batch work "
                      "holds at most the rest [0: none held, they preempt batch work for blocks]"),
-        click.option("--interactive-step-tokens", type=int,
-                     help="tokens of a step while chat and completions requests run: they go first, batch work "
-                     "takes the rest, so a step (the time between a stream's tokens) stays short [128; 0: "
-                     "--max-num-batched-tokens]"),
+        click.option("--interactive-step-seconds", type=float,
+                     help="seconds a step (the time between a stream's tokens) should take while chat and "
+                     "completions requests run: they go first, batch work fills the step only to the tokens that "
+                     "keep it that long [0.2; 0: no bound but --max-num-batched-tokens]"),
         click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8_e4m3"]),
                      help="KV cache values: auto (the model's dtype, exact), int8 (a scale per token and head: "

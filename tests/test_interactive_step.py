@@ -1,7 +1,8 @@
-"""The step bound while interactive work runs (``Settings.interactive_step_tokens``): a live caller gets a
-token a step, so batch work fills a step only up to the bound while an interactive request is in the
-engine; interactive work takes what it needs first, and batch work has the whole budget again once the
-last interactive request is gone."""
+"""The step bound while interactive work runs: a live caller gets a token a step, so batch work fills a
+step only up to ``Scheduler.interactive_step_tokens`` while an interactive request is in the engine;
+interactive work takes what it needs first, and batch work has the whole budget again once the last
+interactive request is gone. The engine sets the bound from the steps' times so that a step takes about
+``Settings.interactive_step_seconds`` (``worker/engine/step_pace.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tests.jobs_support import tiny_settings
 from worker.config import Settings
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, SamplingParams, Sequence
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.step_pace import StepPace
 
 
 def _seq(i: int, prompt: int, interactive: bool = False, max_tokens: int = 1000) -> Sequence:
@@ -96,15 +98,47 @@ def test_batch_work_progresses_in_turn_under_the_bound():
     assert all(s.is_finished for s in batch) and sched.num_preemptions == 0
 
 
-def test_the_default_bound_reaches_the_engines_scheduler(tiny_llama_dir):
-    """The default (128) is what an engine gets; a step of an engine running an interactive request beside
-    more batch work than that carries no more than 128 tokens, one without it more; the interactive
-    answer is the one the request gets alone (greedy)."""
+def _plan(interactive: list[int], batch: list[int]):
+    """A plan of interactive rows and batch rows, each given that many tokens."""
+    rows = [(_seq(i, 4, interactive=True), n) for i, n in enumerate(interactive)]
+    rows += [(_seq(100 + i, 4), n) for i, n in enumerate(batch)]
+    return SchedulerOutput(scheduled=rows)
+
+
+def test_the_default_pace_settles_where_a_step_takes_its_target():
+    """Steps that cost 48 ms plus 3.5 ms a token (the default model's decode steps, float32, on a 2-core
+    AMD EPYC): the default target of 0.2 s settles the bound at the 43 tokens that take 0.2 s, from the
+    first bound of 64, in a few steps; a step that prefills an interactive prompt teaches nothing."""
+    assert Settings().interactive_step_seconds == 0.2
+    pace = StepPace(Settings().interactive_step_seconds, most=2048)
+    assert pace.tokens == 64
+    for _ in range(30):
+        n = pace.tokens
+        pace.observe(_plan([1, 1], [1] * (n - 2)), 0.048 + 0.0035 * n)
+    assert pace.tokens in (42, 43, 44)
+    before = pace.tokens
+    pace.observe(_plan([300, 1], [1] * 10), 1.2)  # a 300-token interactive prompt: 4 ms a token, not taken
+    pace.observe(_plan([], [1] * 200), 0.9)  # batch work alone: not taken
+    assert pace.tokens == before
+
+
+def test_the_pace_keeps_to_its_limits():
+    pace = StepPace(0.2, most=256)
+    pace.observe(_plan([1], [1] * 63), 0.001)  # a fast device: the budget is the only bound
+    assert pace.tokens == 256
+    pace.observe(_plan([1] * 8, []), 8.0)  # streams alone take longer than the target: batch keeps 16
+    assert pace.tokens == 16
+    assert StepPace(0.0, most=2048).tokens == 2048  # 0: no bound
+
+
+def test_an_engine_bounds_its_steps_by_the_pace_while_an_interactive_request_runs(tiny_llama_dir):
+    """An engine whose target no step can meet (a microsecond) bounds its steps with an interactive request
+    in them to the least (16 tokens, once a step of its decodes was timed), and steps without one not at all; the
+    interactive answer is the one the request gets alone (greedy), and all batch work finishes."""
     from worker.engine.engine import Engine
 
-    assert Settings().interactive_step_tokens == 128
-    engine = Engine(tiny_settings(tiny_llama_dir))
-    assert engine.scheduler.interactive_step_tokens == 128
+    engine = Engine(tiny_settings(tiny_llama_dir, interactive_step_seconds=1e-6))
+    assert engine.pace.target == 1e-6 and engine.scheduler.interactive_step_tokens == 64
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = engine.generate([[5, 6, 7, 8, 9]], params)[0].completions[0].token_ids
 
@@ -120,7 +154,7 @@ def test_the_default_bound_reaches_the_engines_scheduler(tiny_llama_dir):
     batch = lambda name: Request(name, [100 + len(name), 200, 300], SamplingParams(max_tokens=16, ignore_eos=True))  # noqa: E731
     for i in range(60):
         engine.add_request(batch(f"b{i}"))
-    engine.step()  # 180 prompt tokens in one step: more than the bound, with no interactive request
+    engine.step()  # 180 prompt tokens in one step, with no interactive request
     live = Request("live", [5, 6, 7, 8, 9], params)
     live.interactive = True
     engine.add_request(live)
@@ -131,12 +165,13 @@ def test_the_default_bound_reaches_the_engines_scheduler(tiny_llama_dir):
         out.update({o.request_id: o for o in engine.step()})
     assert out["live"].completions[0].token_ids == alone
     with_live = [n for live_in, n in sizes if live_in]
-    assert with_live and max(with_live) == 128  # full to the bound, no more
-    assert max(n for live_in, n in sizes if not live_in) > 128
+    # the first bound twice (its prompt's step teaches nothing), then the least from its first decode on
+    assert with_live[:3] == [64, 64, 16] and max(with_live[2:]) == 16
+    assert max(n for live_in, n in sizes if not live_in) > 64
     assert len(out) == 121 and all(o.error is None for o in out.values())
 
 
-@pytest.mark.parametrize("value", [-1])
-def test_a_negative_bound_is_refused(value):
-    with pytest.raises(ValueError, match="interactive_step_tokens"):
-        Settings(interactive_step_tokens=value)
+@pytest.mark.parametrize("value", [-1.0, float("nan")])
+def test_a_negative_target_is_refused(value):
+    with pytest.raises(ValueError, match="interactive_step_seconds"):
+        Settings(interactive_step_seconds=value)

@@ -103,11 +103,12 @@ class Settings(BaseSettings):
     # and its growth without preempting batch work (interactive ones may use every block). 0: none held
     # (an interactive request preempts batch sequences for blocks).
     interactive_kv_blocks: float = 0.0
-    # The tokens of a step while interactive requests are in the engine: they take what they need first,
-    # batch work the rest of this bound. A live caller gets a token a step, so this bounds the time between
-    # its tokens that batch work adds (a step of max_num_batched_tokens takes seconds on a CPU). 0: no bound
-    # beyond max_num_batched_tokens.
-    interactive_step_tokens: int = 128
+    # Seconds a step should take while interactive requests are in the engine: they take what they need
+    # first, and batch work fills the step only to the tokens that keep it about this long on this machine
+    # (worker/engine/step_pace.py). A live caller gets a token a step, so this is the time between its
+    # tokens that batch work may stretch (a step of max_num_batched_tokens takes seconds on a CPU). 0: no
+    # bound beyond max_num_batched_tokens.
+    interactive_step_seconds: float = 0.2
     max_model_len: int = 0  # 0 = the model's context length
 
     # --- services (used by the jobs side)
@@ -314,11 +315,11 @@ class Settings(BaseSettings):
             raise ValueError("queue_prefix must be 1-64 letters, digits, '_', '.' or '-'")
         return v
 
-    @field_validator("interactive_step_tokens")
+    @field_validator("interactive_step_seconds")
     @classmethod
-    def _interactive_step_tokens(cls, v):
-        if v < 0:
-            raise ValueError("must be 0 (no bound beyond max_num_batched_tokens) or a number of tokens")
+    def _interactive_step_seconds(cls, v):
+        if not v >= 0:
+            raise ValueError("must be 0 (no bound beyond max_num_batched_tokens) or a number of seconds")
         return v
 
     @field_validator("interactive_prefetch")

@@ -41,6 +41,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
 from worker.engine.sampler import SampleRow, sample
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.step_pace import StepPace
 from worker.model.architectures import context_length
 from worker.model.base import LoadedModel
 from worker.model.loader import load_model
@@ -153,6 +154,8 @@ class Engine:
                                   kv_cache_dtype=settings.kv_cache_dtype, weight_dtype=settings.weight_dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
+        # the tokens of a step while interactive requests run, learnt from the steps' times
+        self.pace = StepPace(settings.interactive_step_seconds, settings.max_num_batched_tokens)
         mode = settings.preemption_mode
         if mode == "auto":  # swapping pays where the cache lives apart from host memory
             mode = "swap" if self.device.type == "cuda" else "recompute"
@@ -160,7 +163,7 @@ class Engine:
                                    settings.aging_steps, mode,
                                    interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
                                    interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks),
-                                   interactive_step_tokens=settings.interactive_step_tokens)
+                                   interactive_step_tokens=self.pace.tokens)
         # Requests marked ``Request.isolated`` (a worker's crash suspects) are scheduled here instead, over
         # the same KV cache; while any is in the engine, only they step (``_isolated_step``).
         self._apart = self._side_scheduler()
@@ -419,7 +422,12 @@ class Engine:
             return outputs + self._probe_step()
         if self._isolating():
             return outputs + self._isolated_step()
-        return outputs + self._run(self.scheduler.schedule(), self.scheduler)
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs += self._run(plan, self.scheduler)
+        self.pace.observe(plan, time.perf_counter() - t0)
+        self.scheduler.interactive_step_tokens = self.pace.tokens
+        return outputs
 
     # ---- isolation
     def release(self, request_id: str) -> None:

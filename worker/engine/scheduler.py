@@ -28,13 +28,11 @@ hold within each class: each class has its own turns, leads and seat claims; a t
 same in both.
 
 While interactive work is in the engine, a step also carries at most ``interactive_step_tokens`` tokens in
-all (``Settings.interactive_step_tokens``): interactive sequences take what they need first, batch work
-only what is left of that bound. A live caller gets one token a step, so a step's time is the time
-between its tokens; on a CPU that time grows with every row a step carries, and a full batch step (a few
-hundred decodes and prefill chunks) would set the pace of every stream. Batch sequences beyond the bound
-keep their seats and blocks and wait a step; the running ones go first, as always. Batch throughput
-pays little: past a few dozen rows a step's time grows about as fast as its rows, so fewer rows a step
-means shorter steps more often, not fewer tokens a second.
+all: interactive sequences take what they need first, batch work only what is left of that bound. A live
+caller gets one token a step, so a step's time is the time between its tokens, and a full batch step (a
+few hundred decodes and prefill chunks) would set the pace of every stream. The engine sets the bound
+each step from the time steps take (worker/engine/step_pace.py). Batch sequences beyond it keep their
+seats and blocks and wait a step; the running ones go first, as always.
 """
 
 from __future__ import annotations
