@@ -72,6 +72,20 @@ def test_an_interactive_prompt_over_the_bound_is_not_cut_by_it():
     assert _step(sched) == {False: 23, True: 1}
 
 
+def test_a_new_interactive_prompt_is_cut_to_the_bound_while_other_streams_decode():
+    """A 100-token prompt beside a decoding stream runs in chunks that keep each step to the bound (24):
+    the stream gets its token every step, and batch work waits until the prompt is in."""
+    sched, _ = _busy(bound=24)
+    first = _seq(100, 2, interactive=True, max_tokens=50)
+    sched.add(first)
+    assert _step(sched) == {False: 22, True: 2}
+    sched.add(_seq(101, 100, interactive=True, max_tokens=5))
+    given = [_step(sched) for _ in range(5)]
+    assert all(sum(g.values()) == 24 for g in given)
+    assert [g[True] for g in given] == [24, 24, 24, 24, 9]  # 23 prompt tokens + 1 decode ..., then the last 8 + 1
+    assert given[-1][False] == 15 and all(g[False] == 0 for g in given[:-1])
+
+
 def test_no_bound_gives_batch_work_the_whole_budget_beside_interactive_work():
     """``interactive_step_tokens`` 0: the step's budget alone bounds it (the knob, apart from its default)."""
     sched, _ = _busy(bound=0)
@@ -119,6 +133,7 @@ def test_the_default_pace_settles_where_a_step_takes_its_target():
     before = pace.tokens
     pace.observe(_plan([300, 1], [1] * 10), 1.2)  # a 300-token interactive prompt: 4 ms a token, not taken
     pace.observe(_plan([], [1] * 200), 0.9)  # batch work alone: not taken
+    pace.observe(_plan([1, 1, 1], []), 0.06)  # three streams alone, 20 ms a token: not full, not taken
     assert pace.tokens == before
 
 
@@ -126,7 +141,8 @@ def test_the_pace_keeps_to_its_limits():
     pace = StepPace(0.2, most=256)
     pace.observe(_plan([1], [1] * 63), 0.001)  # a fast device: the budget is the only bound
     assert pace.tokens == 256
-    pace.observe(_plan([1] * 8, []), 8.0)  # streams alone take longer than the target: batch keeps 16
+    for _ in range(10):  # steps far slower than the target: batch work keeps 16 tokens beside the streams
+        pace.observe(_plan([1] * 8, [1] * (pace.tokens - 8)), 8.0)
     assert pace.tokens == 16
     assert StepPace(0.0, most=2048).tokens == 2048  # 0: no bound
 

@@ -30,9 +30,11 @@ same in both.
 While interactive work is in the engine, a step also carries at most ``interactive_step_tokens`` tokens in
 all: interactive sequences take what they need first, batch work only what is left of that bound. A live
 caller gets one token a step, so a step's time is the time between its tokens, and a full batch step (a
-few hundred decodes and prefill chunks) would set the pace of every stream. The engine sets the bound
-each step from the time steps take (worker/engine/step_pace.py). Batch sequences beyond it keep their
-seats and blocks and wait a step; the running ones go first, as always.
+few hundred decodes and prefill chunks) would set the pace of every stream. A new interactive prompt is
+cut to the bound too while other streams are decoding (a long prompt would stall each of them for a
+step as long as the prompt), and runs whole when none is. The engine sets the bound each step from the
+time steps take (worker/engine/step_pace.py). Batch sequences beyond it keep their seats and blocks and
+wait a step; the running ones go first, as always.
 """
 
 from __future__ import annotations
@@ -142,8 +144,11 @@ class Scheduler:
         batch = self._pass(False, lanes[False], out)
         budget = self.max_num_batched_tokens
         if lanes[True] or self.waiting.tenants(True) or any(s.request.interactive for s in self.swapped):
-            left = self._serve(self._pass(True, lanes[True], out, below=batch), budget)
-            budget = min(left, max(0, self.interactive_step_tokens - (budget - left)))
+            bound = self.interactive_step_tokens
+            streaming = sum(len(s.token_ids) - s.num_computed_tokens == 1 for q in lanes[True].values() for s in q)
+            given = budget if not streaming else max(bound, streaming)  # a prompt alone is not cut
+            left = self._serve(self._pass(True, lanes[True], out, below=batch), given)
+            budget = min(budget - (given - left), max(0, bound - (given - left)))
         if self.interactive_blocks:
             batch.keep_free = self._batch_headroom()
         self._serve(batch, budget)

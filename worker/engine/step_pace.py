@@ -11,9 +11,10 @@ tokens, the bound settles where ``a + b * n = target`` (each update moves it ``a
 way closer), on any device, with no figure measured by hand: a GPU, whose steps take milliseconds,
 is barely bound at all.
 
-Only steps whose interactive rows were all decodes teach it: a step that prefills a new interactive
-prompt costs what that prompt costs, whatever batch work does, and would make tokens look cheap or
-dear for a step or two after it.
+Only full steps (as many tokens as the bound) whose interactive rows were all decodes teach it. A step
+of a few streams alone costs mostly its fixed part (the weights read once a step), which would make
+tokens look dear and the bound small for no gain; and a step that prefills a new interactive prompt
+costs what prompt tokens cost, not what the decodes that fill the other steps do.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ class StepPace:
         return max(self.least, min(self.most, int(self.target / self.seconds_per_token)))
 
     def observe(self, plan: SchedulerOutput, seconds: float) -> None:
-        """A step ran ``plan`` in ``seconds``: learn from it if its interactive rows were all decodes."""
+        """A step ran ``plan`` in ``seconds``: learn from it if it was full and its interactive rows were
+        all decodes."""
         interactive = [n for seq, n in plan.scheduled if seq.request.interactive]
-        if not interactive or max(interactive) > 1 or seconds <= 0:
+        if not interactive or max(interactive) > 1 or plan.num_tokens < self.tokens or seconds <= 0:
             return
         rate = seconds / plan.num_tokens
         old = self.seconds_per_token
