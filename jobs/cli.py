@@ -39,7 +39,7 @@ def engine_options(command):
         click.option("--interactive-step-seconds", type=float,
                      help="seconds a step (the time between a stream's tokens) should take while chat and "
                      "completions requests run: they go first, batch work fills the step only to the tokens that "
-                     "keep it that long [0.2; 0: no bound but --max-num-batched-tokens]"),
+                     "keep it that long [0.15; 0: no bound but --max-num-batched-tokens]"),
         click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8_e4m3"]),
                      help="KV cache values: auto (the model's dtype, exact), int8 (a scale per token and head: "

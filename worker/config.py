@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     # (worker/engine/step_pace.py). A live caller gets a token a step, so this is the time between its
     # tokens that batch work may stretch (a step of max_num_batched_tokens takes seconds on a CPU). 0: no
     # bound beyond max_num_batched_tokens.
-    interactive_step_seconds: float = 0.2
+    interactive_step_seconds: float = 0.15
     max_model_len: int = 0  # 0 = the model's context length
 
     # --- services (used by the jobs side)
