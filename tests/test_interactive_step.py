@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.jobs_support import tiny_settings
+from tests.test_interactive_kv import _seq as kv_seq
 from worker.config import Settings
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, SamplingParams, Sequence
@@ -17,11 +18,7 @@ from worker.engine.step_pace import StepPace
 
 
 def _seq(i: int, prompt: int, interactive: bool = False, max_tokens: int = 1000) -> Sequence:
-    request = Request(str(i), [i * 1000 + j for j in range(prompt)], SamplingParams(max_tokens=max_tokens))
-    request.interactive = interactive
-    seq = Sequence(request=request, sample_index=0, token_ids=list(request.prompt_token_ids), num_prompt_tokens=prompt)
-    request.sequences.append(seq)
-    return seq
+    return kv_seq(i, prompt, interactive, max_tokens)
 
 
 def _step(sched: Scheduler) -> dict[bool, int]:
