@@ -43,6 +43,7 @@ def load_baseline(folder: Path):
     path = folder / "kernels" / "cpu_attention.py"
     spec = importlib.util.spec_from_file_location("baseline_cpu_attention", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     decode = decode_of(module)
     if decode is None:
