@@ -130,10 +130,10 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include <stdlib.h>
-/* Blocks ahead of the one computing whose rows are fetched, into the L2 cache (T1): fetched into L1
- * (T0) they evicted the rows still to be read, and decode attention read 11-12 GB/s of float32
- * where T1 reads 16-18 (AMD EPYC, AVX-512, 2 threads). One, two or four blocks ahead differed by
- * less than the noise. */
+/* Blocks ahead of the one computing whose rows are fetched, into the L2 cache (T1). Fetched into L1
+ * (T0), a run's worth in a burst, they most likely evicted the rows still to be read: decode
+ * attention read 11-12 GB/s of float32 where T1 reads 16-18 (AMD EPYC, AVX-512, 2 threads). One,
+ * two or four blocks ahead differed by less than the noise. */
 #define PREFETCH_AHEAD 2
 #define HINT _MM_HINT_T1
 #if defined(__AVX512F__)
@@ -150,14 +150,6 @@ typedef struct {
     float acc[64] __attribute__((aligned(64)));
     float m, l;
 } HeadState;
-
-/* The length of the run of tokens that starts at ``start``: up to RUN (a vector's lanes), within one
- * block and before ``end``. */
-static inline int run_length(int start, int end, int block_size) {
-    int run = end - start < RUN ? end - start : RUN;
-    const int room = block_size - start % block_size;
-    return run < room ? run : room;
-}
 
 /* Prefetch the key row and the value row ``offset`` bytes after ``k`` and ``v``, ``bytes`` long (every
  * cache line they touch), when ``k`` is not NULL. The rows of the block PREFETCH_AHEAD blocks on are fetched one at a time, each as the
