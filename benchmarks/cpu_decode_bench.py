@@ -10,7 +10,8 @@ blocks of 16), with block ids shuffled over a cache larger than the CPU's caches
 
 On a CPU with AVX-512 it also times the AVX2 + FMA path (``load(folder, isa="avx2")``, what AMD Zen
 2/3 and older Xeons run) on the same inputs, and prints each path's rate in GB/s of cache read, so
-the two can be compared per byte on one machine.
+the two can be compared per byte on one machine; with a baseline that has the path, the baseline's
+AVX2 path too (``base avx2`` ms, ``avx2/base``).
 
     git archive main kernels | tar -x -C /tmp/berth-baseline
     python benchmarks/cpu_decode_bench.py --baseline /tmp/berth-baseline
@@ -39,15 +40,15 @@ CASES = [(torch.float32, 192, 512), (torch.float32, 64, 2048), (torch.bfloat16, 
 WINDOW = 256
 
 
-def load_baseline(folder: Path):
+def load_baseline_module(folder: Path):
     path = folder / "kernels" / "cpu_attention.py"
     spec = importlib.util.spec_from_file_location("baseline_cpu_attention", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
-    decode = decode_of(module)
-    if decode is None:
+    if decode_of(module) is None:
         raise SystemExit(f"the baseline kernel in {path.parent} did not build")
-    return decode
+    return module
 
 
 def decode_of(module):
@@ -93,24 +94,33 @@ def main() -> int:
     decode = decode_of(cpu_attention)
     if decode is None:
         raise SystemExit("no C compiler built kernels/cpu_decode.c")
-    baseline = load_baseline(args.baseline) if args.baseline else None
+    base_module = load_baseline_module(args.baseline) if args.baseline else None
+    baseline = decode_of(base_module) if base_module else None
     windowed = "window" in inspect.signature(decode).parameters
     native = cpu_attention.load(cache_dir("kernels"))
     avx2 = cpu_attention.load(cache_dir("kernels"), isa="avx2") if native.isa == "avx512" else None
+    # the baseline's AVX2 path too, where it has one to force (kernels from before load(isa=) have not)
+    base_avx2 = None
+    if avx2 and base_module and "isa" in inspect.signature(getattr(base_module, "load", lambda: None)).parameters:
+        built = base_module.load(cache_dir("kernels"), isa="avx2")
+        base_avx2 = built.paged_decode_attention if built else None
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, this tree's path: {native.isa}")
     print(f"{'dtype':9} {'seqs':>4} {'ctx':>5} {'this ms':>8} {'GB/s':>6} {'base ms':>8} {'this/base':>9} "
           f"{'win ' + str(WINDOW) + ' ms':>11} {'win/full':>8}" + (f" {'avx2 ms':>8} {'GB/s':>6} {'avx2/this':>9}"
-                                                                     if avx2 else ""))
+                                                                     if avx2 else "")
+          + (f" {'base avx2':>9} {'avx2/base':>9}" if base_avx2 else ""))
     gen = torch.Generator().manual_seed(0)
     for dtype, seqs, context in CASES:
         case = inputs(dtype, seqs, context, gen)
-        ours, base, window, narrow = [], [], [], []
+        ours, base, window, narrow, base_narrow = [], [], [], [], []
         for _ in range(args.rounds):
             ours.append(time_ms(lambda: decode(*case), args.reps))
             if avx2:
                 narrow.append(time_ms(lambda: avx2.paged_decode_attention(*case), args.reps))
             if baseline:
                 base.append(time_ms(lambda: baseline(*case), args.reps))
+            if base_avx2:
+                base_narrow.append(time_ms(lambda: base_avx2(*case), args.reps))
             if windowed:
                 window.append(time_ms(lambda: decode(*case, window=WINDOW), args.reps))
         if baseline:
@@ -125,6 +135,8 @@ def main() -> int:
         if narrow:
             a = statistics.median(narrow)
             n = f" {a:8.3f} {gigabytes / a * 1e3:6.1f} {a / t:9.3f}"
+            if base_narrow:
+                n += f" {statistics.median(base_narrow):9.3f} {a / statistics.median(base_narrow):9.3f}"
         print(f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {context:5d} {t:8.3f} {gigabytes / t * 1e3:6.1f} {b} {w}{n}")
     return 0
 

@@ -11,11 +11,18 @@
  * window: 0 for full attention; else the query (at context_len - 1) sees only the last ``window``
  * positions, transformers' sliding window, and the loops start at the first of them: the blocks
  * before it are never read, so a step costs the window, not the context.
- * One task per (sequence, kv head) computes all the query heads of that group, so each K/V row is
- * read once; an online softmax runs block by block. For head_dim 64 (the default model's) the same
- * tasks run vectorised code, chosen when the kernel is compiled for the CPU at hand: AVX-512 (runs
- * of 16 tokens in 16-lane registers) or AVX2 + FMA (runs of 8 in 8-lane registers), the same
- * algorithm and the same bytes read; ``berth_isa`` names the path built.
+ * For head_dim 64 (the default model's), vectorised code chosen when the kernel is compiled for the
+ * CPU at hand: AVX-512 (runs of 16 tokens in 16-lane registers) or AVX2 + FMA (runs of 8 in 8-lane
+ * registers), the same algorithm and the same bytes read; ``berth_isa`` names the path built. One
+ * task per sequence goes through its blocks in order; a block's token slots hold every kv head's
+ * rows side by side, so each run of them is taken for every kv head (each key and value row loaded
+ * once for all the query heads of its group) while it is in cache, and an online softmax runs per
+ * run. As each row is computed, the same row PREFETCH_AHEAD blocks on is fetched into L2: the
+ * blocks lie anywhere in the cache, where the hardware prefetcher loses the stream. With too few
+ * sequences to keep the threads busy, each is split into parts (runs of blocks), each with its own
+ * softmax state, merged at the end (split-K).
+ * Other head sizes: the plain C loop, one task per (sequence, kv head) computing all the query
+ * heads of that group, so each K/V row is read once; an online softmax runs block by block.
  */
 #include <math.h>
 #include <stdint.h>
@@ -122,46 +129,51 @@ static void attend_group(const void *q, const void *k_cache, const void *v_cache
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#include <stdlib.h>
+/* Blocks ahead of the one computing whose rows are fetched, into the L2 cache (T1). Fetched into L1
+ * (T0), a run's worth in a burst, they most likely evicted the rows still to be read: decode
+ * attention read 11-12 GB/s of float32 where T1 reads 16-18 (AMD EPYC, AVX-512, 2 threads). One,
+ * two or four blocks ahead differed by less than the noise. */
+#define PREFETCH_AHEAD 2
+#define HINT _MM_HINT_T1
 #if defined(__AVX512F__)
 #define RUN 16
 #else
 #define RUN 8
 #endif
 
-/* The length of the run of tokens that starts at ``start``: up to RUN (a vector's lanes), within one block. */
-static inline int run_length(int start, int context_len, int block_size) {
-    int run = context_len - start < RUN ? context_len - start : RUN;
-    const int room = block_size - start % block_size;
-    return run < room ? run : room;
-}
+/* One query head's online softmax over a span of the context: its query (times the scale), the
+ * running max of its scores, the sum of their exponentials and the sum of the values weighted by
+ * them (not yet divided by that sum). Spans of one sequence merge by their maxima. */
+typedef struct {
+    float q[64] __attribute__((aligned(64)));
+    float acc[64] __attribute__((aligned(64)));
+    float m, l;
+} HeadState;
 
-/* Prefetch the key and value rows of kv head ``kvh`` in the run that starts at ``start``. Each run lies
- * in another block, where the hardware prefetcher loses the stream: fetching the next run while the
- * current one computes made decode attention 1.3 (float32) to 1.7 (bfloat16) times as fast on a
- * cache too large for the CPU's caches. Fetching two or three runs ahead was slower. */
-static inline __attribute__((always_inline)) void prefetch_run(
-        const void *k_cache, const void *v_cache, const int32_t *table, int context_len, int start, int kvh,
-        int64_t slot_stride, int block_size, int kv_dtype) {
-    const int run = run_length(start, context_len, block_size), esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1;
-    const int64_t first = ((int64_t)table[start / block_size] * block_size + start % block_size) * slot_stride
-                          + (int64_t)kvh * cache_row(64, kv_dtype);
-    for (int t = 0; t < run; t++) {
-        const char *krow = (const char *)k_cache + (first + t * slot_stride) * esize;
-        const char *vrow = (const char *)v_cache + (first + t * slot_stride) * esize;
-        for (int b = 0; b < cache_row(64, kv_dtype) * esize; b += 64) {
-            _mm_prefetch(krow + b, _MM_HINT_T0);
-            _mm_prefetch(vrow + b, _MM_HINT_T0);
-        }
+/* Prefetch the key row and the value row ``offset`` bytes after ``k`` and ``v``, ``bytes`` long (every
+ * cache line they touch), when ``k`` is not NULL. The rows of the block PREFETCH_AHEAD blocks on are fetched one at a time, each as the
+ * same row of the block at hand is computed: spread so, the fetches keep the memory busy all along
+ * without flooding the core's queue of misses or evicting the rows still to be read. */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *k, const char *v, int64_t offset,
+                                                                  int bytes) {
+    if (k == NULL) return;
+    for (int b = 0; b < bytes; b += 64) {
+        _mm_prefetch(k + offset + b, HINT);
+        _mm_prefetch(v + offset + b, HINT);
+    }
+    if (bytes % 64) {  /* int8 rows (68 bytes) start anywhere in a line: their last byte's too */
+        _mm_prefetch(k + offset + bytes - 1, HINT);
+        _mm_prefetch(v + offset + bytes - 1, HINT);
     }
 }
 
 #endif
-
 #if defined(__AVX512F__)
 
-/* The AVX-512 path for head_dim 64: one task per sequence takes each block whole (every kv head's
- * rows, contiguous in the cache) while it is in cache. Per query head and run of up to 16 tokens:
- * the scores as one vector, an online-softmax update with a vector exponential, then the weighted
+/* The AVX-512 path for head_dim 64: attend_run_64 below, which attend_span_64 calls for each run of
+ * each block of a sequence, every kv head in turn. Per query head and run of up to 16 tokens: the
+ * scores as one vector, an online-softmax update with a vector exponential, then the weighted
  * values into four registers of accumulators. */
 
 static inline __m512 exp512(__m512 x) { /* exp(x), x <= 0: 2^n * p(r), Cephes' polynomial */
@@ -220,77 +232,59 @@ static inline __attribute__((always_inline)) __m512 transpose_sum16(const __m512
                          _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* NG (1 to 4, a constant after inlining) query heads h0 .. h0+NG-1 sharing kv head ``kvh`` attend
- * over the whole context: each key and value row is loaded once for all of them. Per run of up to
- * 16 tokens: NG x 16 dot products reduced together, an online-softmax update with a vector
- * exponential, then the weighted values into registers of accumulators. */
-static inline __attribute__((always_inline)) void attend_heads_64(
-        const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-        int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
-        float scale, int dtype, int kv_dtype, int window) {
-    enum { D = 64 };
+/* One run of ``run`` tokens (up to 16, within one block; its first key row at ``first``, the next
+ * ``slot_stride`` elements on) for NG query heads (1 to 4, a constant after inlining) that share its
+ * kv head, whose states are st[0 .. NG-1]: each key and value row is loaded once for all of them.
+ * NG x 16 dot products reduced together, an online-softmax update with a vector exponential, then
+ * the weighted values into registers of accumulators. */
+static inline __attribute__((always_inline)) void attend_run_64(
+        const int NG, const void *k_cache, const void *v_cache, int64_t first, int64_t slot_stride, int run,
+        int kv_dtype, HeadState *st, const char *pk, const char *pv, int64_t slot_bytes, int row_bytes) {
     __m512 qv[4][4], acc[4][4], part[4][16];
-    float m[4], l[4], p[4][16] __attribute__((aligned(64)));
+    float p[4][16] __attribute__((aligned(64)));
     for (int g = 0; g < NG; g++) {
-        load_row64(q, ((int64_t)seq * num_heads + h0 + g) * D, dtype, qv[g]);
         for (int j = 0; j < 4; j++) {
-            qv[g][j] = _mm512_mul_ps(qv[g][j], _mm512_set1_ps(scale));
-            acc[g][j] = _mm512_setzero_ps();
+            qv[g][j] = _mm512_load_ps(st[g].q + 16 * j);
+            acc[g][j] = _mm512_load_ps(st[g].acc + 16 * j);
         }
-        for (int t = 0; t < 16; t++) part[g][t] = _mm512_setzero_ps();
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
     }
-    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(D, kv_dtype);
-    for (int start = window_start(context_len, window), run; start < context_len; start += run) {
-        const int offset = start % block_size;
-        run = run_length(start, context_len, block_size);
-        const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
-                              + (int64_t)kvh * cache_row(D, kv_dtype);
-        if (start + run < context_len)  /* the next run lies in another block: fetch it while this one computes */
-            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, kv_dtype);
-        for (int t = 0; t < run; t++) {
-            __m512 k[4];
-            load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
-            for (int g = 0; g < NG; g++) {
-                __m512 a = _mm512_mul_ps(qv[g][0], k[0]), b = _mm512_mul_ps(qv[g][2], k[2]);
-                a = _mm512_fmadd_ps(qv[g][1], k[1], a);
-                b = _mm512_fmadd_ps(qv[g][3], k[3], b);
-                part[g][t] = _mm512_add_ps(a, b);
-            }
-        }
-        const __mmask16 valid = (__mmask16)((1u << run) - 1u);
+    for (int t = 0; t < run; t++) {
+        __m512 k[4];
+        prefetch_rows(pk, pv, t * slot_bytes, row_bytes);
+        load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
         for (int g = 0; g < NG; g++) {
-            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, transpose_sum16(part[g]));
-            const float run_max = _mm512_reduce_max_ps(scores);
-            const float new_max = run_max > m[g] ? run_max : m[g];
-            const float correction = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-            l[g] = l[g] * correction + _mm512_reduce_add_ps(e);
-            m[g] = new_max;
-            _mm512_store_ps(p[g], e);
-            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(correction));
-        }
-        for (int t = 0; t < run; t++) {
-            __m512 v[4];
-            load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
-            for (int g = 0; g < NG; g++) {
-                const __m512 w = _mm512_set1_ps(p[g][t]);
-                for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
-            }
+            __m512 a = _mm512_mul_ps(qv[g][0], k[0]), b = _mm512_mul_ps(qv[g][2], k[2]);
+            a = _mm512_fmadd_ps(qv[g][1], k[1], a);
+            b = _mm512_fmadd_ps(qv[g][3], k[3], b);
+            part[g][t] = _mm512_add_ps(a, b);
         }
     }
+    for (int g = 0; g < NG; g++)
+        for (int t = run; t < 16; t++) part[g][t] = _mm512_setzero_ps();  /* a short run's unused lanes */
+    const __mmask16 valid = (__mmask16)((1u << run) - 1u);
     for (int g = 0; g < NG; g++) {
-        const int64_t oi = ((int64_t)seq * num_heads + h0 + g) * D;
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        float row[D] __attribute__((aligned(64)));
-        for (int j = 0; j < 4; j++) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g][j], inv));
-        if (dtype == 0) {
-            memcpy((float *)out + oi, row, sizeof row);
-        } else {
-            for (int i = 0; i < D; i++) ((uint16_t *)out)[oi + i] = f32_to_bf16(row[i]);
+        const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, transpose_sum16(part[g]));
+        const float run_max = _mm512_reduce_max_ps(scores);
+        if (run_max > st[g].m) {  /* a new maximum: rescale what was summed under the old one */
+            const float correction = st[g].m == -INFINITY ? 0.0f : expf(st[g].m - run_max);
+            st[g].l *= correction;
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(correction));
+            st[g].m = run_max;
+        }
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(st[g].m))));
+        st[g].l += _mm512_reduce_add_ps(e);
+        _mm512_store_ps(p[g], e);
+    }
+    for (int t = 0; t < run; t++) {
+        __m512 v[4];
+        load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
+        for (int g = 0; g < NG; g++) {
+            const __m512 w = _mm512_set1_ps(p[g][t]);
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
         }
     }
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(st[g].acc + 16 * j, acc[g][j]);
 }
 
 #endif  /* __AVX512F__ */
@@ -331,15 +325,16 @@ static inline float reduce_add256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
-static inline __attribute__((always_inline)) void load_row64(const void *base, int64_t index, int dtype,
-                                                              __m256 row[8]) {
+/* Vectors j0 .. j0+n-1 of a row of 64 values (8 to a vector) as float32, into row[0 .. n-1]. */
+static inline __attribute__((always_inline)) void load_row64(const void *base, int64_t index, int dtype, int j0,
+                                                              int n, __m256 row[]) {
     if (dtype == 0) {
         const float *src = (const float *)base + index;
-        for (int j = 0; j < 8; j++) row[j] = _mm256_loadu_ps(src + 8 * j);
+        for (int j = 0; j < n; j++) row[j] = _mm256_loadu_ps(src + 8 * (j0 + j));
     } else if (dtype == 1) {
         const uint16_t *src = (const uint16_t *)base + index;
-        for (int j = 0; j < 8; j++) {
-            const __m128i half = _mm_loadu_si128((const __m128i *)(src + 8 * j));
+        for (int j = 0; j < n; j++) {
+            const __m128i half = _mm_loadu_si128((const __m128i *)(src + 8 * (j0 + j)));
             row[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
         }
     } else {  /* int8 and the row's scale after its 64 values */
@@ -347,8 +342,8 @@ static inline __attribute__((always_inline)) void load_row64(const void *base, i
         float scale;
         memcpy(&scale, src + 64, sizeof scale);
         const __m256 s = _mm256_set1_ps(scale);
-        for (int j = 0; j < 8; j++) {
-            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(src + 8 * j));
+        for (int j = 0; j < n; j++) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(src + 8 * (j0 + j)));
             row[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
         }
     }
@@ -362,100 +357,201 @@ static inline __attribute__((always_inline)) __m256 transpose_sum8(const __m256 
     return _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
 }
 
-/* As the AVX-512 attend_heads_64: NG (1 to 4) query heads sharing kv head ``kvh``, each key and value
- * row loaded once for all of them, runs of up to 8 tokens. */
-static inline __attribute__((always_inline)) void attend_heads_64(
-        const int NG, const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-        int context_len, void *out, int seq, int h0, int kvh, int num_heads, int num_kv_heads, int block_size,
-        float scale, int dtype, int kv_dtype, int window) {
-    enum { D = 64 };
-    __m256 qv[4][8], acc[4][8], part[4][8];
-    float m[4], l[4], p[4][8] __attribute__((aligned(32)));
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int g = 0; g < NG; g++) {
-        load_row64(q, ((int64_t)seq * num_heads + h0 + g) * D, dtype, qv[g]);
-        for (int j = 0; j < 8; j++) {
-            qv[g][j] = _mm256_mul_ps(qv[g][j], _mm256_set1_ps(scale));
-            acc[g][j] = _mm256_setzero_ps();
-        }
-        for (int t = 0; t < 8; t++) part[g][t] = _mm256_setzero_ps();
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    const int64_t slot_stride = (int64_t)num_kv_heads * cache_row(D, kv_dtype);
-    for (int start = window_start(context_len, window), run; start < context_len; start += run) {
-        const int offset = start % block_size;
-        run = run_length(start, context_len, block_size);
-        const int64_t first = ((int64_t)table[start / block_size] * block_size + offset) * slot_stride
-                              + (int64_t)kvh * cache_row(D, kv_dtype);
-        if (start + run < context_len)
-            prefetch_run(k_cache, v_cache, table, context_len, start + run, kvh, slot_stride, block_size, kv_dtype);
-        for (int t = 0; t < run; t++) {
-            __m256 k[8];
-            load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
-            for (int g = 0; g < NG; g++) {
-                __m256 a = _mm256_mul_ps(qv[g][0], k[0]), b = _mm256_mul_ps(qv[g][1], k[1]);
-                for (int j = 2; j < 8; j += 2) {
-                    a = _mm256_fmadd_ps(qv[g][j], k[j], a);
-                    b = _mm256_fmadd_ps(qv[g][j + 1], k[j + 1], b);
-                }
-                part[g][t] = _mm256_add_ps(a, b);
-            }
-        }
-        const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)run), _CMP_LT_OQ);
+/* As the AVX-512 attend_run_64, in runs of up to 8 tokens. With sixteen registers the queries stay
+ * in memory (operands of the multiplies), and the weighted values go in four passes over the run, a
+ * quarter of the row each, so that the accumulators of every head stay in registers. */
+static inline __attribute__((always_inline)) void attend_run_64(
+        const int NG, const void *k_cache, const void *v_cache, int64_t first, int64_t slot_stride, int run,
+        int kv_dtype, HeadState *st, const char *pk, const char *pv, int64_t slot_bytes, int row_bytes) {
+    __m256 part[4][8];
+    float p[4][8] __attribute__((aligned(32)));
+    for (int t = 0; t < run; t++) {
+        __m256 k[8];
+        prefetch_rows(pk, pv, t * slot_bytes, row_bytes);
+        load_row64(k_cache, first + t * slot_stride, kv_dtype, 0, 8, k);
         for (int g = 0; g < NG; g++) {
-            const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(part[g]), valid);
-            const float run_max = reduce_max256(scores);
-            const float new_max = run_max > m[g] ? run_max : m[g];
-            const float correction = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
-            const __m256 e = _mm256_and_ps(valid, exp256(_mm256_sub_ps(scores, _mm256_set1_ps(new_max))));
-            l[g] = l[g] * correction + reduce_add256(e);
-            m[g] = new_max;
-            _mm256_store_ps(p[g], e);
-            for (int j = 0; j < 8; j++) acc[g][j] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(correction));
-        }
-        for (int t = 0; t < run; t++) {
-            __m256 v[8];
-            load_row64(v_cache, first + t * slot_stride, kv_dtype, v);
-            for (int g = 0; g < NG; g++) {
-                const __m256 w = _mm256_set1_ps(p[g][t]);
-                for (int j = 0; j < 8; j++) acc[g][j] = _mm256_fmadd_ps(w, v[j], acc[g][j]);
+            const float *q = st[g].q;
+            __m256 a = _mm256_mul_ps(_mm256_load_ps(q), k[0]), b = _mm256_mul_ps(_mm256_load_ps(q + 8), k[1]);
+            for (int j = 2; j < 8; j += 2) {
+                a = _mm256_fmadd_ps(_mm256_load_ps(q + 8 * j), k[j], a);
+                b = _mm256_fmadd_ps(_mm256_load_ps(q + 8 * j + 8), k[j + 1], b);
             }
+            part[g][t] = _mm256_add_ps(a, b);
         }
     }
+    for (int g = 0; g < NG; g++)
+        for (int t = run; t < 8; t++) part[g][t] = _mm256_setzero_ps();  /* a short run's unused lanes */
+    const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)run),
+                                       _CMP_LT_OQ);
     for (int g = 0; g < NG; g++) {
-        const int64_t oi = ((int64_t)seq * num_heads + h0 + g) * D;
-        const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        float row[D] __attribute__((aligned(32)));
-        for (int j = 0; j < 8; j++) _mm256_store_ps(row + 8 * j, _mm256_mul_ps(acc[g][j], inv));
-        if (dtype == 0) {
-            memcpy((float *)out + oi, row, sizeof row);
-        } else {
-            for (int i = 0; i < D; i++) ((uint16_t *)out)[oi + i] = f32_to_bf16(row[i]);
+        const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(part[g]), valid);
+        const float run_max = reduce_max256(scores);
+        if (run_max > st[g].m) {  /* a new maximum: rescale what was summed under the old one */
+            const float correction = st[g].m == -INFINITY ? 0.0f : expf(st[g].m - run_max);
+            st[g].l *= correction;
+            for (int i = 0; i < 64; i += 8)
+                _mm256_store_ps(st[g].acc + i, _mm256_mul_ps(_mm256_load_ps(st[g].acc + i), _mm256_set1_ps(correction)));
+            st[g].m = run_max;
         }
+        const __m256 e = _mm256_and_ps(valid, exp256(_mm256_sub_ps(scores, _mm256_set1_ps(st[g].m))));
+        st[g].l += reduce_add256(e);
+        _mm256_store_ps(p[g], e);
+    }
+    for (int j0 = 0; j0 < 8; j0 += 2) {  /* values 8 j0 .. 8 j0 + 15 of every row */
+        __m256 acc[4][2];
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 2; j++) acc[g][j] = _mm256_load_ps(st[g].acc + 8 * (j0 + j));
+        for (int t = 0; t < run; t++) {
+            __m256 v[2];
+            load_row64(v_cache, first + t * slot_stride, kv_dtype, j0, 2, v);
+            for (int g = 0; g < NG; g++) {
+                const __m256 w = _mm256_broadcast_ss(&p[g][t]);
+                for (int j = 0; j < 2; j++) acc[g][j] = _mm256_fmadd_ps(w, v[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 2; j++) _mm256_store_ps(st[g].acc + 8 * (j0 + j), acc[g][j]);
     }
 }
 
 #endif  /* AVX2 + FMA without AVX-512 */
 
 #ifdef RUN  /* a vector path was built */
-/* Every query head of kv head ``kvh`` of one sequence, four at a time. */
-static void attend_kv_head_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-                              int context_len, void *out, int seq, int kvh, int num_heads, int num_kv_heads,
-                              int block_size, float scale, int dtype, int kv_dtype, int window) {
+#include <omp.h>
+
+#define MIN_PART 4        /* blocks: the shortest part a sequence is split into */
+
+/* Every query head of sequence ``seq`` over its positions begin .. end-1, into st[0 .. num_heads-1]
+ * (started here). Block by block: a block's token slots hold every kv head's rows side by side, so
+ * each run of them is taken for all kv heads in turn while it is in cache, and the block
+ * PREFETCH_AHEAD later is fetched row by row meanwhile (the blocks of a sequence lie anywhere in the cache,
+ * where the hardware prefetcher loses the stream). */
+static void attend_span_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                           int begin, int end, int seq, int num_heads, int num_kv_heads, int block_size,
+                           float scale, int dtype, int kv_dtype, HeadState *st) {
+    enum { D = 64 };
     const int group = num_heads / num_kv_heads;
-    for (int g0 = 0; g0 < group; g0 += 4) {
-        const int h0 = kvh * group + g0;
-#define ATTEND(NG) attend_heads_64(NG, q, k_cache, v_cache, table, context_len, out, seq, h0, kvh, num_heads, \
-                                   num_kv_heads, block_size, scale, dtype, kv_dtype, window)
-        switch (group - g0 < 4 ? group - g0 : 4) {
-            case 1: ATTEND(1); break;
-            case 2: ATTEND(2); break;
-            case 3: ATTEND(3); break;
-            default: ATTEND(4); break;
-        }
-#undef ATTEND
+    RowBuffer buffer;
+    for (int h = 0; h < num_heads; h++) {
+        const float *qrow = load_row(q, ((int64_t)seq * num_heads + h) * D, dtype, D, &buffer);
+        for (int i = 0; i < D; i++) { st[h].q[i] = qrow[i] * scale; st[h].acc[i] = 0.0f; }
+        st[h].m = -INFINITY;
+        st[h].l = 0.0f;
     }
+    if (begin >= end) return;
+    const int row = cache_row(D, kv_dtype);
+    const int64_t slot_stride = (int64_t)num_kv_heads * row;  /* elements from a token slot to the next */
+    const int esize = kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1, last = (end - 1) / block_size;
+    for (int start = begin; start < end;) {
+        const int b = start / block_size, block_end = (b + 1) * block_size < end ? (b + 1) * block_size : end;
+        for (int run; start < block_end; start += run) {
+            run = block_end - start < RUN ? block_end - start : RUN;
+            const int64_t first = ((int64_t)table[b] * block_size + start % block_size) * slot_stride;
+            /* the same slots PREFETCH_AHEAD blocks on, fetched while this run computes */
+            const int64_t ahead = b + PREFETCH_AHEAD <= last
+                                  ? ((int64_t)table[b + PREFETCH_AHEAD] * block_size + start % block_size) * slot_stride : -1;
+            for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+                const char *pk = ahead < 0 ? NULL : (const char *)k_cache + (ahead + kvh * row) * esize;
+                const char *pv = ahead < 0 ? NULL : (const char *)v_cache + (ahead + kvh * row) * esize;
+                for (int g0 = 0; g0 < group; g0 += 4, pk = pv = NULL) {  /* the first heads fetch for the rest */
+                    HeadState *heads = st + kvh * group + g0;
+#define ATTEND(NG) attend_run_64(NG, k_cache, v_cache, first + kvh * row, slot_stride, run, kv_dtype, heads, pk, pv, \
+                                 slot_stride * esize, row * esize)
+                    switch (group - g0 < 4 ? group - g0 : 4) {
+                        case 1: ATTEND(1); break;
+                        case 2: ATTEND(2); break;
+                        case 3: ATTEND(3); break;
+                        default: ATTEND(4); break;
+                    }
+#undef ATTEND
+                }
+            }
+        }
+    }
+}
+
+/* Sequence ``seq``'s output from its heads' states. */
+static void finish_64(const HeadState *st, void *out, int seq, int num_heads, int dtype) {
+    for (int h = 0; h < num_heads; h++) {
+        const int64_t oi = ((int64_t)seq * num_heads + h) * 64;
+        const float inv = st[h].l > 0.0f ? 1.0f / st[h].l : 0.0f;
+        for (int i = 0; i < 64; i++) {
+            if (dtype == 0) ((float *)out)[oi + i] = st[h].acc[i] * inv;
+            else ((uint16_t *)out)[oi + i] = f32_to_bf16(st[h].acc[i] * inv);
+        }
+    }
+}
+
+/* How many parts each sequence's span is split into: one while there are sequences enough to keep
+ * every thread busy (8 a thread: dynamic scheduling evens out their lengths); else enough parts for
+ * about 8 tasks a thread, none shorter than MIN_PART blocks. */
+static int parts_per_sequence(int num_seqs, const int32_t *context_lens, int window, int block_size,
+                              int num_threads) {
+    if (num_threads <= 1 || num_seqs >= 8 * num_threads) return 1;
+    int longest = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int span = context_lens[s] - window_start(context_lens[s], window);
+        longest = span > longest ? span : longest;
+    }
+    const int blocks = (longest + block_size - 1) / block_size;
+    int parts = (8 * num_threads + num_seqs - 1) / num_seqs;
+    if (parts > blocks / MIN_PART) parts = blocks / MIN_PART;
+    return parts > 1 ? parts : 1;
+}
+
+/* head_dim 64 on the vector path. A task per sequence, or, with fewer sequences than threads can
+ * share, per part of one (a run of its blocks; split-K): each part's heads keep their own softmax
+ * state, merged by their maxima once all are done. Returns -1, computing nothing, where the states
+ * cannot be allocated. */
+static int decode_64(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                     const int32_t *context_lens, void *out, int num_seqs, int num_heads, int num_kv_heads,
+                     int block_size, int max_blocks, float scale, int dtype, int kv_dtype, int window,
+                     int num_threads) {
+    const int parts = parts_per_sequence(num_seqs, context_lens, window, block_size, num_threads);
+    const int64_t tasks = (int64_t)num_seqs * parts;
+    /* the heads' states: a set per thread, or with split sequences a set per task */
+    HeadState *states = aligned_alloc(64, (parts == 1 ? num_threads : tasks) * num_heads * sizeof(HeadState));
+    if (states == NULL) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int s = (int)(task / parts), part = (int)(task % parts), context_len = context_lens[s];
+        const int first = window_start(context_len, window);
+        /* the part's share of the span's blocks, cut at block edges */
+        const int b0 = first / block_size, blocks = context_len > first ? (context_len - 1) / block_size + 1 - b0 : 0;
+        const int lo = (b0 + (int)((int64_t)blocks * part / parts)) * block_size;
+        const int hi = (b0 + (int)((int64_t)blocks * (part + 1) / parts)) * block_size;
+        HeadState *st = states + (parts == 1 ? omp_get_thread_num() : task) * num_heads;
+        attend_span_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, lo > first ? lo : first,
+                       hi < context_len ? hi : context_len, s, num_heads, num_kv_heads, block_size, scale, dtype,
+                       kv_dtype, st);
+        if (parts == 1) finish_64(st, out, s, num_heads, dtype);
+    }
+    if (parts > 1) {
+        #pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int s = 0; s < num_seqs; s++) {
+            HeadState *st = states + (int64_t)s * parts * num_heads;  /* part 0's states, into which the rest merge */
+            for (int h = 0; h < num_heads; h++) {
+                float m = -INFINITY;
+                for (int part = 0; part < parts; part++) {
+                    const float mp = st[(int64_t)part * num_heads + h].m;
+                    m = mp > m ? mp : m;
+                }
+                float l = 0.0f, acc[64] = {0};
+                for (int part = 0; part < parts; part++) {
+                    const HeadState *x = st + (int64_t)part * num_heads + h;
+                    if (x->m == -INFINITY) continue;  /* an empty part */
+                    const float w = expf(x->m - m);
+                    l += w * x->l;
+                    for (int i = 0; i < 64; i++) acc[i] += w * x->acc[i];
+                }
+                st[h].l = l;
+                memcpy(st[h].acc, acc, sizeof acc);
+            }
+            finish_64(st, out, s, num_heads, dtype);
+        }
+    }
+    free(states);
+    return 0;
 }
 #define HAVE_HEADS_64 1
 #endif
@@ -483,16 +579,10 @@ void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                         int head_dim, int block_size, int max_blocks, float scale, int dtype, int kv_dtype,
                         int window, int num_threads) {
 #ifdef HAVE_HEADS_64
-    if (head_dim == 64) {
-        #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-        for (int s = 0; s < num_seqs; s++) {
-            for (int h = 0; h < num_kv_heads; h++) {
-                attend_kv_head_64(q, k_cache, v_cache, block_tables + (int64_t)s * max_blocks, context_lens[s], out,
-                                  s, h, num_heads, num_kv_heads, block_size, scale, dtype, kv_dtype, window);
-            }
-        }
+    if (head_dim == 64 && decode_64(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads,
+                                    num_kv_heads, block_size, max_blocks, scale, dtype, kv_dtype, window,
+                                    num_threads) == 0)
         return;
-    }
 #endif
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {

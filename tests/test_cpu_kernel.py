@@ -56,6 +56,25 @@ def test_decode_matches_reference(path, dtype, block_size, heads, kv_heads):
 
 
 @needs_c
+@each_path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_few_long_sequences_split_over_threads_match_reference(path, dtype, threads):
+    """Fewer sequences than the threads can share: each is cut into parts whose softmax states merge
+    (split-K); the parts' edges fall inside windows and short sequences have empty parts."""
+    args = paged_case([2000, 70, 1, 999], 16, 9, 3, 64, dtype, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window in (None, 100, 1500):
+            got = KERNELS[path].paged_decode_attention(*args, window=window)
+            want = reference.paged_decode_attention(*args, window=window)
+            torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_c
 def test_head_dim_128_and_a_single_sequence():
     args = paged_case([77], 16, 8, 2, 128, torch.float32, seed=3)
     torch.testing.assert_close(KERNEL.paged_decode_attention(*args),
