@@ -81,12 +81,32 @@ nearest the logits (benchmarks/int8_weights.py measures it quantized too, by set
 
 def _projection(w: dict[str, torch.Tensor], prefix: str, modules: list[str], bias: bool, int8: bool) -> Linear:
     """One linear for the checkpoint's ``modules`` that the step runs together: a fused tensor used
-    as it lies (Phi-3's), or the parts concatenated (the one copy fusing costs)."""
+    as it lies (Phi-3's), the parts viewed as one where they lie back to back in memory (as the GGUF
+    weights cache writes them), or else concatenated (the one copy fusing costs)."""
     def joined(kind: str) -> torch.Tensor:
         tensors = [w.pop(f"{prefix}{m}.{kind}") for m in modules]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if len(tensors) == 1:
+            return tensors[0]
+        view = adjacent_rows(tensors)
+        return torch.cat(tensors) if view is None else view
 
     return (make_int8_linear if int8 else make_linear)(joined("weight"), joined("bias") if bias else None)
+
+
+def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(tensors)`` as a view, without a copy, where each tensor is contiguous and starts in
+    the same storage where the one before ends; None where they do not."""
+    first = tensors[0]
+    storage, end = first.untyped_storage(), first.data_ptr()
+    for t in tensors:
+        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
+                or not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        end += t.numel() * t.element_size()
+    if end > storage.data_ptr() + storage.nbytes():
+        return None
+    rows = sum(t.shape[0] for t in tensors)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
 class DecoderModel:

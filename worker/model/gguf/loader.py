@@ -23,6 +23,7 @@ import torch
 
 from worker.model.base import LoadedModel, ModelLoadError, check_complete
 from worker.model.config import ModelConfig
+from worker.model.gguf import weights_cache
 from worker.model.gguf.index import GGUFIndex, read_index
 from worker.model.gguf.tensors import open_data, read_tensor
 from worker.model.tokenizer import load_tokenizer
@@ -101,30 +102,51 @@ def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
 
 def gguf_weights(index: GGUFIndex, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every weight of the file's model under its Hugging Face name, in ``dtype`` (on one thread:
-    ``worker.model.torch_threads``)."""
-    with one_thread():
-        return _gguf_weights(index, config, dtype)
-
-
-def _gguf_weights(index: GGUFIndex, config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    ``worker.model.torch_threads``): mapped from the weights cache (``weights_cache``) where an earlier
+    load wrote them, else computed from the file and written there for the next load."""
     _, family = _family(index)
-    names = _hf_names(family, config)
+    used = _used_tensors(index, family, config)
+    entry = weights_cache.entry_for(index, dtype) if _worth_caching(index, used, dtype) else None
+    shapes = {hf_name: index.tensors[gguf_name].shape for gguf_name, hf_name in used.items()}
+    with one_thread():
+        return weights_cache.cached(entry, shapes, lambda: _gguf_weights(index, config, dtype, family, used))
+
+
+def _gguf_weights(index: GGUFIndex, config, dtype: torch.dtype, family: GGUFFamily,
+                  used: dict[str, str]) -> dict[str, torch.Tensor]:
     data = open_data(index.path)
     weights = {}
-    for gguf_name, info in index.tensors.items():
-        hf_name = names.get(gguf_name)
-        if hf_name is None:
-            if gguf_name not in _ROPE_TENSORS:  # those are read into the config
-                log.warning("%s: ignoring tensor %s, which berth's %s model does not use",
-                            index.path, gguf_name, family.config_class.removesuffix("Config"))
-            continue
-        tensor = read_tensor(data, info, dtype)
+    for gguf_name, hf_name in used.items():
+        tensor = read_tensor(data, index.tensors[gguf_name], dtype)
         if family.permuted_qk and gguf_name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
             tensor = _unpermute_rope(tensor, heads)
         weights[hf_name] = tensor
-    check_complete(weights, names.values(), index.path)
     return weights
+
+
+def _used_tensors(index: GGUFIndex, family: GGUFFamily, config) -> dict[str, str]:
+    """GGUF name -> Hugging Face name of the file's tensors the model uses, in file order; the others
+    are logged (but the rope factors, which are read into the config)."""
+    names = _hf_names(family, config)
+    used = {}
+    for gguf_name in index.tensors:
+        if gguf_name in names:
+            used[gguf_name] = names[gguf_name]
+        elif gguf_name not in _ROPE_TENSORS:
+            log.warning("%s: ignoring tensor %s, which berth's %s model does not use",
+                        index.path, gguf_name, family.config_class.removesuffix("Config"))
+    check_complete(set(used.values()), names.values(), index.path)
+    return used
+
+
+_AS_STORED = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML float types read without a copy
+
+
+def _worth_caching(index: GGUFIndex, used: dict[str, str], dtype: torch.dtype) -> bool:
+    """Whether any weight is computed (dequantised or converted): a file already in ``dtype`` is mapped
+    as it lies, and a cache would only double it."""
+    return any(_AS_STORED.get(index.tensors[name].ggml_type) != dtype for name in used)
 
 
 def _hf_names(family: GGUFFamily, config) -> dict[str, str]:
