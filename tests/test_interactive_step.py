@@ -10,6 +10,7 @@ import pytest
 
 from tests.jobs_support import tiny_settings
 from tests.test_interactive_kv import _seq as kv_seq
+from tests.test_interactive_kv import _step as kv_step
 from worker.config import Settings
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, SamplingParams, Sequence
@@ -22,16 +23,11 @@ def _seq(i: int, prompt: int, interactive: bool = False, max_tokens: int = 1000)
 
 
 def _step(sched: Scheduler) -> dict[bool, int]:
-    """A step with the model's part faked; the tokens it gave each class (True: interactive)."""
-    plan = sched.schedule()
+    """A step with the model's part faked (``test_interactive_kv``'s); the tokens it gave each class
+    (True: interactive)."""
     given = {False: 0, True: 0}
-    for seq, n in plan.scheduled:
+    for seq, n in kv_step(sched).scheduled:
         given[seq.request.interactive] += n
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= seq.request.params.max_tokens:
-                sched.finish(seq)
     return given
 
 

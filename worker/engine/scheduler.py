@@ -147,8 +147,8 @@ class Scheduler:
             bound = self.interactive_step_tokens
             streaming = sum(len(s.token_ids) - s.num_computed_tokens == 1 for q in lanes[True].values() for s in q)
             given = budget if not streaming else max(bound, streaming)  # a prompt alone is not cut
-            left = self._serve(self._pass(True, lanes[True], out, below=batch), given)
-            budget = min(budget - (given - left), max(0, bound - (given - left)))
+            used = given - self._serve(self._pass(True, lanes[True], out, below=batch), given)
+            budget = min(budget - used, max(0, bound - used))
         if self.interactive_blocks:
             batch.keep_free = self._batch_headroom()
         self._serve(batch, budget)
