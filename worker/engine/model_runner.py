@@ -29,6 +29,7 @@ from kernels import kv_quant
 from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine.pooling import PoolRows, chunk_rows
+from worker.engine.step_heap import keep_step_temporaries_in_heap
 from worker.engine.request import Sequence
 from worker.model.architectures import context_length
 from worker.model.decoder import DecoderModel, StepInput
@@ -92,6 +93,8 @@ class ModelRunner:
         (``worker.model.linear.make_int8_linear``)."""
         self.device = device
         self.block_size = block_size
+        if device.type == "cpu":
+            keep_step_temporaries_in_heap()  # a step's tensors reused, not faulted in anew (worker.engine.step_heap)
         self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
         with one_thread():  # thousands of short operations (worker.model.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops,
