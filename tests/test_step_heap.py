@@ -1,7 +1,8 @@
-"""A CPU step's temporaries come back from the heap: tensors of a few MiB freed and made again, as
-every step does, cost no new page faults once the engine has set glibc's thresholds
-(worker.engine.step_heap). Each case runs in a process of its own: the thresholds are process-wide."""
+"""A CPU step's temporaries come from the heap, and stay there for the next step once the engine has
+set glibc's thresholds (worker.engine.step_heap): read from glibc's own counts (``mallinfo2``), in a
+process of its own for each case, as the thresholds are process-wide."""
 
+import json
 import subprocess
 import sys
 
@@ -10,33 +11,43 @@ import pytest
 from worker.engine.step_heap import keep_step_temporaries_in_heap
 
 STEPS = r"""
-import resource, sys
+import ctypes, json, sys
 import torch
 from worker.engine.step_heap import keep_step_temporaries_in_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
 if sys.argv[1] == "kept":
     assert keep_step_temporaries_in_heap()
+SIZES_MIB = (30, 28, 24, 20, 16)  # larger than anything importing torch maps and frees
 
-def step():  # tensors of a step's sizes, growing, each freed before the next (as a layer's are)
-    for mib in (4, 6, 8, 12, 16, 20, 24, 28):
-        torch.empty(mib * 2**18).fill_(1.0)
+def step():  # a step's tensors, held together for a while, then all freed (as a layer's are)
+    held = [torch.empty(mib * 2**18) for mib in SIZES_MIB]
+    mapped = libc.mallinfo2().hblkhd
+    del held
+    return mapped
 
-step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
-    step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+before = libc.mallinfo2()
+mapped = step()
+print(json.dumps({"mapped_while_held": mapped - before.hblkhd, "heap_kept": libc.mallinfo2().arena - before.arena}))
 """
 
 
-def faults_of_later_steps(mode: str) -> int:
+def heap_figures(mode: str) -> dict:
     out = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 @pytest.mark.skipif(not keep_step_temporaries_in_heap(), reason="glibc's malloc only")
-def test_a_steps_temporaries_are_reused_not_faulted_in_again():
-    pages = sum((4, 6, 8, 12, 16, 20, 24, 28)) * 2**20 // 4096  # one step's tensors, in 4 KiB pages
-    default = faults_of_later_steps("default")
-    kept = faults_of_later_steps("kept")
-    assert default > pages, f"glibc's defaults should map some of these anew every step: {default} faults"
-    assert kept < pages // 4, f"{kept} page faults in five steps whose tensors the heap already held"
+def test_a_steps_temporaries_come_from_the_heap_and_stay_for_the_next_step():
+    step_bytes = (30 + 28 + 24 + 20 + 16) * 2**20
+    default = heap_figures("default")
+    assert default["mapped_while_held"] >= 30 * 2**20, default  # glibc maps the larger blocks, then unmaps them
+    kept = heap_figures("kept")
+    assert kept["mapped_while_held"] == 0, kept
+    assert kept["heap_kept"] >= 0.9 * step_bytes, kept  # freed, but held by the heap for the next step
+    assert default["heap_kept"] < 0.1 * step_bytes, default
