@@ -25,7 +25,7 @@ import os
 import numpy as np
 import torch
 
-from kernels import kv_quant
+from kernels import cpu_elementwise, kv_quant
 from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine.pooling import PoolRows, chunk_rows
@@ -98,7 +98,7 @@ class ModelRunner:
         self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
         with one_thread():  # thousands of short operations (worker.model.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops,
-                                      int8_weights=weight_dtype == "int8")
+                                      int8_weights=weight_dtype == "int8", elementwise=self._elementwise(device))
         self.long_table_row = long_table_row(loaded.config)
         self.pooling = model_pooling(loaded.path)  # how an embeddings input's rows become its vector
         m = self.model
@@ -120,6 +120,13 @@ class ModelRunner:
                  f"{kv_cache_dtype} with a scale per token and head" if quantized
                  else str(dtype).removeprefix("torch."),
                  self.kv_bytes / 2**20, "touched as used" if device.type == "cpu" else f"on {device}")
+
+    def _elementwise(self, device: torch.device):
+        """The C kernel of the decoder's norms and rotary (``kernels.cpu_elementwise``) where the attention
+        path is the CPU's C kernel too (so a compiler works); None elsewhere (PyTorch's operations)."""
+        if device.type != "cpu" or self.ops.name != "cpu":
+            return None
+        return cpu_elementwise.load(cache_dir("kernels"))
 
     # ---- the step
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence], PoolRows | None]:

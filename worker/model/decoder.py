@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionOps
+from kernels.cpu_elementwise import ElementwiseKernel
 from worker.model.architectures import architecture, gate_up_modules, layer_windows, qkv_modules
 from worker.model.base import ModelLoadError
 from worker.model.linear import Linear, make_int8_linear, make_linear
@@ -111,9 +112,11 @@ def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 class DecoderModel:
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 ops: AttentionOps, int8_weights: bool = False):
+                 ops: AttentionOps, int8_weights: bool = False, elementwise: ElementwiseKernel | None = None):
         """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``);
-        ``int8_weights``: the attention and MLP projections multiply by int8 weights (not bit-exact)."""
+        ``int8_weights``: the attention and MLP projections multiply by int8 weights (not bit-exact);
+        ``elementwise``: the C kernel of the residual adds, norms, rotary and KV writes, used in float32 on
+        the CPU where no per-head q/k norm comes between the projection and rotary (else PyTorch's ops)."""
         arch = architecture(config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"this {config.model_type} model's activation is {config.hidden_act!r}; berth's "
@@ -146,11 +149,15 @@ class DecoderModel:
                 k_norm=w[p + "self_attn.k_norm.weight"] if arch.qk_norm else None,
                 window=windows[i]))
         self.cos, self.sin = rotary_tables(config, self.head_dim, device, dtype)  # [positions, rotary dim]
+        self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        self.fused = elementwise if elementwise is not None and not arch.qk_norm and elementwise.takes(self.cos) else None
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states after the final norm for ``step.logits_rows`` (what transformers' ``AutoModel``
         gives as ``last_hidden_state``); writes every new token's K/V."""
+        if self.fused is not None and self.fused.takes(self.embed, *kv_caches[0]):
+            return self._forward_fused(step, kv_caches)
         T = step.input_ids.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[step.positions].unsqueeze(1)
@@ -171,7 +178,25 @@ class DecoderModel:
             h = h + layer.o(attn.view(T, H * D))
             x = rms_norm(h, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + layer.down(F.silu(gate).mul_(up))
+        return rms_norm(h[step.logits_rows], self.norm, self.eps)
+
+    def _forward_fused(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``forward`` with each residual add and norm, and rotary with the KV write, one pass of the C
+        kernel (``kernels.cpu_elementwise``); the residual stream ``h`` is added to in place."""
+        T = step.input_ids.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.embed[step.input_ids]  # a new tensor: the residual stream, owned by this step
+        delta = None  # what the layer before adds to h
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = self.fused.add_rms_norm(h, delta, layer.input_norm, self.eps)
+            q = self.fused.rotary_kv(layer.qkv(x), step.positions, self.cos, self.sin, H, KVH, D, k_cache, v_cache,
+                                     step.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, step, layer.window)
+            x = self.fused.add_rms_norm(h, layer.o(attn.view(T, H * D)), layer.post_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            delta = layer.down(F.silu(gate).mul_(up))
+        h += delta
         return rms_norm(h[step.logits_rows], self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

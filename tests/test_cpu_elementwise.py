@@ -1,0 +1,80 @@
+"""The C kernel of the decoder's residual adds, norms, rotary and KV writes (kernels/cpu_elementwise.c)
+against PyTorch's operations (worker.model.decoder's references), and the decoder using it."""
+
+import pytest
+import torch
+
+from kernels import cpu_elementwise
+from kernels.reference import write_kv
+from worker.config import cache_dir
+from worker.model.decoder import apply_rotary, rms_norm
+
+kernel = cpu_elementwise.load(cache_dir("kernels"))
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 100), (300, 576), (64, 17)])
+def test_add_rms_norm_is_the_residual_add_and_the_norm(rows, dim, threads):
+    torch.manual_seed(rows * dim)
+    torch.set_num_threads(threads)
+    h, delta, weight = torch.randn(rows, dim) * 3, torch.randn(rows, dim), torch.rand(dim) + 0.5
+    expected_h = h + delta
+    expected = rms_norm(expected_h, weight, 1e-5)
+    out = kernel.add_rms_norm(h, delta, weight, 1e-5)
+    assert torch.equal(h, expected_h)  # the add is the add: same rounding
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)  # only the squares' sum order differs
+    again = kernel.add_rms_norm(h, None, weight, 1e-5)  # without a residual, h stays as it is
+    assert torch.equal(h, expected_h)
+    torch.testing.assert_close(again, expected, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary (Phi-3 style: the first half of each head)
+def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads):
+    torch.manual_seed(rot)
+    torch.set_num_threads(threads)
+    tokens, heads, kv_heads, dim, blocks, block_size = 37, 9, 3, 64, 10, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 8)[:, 8:]  # rows with a stride, as a view
+    positions = torch.randint(0, 500, (tokens,))
+    angles = torch.rand(512, rot // 2) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    k_cache, v_cache = torch.zeros(blocks, block_size, kv_heads, dim), torch.zeros(blocks, block_size, kv_heads, dim)
+    q = kernel.rotary_kv(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+
+    eq, ek, ev = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    write_kv(apply_rotary(ek.reshape(tokens, kv_heads, dim), c, s), ev.reshape(tokens, kv_heads, dim),
+             expected_k, expected_v, slots)
+    assert torch.equal(q, apply_rotary(eq.reshape(tokens, heads, dim), c, s))  # the same products and sums
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def test_the_default_model_runs_the_kernel_and_gives_what_pytorchs_operations_give(smol_loaded):
+    from worker.config import Settings
+    from worker.engine.engine import Engine
+    from worker.engine.request import SamplingParams
+
+    engine = Engine(Settings(kv_memory=64 * 2**20), loaded=smol_loaded)
+    model = engine.runner.model
+    assert model.fused is not None, "float32 on the CPU with the C attention kernel: the fused path"
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):", "1, 2, 3,")]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    fused = [o.completions[0].token_ids for o in engine.generate(prompts, params)]
+    calls = []
+    original = model._forward_fused
+    model._forward_fused = lambda *a: calls.append(1) or original(*a)
+    model.fused = None  # PyTorch's operations
+    plain = [o.completions[0].token_ids for o in engine.generate(prompts, params)]
+    assert fused == plain
+    assert not calls
