@@ -153,7 +153,7 @@ def job_spec(flags: dict):
 # berth's errors that reach the user as one line, by module and name. They are looked up among the modules
 # already imported, never imported to be named: an error of a module nobody imported cannot have been
 # raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
-USER_ERRORS = (("jobs.db", "SchemaError"), ("jobs.lifecycle", "JobNotFound"), ("jobs.lifecycle", "JobStateError"),
+USER_ERRORS = (("jobs.db", "SchemaError"), ("jobs.job_errors", "JobNotFound"), ("jobs.job_errors", "JobStateError"),
                ("jobs.tenants", "TenantNotFound"), ("jobs.validate", "InputError"),
                ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
 
