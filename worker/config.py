@@ -237,6 +237,9 @@ class Settings(BaseModel):
     drain_timeout: float = 60.0  # seconds a worker told to stop keeps finishing its running requests
     metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
     metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
+    # berth worker as the child of a process that imported torch and the engine once and forks a new worker
+    # at once whenever one dies (jobs/respawn.py): a restart then costs the model's load, not the imports
+    respawn: bool = False
 
     # --- interactive requests through RabbitMQ (berth serve's chat and completions routes with a broker)
     # Interactive requests a worker holds at once from its model's interactive queue (its own prefetch,
