@@ -11,6 +11,9 @@ out from git in the same run (``--baseline``, default the commit before the star
 - ``worker``: seconds from a ``berth worker`` process start (embedded defaults: SQLite, the
   embedded queue and a local folder, in a temporary folder) to its log line that it consumes
   (``ready``) and to its first generated token (the Prometheus counter ``berth_output_tokens_total``);
+- ``respawn``: with ``berth worker --respawn`` (a parent that imported torch and the engine forks the
+  worker), seconds from SIGKILL of the ready child to the next child's ``ready`` line, which is what a
+  crash costs there (a baseline without ``--respawn`` shows none);
 - ``commands``: seconds of the commands that read jobs and never run the engine (``berth status``,
   ``list``, ``--help``), each the best of three, on a job submitted to an embedded database;
 - the KV cache's resident memory after start and after the first token: the pages of the cache
@@ -217,6 +220,49 @@ def time_worker(tree: Path, work: Path, timeout: float = 300.0) -> dict:
     return {"ready": ready, "first_token": first_token, "log": [f"{t:6.2f}s {text}" for t, text in lines[:12]]}
 
 
+def time_respawn(tree: Path, work: Path, timeout: float = 300.0) -> dict | None:
+    """``berth worker --respawn``: seconds from its start to the first child's ready line, and from SIGKILL
+    of that child to the next child's; None where the tree has no ``--respawn``."""
+    if not (tree / "jobs" / "respawn.py").exists():
+        return None
+    env = {**variant_env(tree, work), "BERTH_DATABASE_URL": f"sqlite:///{work / 'berth.db'}",
+           "BERTH_STORAGE_URL": f"file://{work / 'store'}"}
+    lines: list[tuple[float, str]] = []
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", "--respawn"], cwd=work, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter() - start, line.rstrip())
+                                                          for line in proc.stderr), daemon=True)
+    reader.start()
+
+    def ready_lines() -> list[float]:
+        return [t for t, text in list(lines) if " consuming " in text]
+
+    def wait_for(n: int) -> float:
+        while len(ready_lines()) < n:
+            if proc.poll() is not None or time.perf_counter() - start > timeout:
+                raise RuntimeError("the respawning worker died or never got ready:\n" +
+                                   "\n".join(text for _, text in lines[-20:]))
+            time.sleep(0.005)
+        return ready_lines()[n - 1]
+
+    try:
+        first_ready = wait_for(1)
+        child = int(re.findall(r"worker child (\d+) started", "\n".join(text for _, text in lines))[-1])
+        killed = time.perf_counter() - start
+        os.kill(child, 9)
+        respawned = wait_for(2)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+    return {"ready": first_ready, "death_to_ready": respawned - killed}
+
+
 COMMANDS = {"status": ["status", "{job}"], "list": ["list"], "help": ["--help"]}
 
 
@@ -244,10 +290,10 @@ def time_commands(tree: Path, work: Path, tries: int = 3) -> dict[str, dict[str,
 
 def one_run(tree: Path) -> dict:
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c, \
-            tempfile.TemporaryDirectory() as d:
+            tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as e:
         wall, cpu = time_generate(tree, Path(a))
         return {"generate": wall, "generate_cpu": cpu, "phases": phases(tree, Path(b)), "worker": time_worker(tree, Path(c)),
-                "commands": time_commands(tree, Path(d))}
+                "respawn": time_respawn(tree, Path(e)), "commands": time_commands(tree, Path(d))}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -256,6 +302,8 @@ def summary(runs: list[dict]) -> dict:
     return {"generate": min(r["generate"] for r in runs), "generate_cpu": min(r["generate_cpu"] for r in runs),
             "worker_ready": min(r["worker"]["ready"] for r in runs),
             "worker_first_token": min(r["worker"]["first_token"] for r in runs),
+            "respawn": None if runs[0]["respawn"] is None else
+            {k: min(r["respawn"][k] for r in runs) for k in ("ready", "death_to_ready")},
             "phases": {k: min(r["phases"][k] for r in runs)
                        for k in ("imports", "read_model", "build_engine", "first_token")},
             "kv": {k: best["phases"][k] for k in ("kv_reserved", "kv_resident_after_start",
@@ -276,6 +324,9 @@ def report(before: dict, after: dict, baseline: str) -> None:
             ("berth worker: start to first token (s)", before["worker_first_token"], after["worker_first_token"])]
     rows += [(f"  phase: {k.replace('_', ' ')} (s)", before["phases"][k], after["phases"][k])
              for k in before["phases"]]
+    for key, name in (("ready", "worker --respawn: start to ready (s)"),
+                      ("death_to_ready", "  respawn: child SIGKILL to ready (s)")):
+        rows.append((name, (before["respawn"] or {}).get(key, float("nan")), (after["respawn"] or {}).get(key, float("nan"))))
     for name, args in COMMANDS.items():
         shown = " ".join(a.replace("{job}", "JOB") for a in args)
         rows += [(f"berth {shown} (s)", before["commands"][name]["wall"], after["commands"][name]["wall"]),
@@ -286,7 +337,7 @@ def report(before: dict, after: dict, baseline: str) -> None:
              ("KV resident after 1st token (MiB)", before["kv"]["kv_resident_after_token"] / mib,
               after["kv"]["kv_resident_after_token"] / mib)]
     for name, b, a in rows:
-        ratio = f"{a / b:14.2f}" if b else f"{'-':>14}"
+        ratio = f"{a / b:14.2f}" if b and b == b else f"{'-':>14}"
         print(f"{name:38}{b:10.2f}{a:10.2f}{ratio}")
     print(f"KV blocks: before {before['kv']['kv_blocks']}, after {after['kv']['kv_blocks']}")
     for name, r in (("before", before), ("after", after)):

@@ -18,19 +18,15 @@ from typing import TYPE_CHECKING, Callable
 
 from jobs.db import open_database, upgrade
 from jobs.files import JobFiles
-from jobs.lifecycle import JobStateError
-from jobs.lifecycle import cancel as cancel_job
-from jobs.models import JobStatus
+from jobs.job_errors import JobStateError
+from jobs.job_status import JobStatus
 from jobs.status import JobView, get_job
 from jobs.status import list_jobs as query_jobs
-from jobs.tenants import allow_broker_user as allow_user
-from jobs.tenants import remove_broker_user as remove_user
-from jobs.tenants import set_cache_group, set_weight
-from jobs.tenants import webhook_secret as tenant_secret
 from worker.config import Settings
 
-# jobs.submit (line checks: the tokenizer, the grammar library) and jobs.tasks (Celery, ingest and finalize)
-# are imported by the functions that use them: `berth status`, `list` and `results` read rows and files only.
+# jobs.submit (line checks: the tokenizer, the grammar library), jobs.tasks (Celery, ingest and finalize) and
+# the modules that change rows through SQLAlchemy's ORM (jobs.lifecycle, jobs.tenants) are imported by the
+# functions that use them: `berth status`, `list` and `results` read rows (SQLAlchemy's core) and files only.
 if TYPE_CHECKING:
     from jobs.submit import JobSpec
 
@@ -77,6 +73,7 @@ def list_jobs(settings: Settings | None = None, tenant: str | None = None, statu
 
 def cancel(job_id: str, settings: Settings | None = None) -> JobView:
     """Cancel a job: running requests are aborted within a second, the rest fail as cancelled."""
+    from jobs.lifecycle import cancel as cancel_job
     from jobs.tasks import finalize_later, make_app
 
     settings = settings or Settings()
@@ -144,26 +141,36 @@ def retry(job_id: str, settings: Settings | None = None, eager: bool | None = No
 
 def set_tenant_weight(name: str, weight: float, settings: Settings | None = None) -> None:
     """A tenant's share of the engines (1 by default): with weights 2 and 1, twice the seats."""
+    from jobs.tenants import set_weight
+
     set_weight(open_database((settings or Settings()).database_url), name, weight)
 
 
 def set_tenant_cache_group(name: str, group: str | None, settings: Settings | None = None) -> None:
     """Tenants of one ``group`` share cached prompt prefixes (None: the tenant's are its own, the default)."""
+    from jobs.tenants import set_cache_group
+
     set_cache_group(open_database((settings or Settings()).database_url), name, group)
 
 
 def allow_broker_user(user: str, tenant: str, settings: Settings | None = None) -> None:
     """Let broker (RabbitMQ) user ``user`` submit jobs through the queue; they are ``tenant``'s."""
+    from jobs.tenants import allow_broker_user as allow_user
+
     allow_user(open_database((settings or Settings()).database_url), user, tenant)
 
 
 def remove_broker_user(user: str, settings: Settings | None = None) -> bool:
     """The broker user may no longer submit jobs; whether it could."""
+    from jobs.tenants import remove_broker_user as remove_user
+
     return remove_user(open_database((settings or Settings()).database_url), user)
 
 
 def webhook_secret(tenant: str, settings: Settings | None = None, rotate: bool = False) -> str:
     """The secret that signs the tenant's webhooks (made on first use; ``rotate``: a new one)."""
+    from jobs.tenants import webhook_secret as tenant_secret
+
     return tenant_secret(open_database((settings or Settings()).database_url), tenant, rotate)
 
 

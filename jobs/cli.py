@@ -153,7 +153,7 @@ def job_spec(flags: dict):
 # berth's errors that reach the user as one line, by module and name. They are looked up among the modules
 # already imported, never imported to be named: an error of a module nobody imported cannot have been
 # raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
-USER_ERRORS = (("jobs.db", "SchemaError"), ("jobs.lifecycle", "JobNotFound"), ("jobs.lifecycle", "JobStateError"),
+USER_ERRORS = (("jobs.db", "SchemaError"), ("jobs.job_errors", "JobNotFound"), ("jobs.job_errors", "JobStateError"),
                ("jobs.tenants", "TenantNotFound"), ("jobs.validate", "InputError"),
                ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
 
@@ -298,6 +298,9 @@ def tenant(name, weight, cache_group, **flags):
 @click.option("--interactive-prefetch", type=click.IntRange(0, 65535),
               help="chat and completions requests held at once from the model's interactive queue (RabbitMQ); "
               "0: a batch-only worker, which does not take them [8]")
+@click.option("--respawn", "respawn", flag_value=True, default=None,
+              help="run the worker as a child of a process that has imported torch and the engine once, and "
+              "start a new child at once whenever one dies (SIGKILL, OOM); SIGTERM to this process stops both")
 @service_options
 @engine_options
 def worker(**flags):
@@ -306,8 +309,36 @@ def worker(**flags):
     from jobs.engine_worker import engine_worker
 
     settings = settings_from(flags)
+    if settings.respawn:
+        from jobs.respawn import Respawner
+
+        preload_worker_modules()
+        sys.exit(Respawner(lambda ready: run_worker(settings, ready)).run())
     with user_errors():
         engine_worker(settings).run()
+
+
+def preload_worker_modules() -> None:
+    """What a worker imports besides torch and the engine (``jobs.engine_worker``): the ledger's side,
+    which it otherwise imports on a thread while its model loads. Imported, never run: fork-safe."""
+    import jobs.db  # noqa: F401
+    import jobs.housekeeping  # noqa: F401
+    import jobs.ledger  # noqa: F401
+
+
+def run_worker(settings, ready) -> int:
+    """A ``--respawn`` child: build the worker, say it is ready, run it; its exit status."""
+    from jobs.engine_worker import engine_worker
+
+    try:
+        with user_errors():
+            built = engine_worker(settings)
+            ready()
+            built.run()
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    return 0
 
 
 @main.command(name="broker-user")

@@ -7,7 +7,9 @@
 The schema comes only from ``migrations/``; ``upgrade(url)`` (``berth db upgrade``) applies them.
 Checking that a database is at the newest migration reads Alembic's version table and the
 migrations' ``revision`` lines without Alembic: importing it and loading every migration module cost
-`berth status` more than the rest of the command did. Alembic itself runs only to migrate.
+`berth status` more than the rest of the command did. Alembic itself runs only to migrate. Likewise
+SQLAlchemy's ORM is imported when a session is first asked for: the commands that only read jobs
+(``jobs.status``) query with SQLAlchemy's core alone.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATION_WAIT = 60.0  # seconds to wait for another process migrating the same empty database
 VERSION_TABLE = "alembic_version"  # Alembic's default name, which migrations/env.py keeps
@@ -35,7 +40,13 @@ class SchemaError(RuntimeError):
 class Database:
     url: str
     engine: Engine
-    session: sessionmaker[Session]
+
+    @functools.cached_property
+    def session(self) -> sessionmaker[Session]:
+        """ORM sessions of this database (``with db.session() as s``); SQLAlchemy's ORM is imported here."""
+        from sqlalchemy.orm import sessionmaker
+
+        return sessionmaker(self.engine, expire_on_commit=False)
 
 
 def normalize_url(url: str) -> str:
@@ -90,7 +101,7 @@ def open_database(url: str, migrate_if_empty: bool = True) -> Database:
         engine.dispose()
         raise SchemaError(f"the database {engine.url.render_as_string(hide_password=True)} is at migration "
                           f"{current or 'none'}, this berth needs {head}: run `berth db upgrade`")
-    _open[url] = db = Database(url, engine, sessionmaker(engine, expire_on_commit=False))
+    _open[url] = db = Database(url, engine)
     return db
 
 

@@ -24,20 +24,12 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from jobs.db import Database
+from jobs.job_errors import JobNotFound, JobStateError
 from jobs.models import Job, JobStatus, now
 
 LIVE = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS)
 _WINDOW = re.compile(r"\s*(\d+)\s*([smhd])\s*")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-class JobNotFound(LookupError):
-    def __init__(self, job_id: str):
-        super().__init__(f"no job {job_id!r}: `berth list` shows the jobs there are")
-
-
-class JobStateError(RuntimeError):
-    """The job is not in a state that allows what was asked."""
 
 
 def window_seconds(window: str) -> float:

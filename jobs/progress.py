@@ -1,21 +1,18 @@
-"""Showing jobs to a person: a summary, a table, and a live progress bar (rich)."""
+"""Showing jobs to a person: a summary, a table, and a live progress bar (rich).
+
+rich is imported by the table and the bar that use it: ``berth status`` prints ``describe``'s plain lines.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Callable
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Table
+from typing import TYPE_CHECKING, Callable
 
 from jobs.status import JobView
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 WATCH_INTERVAL = 1.0
 
@@ -51,6 +48,8 @@ def job_table(views: list[JobView], console: Console | None = None) -> None:
     """The jobs as a table. Ids are never cut short or wrapped (they are copied into other commands):
     in a narrow terminal the columns of ``GIVE_WAY`` are left out, as many as it takes, before the
     others shrink."""
+    from rich.console import Console
+
     console = console or Console()
     rows = [dict(zip(COLUMNS, (v.id, v.status.value, v.tenant, str(v.priority), f"{v.done}/{v.total}", str(v.failed),
                                f"{v.output_tokens_per_second:.1f}",
@@ -67,6 +66,8 @@ def job_table(views: list[JobView], console: Console | None = None) -> None:
 
 
 def _table(rows: list[dict[str, str]], columns: list[str]) -> Table:
+    from rich.table import Table
+
     table = Table()
     for name in columns:
         if name == "id":
@@ -82,6 +83,9 @@ class JobProgress:
     """A live bar of one job's requests, fed with ``update(view)``."""
 
     def __init__(self, disabled: bool = False):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[rates]}"), TimeElapsedColumn(),
                                  TextColumn("ETA {task.fields[eta]}"),

