@@ -10,7 +10,8 @@ blocks of 16), with block ids shuffled over a cache larger than the CPU's caches
 
 On a CPU with AVX-512 it also times the AVX2 + FMA path (``load(folder, isa="avx2")``, what AMD Zen
 2/3 and older Xeons run) on the same inputs, and prints each path's rate in GB/s of cache read, so
-the two can be compared per byte on one machine; with a baseline that has the path, the baseline's
+the two can be compared per byte on one machine (an int8 cache's bytes are its values and scales, 68 a
+row against float32's 256); with a baseline that has the path, the baseline's
 AVX2 path too (``base avx2`` ms, ``avx2/base``).
 
     git archive main kernels | tar -x -C /tmp/berth-baseline
@@ -31,12 +32,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, without installing berth
-from kernels import cpu_attention  # noqa: E402
+from kernels import cpu_attention, kv_quant  # noqa: E402
 from worker.config import cache_dir  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+INT8 = "int8"  # float32 queries over an int8 KV cache (kernels/kv_quant.py: 64 values and a float32 scale a row)
 CASES = [(torch.float32, 192, 512), (torch.float32, 64, 2048), (torch.bfloat16, 192, 512),
-         (torch.bfloat16, 64, 2048)]  # dtype, sequences, context
+         (torch.bfloat16, 64, 2048), (INT8, 192, 512), (INT8, 64, 2048)]  # dtype, sequences, context
 WINDOW = 256
 
 
@@ -60,13 +62,15 @@ def decode_of(module):
     return module.paged_decode_attention if module.available() else None
 
 
-def inputs(dtype: torch.dtype, seqs: int, context: int, gen: torch.Generator) -> tuple:
+def inputs(dtype: torch.dtype | str, seqs: int, context: int, gen: torch.Generator) -> tuple:
+    """The kernel's arguments; ``INT8``: float32 queries, the caches quantized as the engine writes them."""
     blocks = -(-context // BLOCK_SIZE)
     pool = seqs * blocks + 1
-    k = torch.randn(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    k, v = (kv_quant.quantize(k), kv_quant.quantize(v)) if dtype == INT8 else (k.to(dtype), v.to(dtype))
     tables = torch.randperm(pool, generator=gen)[:seqs * blocks].view(seqs, blocks).to(torch.int32)
-    q = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen).to(torch.float32 if dtype == INT8 else dtype)
     return q, k, v, tables, torch.full((seqs,), context, dtype=torch.int32), HEAD_DIM ** -0.5
 
 
@@ -90,6 +94,7 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="a checkout (or `git archive` of kernels/) to compare with")
     parser.add_argument("--rounds", type=int, default=5, help="alternations of baseline and this tree per case")
     parser.add_argument("--reps", type=int, default=20, help="calls timed per round (the median is kept)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,int8", help="the cases' KV dtypes, comma-separated")
     args = parser.parse_args()
     decode = decode_of(cpu_attention)
     if decode is None:
@@ -110,7 +115,7 @@ def main() -> int:
                                                                      if avx2 else "")
           + (f" {'base avx2':>9} {'avx2/base':>9}" if base_avx2 else ""))
     gen = torch.Generator().manual_seed(0)
-    for dtype, seqs, context in CASES:
+    for dtype, seqs, context in [c for c in CASES if str(c[0]).removeprefix("torch.") in args.dtypes.split(",")]:
         case = inputs(dtype, seqs, context, gen)
         ours, base, window, narrow, base_narrow = [], [], [], [], []
         for _ in range(args.rounds):
@@ -130,7 +135,8 @@ def main() -> int:
         t = statistics.median(ours)
         b = f"{statistics.median(base):8.3f} {t / statistics.median(base):9.3f}" if base else f"{'-':>8} {'-':>9}"
         w = f"{statistics.median(window):11.3f} {statistics.median(window) / t:8.3f}" if window else ""
-        gigabytes = 2 * seqs * context * KV_HEADS * HEAD_DIM * case[1].element_size() / 1e9  # keys and values, once
+        # keys and values (with int8, their scales too), once each
+        gigabytes = 2 * seqs * context * KV_HEADS * case[1].shape[-1] * case[1].element_size() / 1e9
         n = ""
         if narrow:
             a = statistics.median(narrow)

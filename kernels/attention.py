@@ -35,7 +35,7 @@ def select_ops(backend: str, device: torch.device | str, build_dir: Path | None 
 
         kernel = cpu_attention.load(Path(build_dir)) if build_dir is not None else None
         if kernel is not None:
-            return AttentionOps("cpu", reference.write_kv, kernel.paged_decode_attention,
+            return AttentionOps("cpu", kernel.write_kv, kernel.paged_decode_attention,
                                 reference.paged_prefill_attention)
         if backend == "cpu":
             raise RuntimeError("attention_backend=cpu needs a C compiler with OpenMP (cc or $CC) to build "

@@ -71,6 +71,31 @@ class DecodeKernel:
         return out
 
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """``kernels.reference.write_kv``: into an int8 cache, quantized in C (the same bytes as
+        ``kv_quant.quantize``); any other cache by the reference."""
+        if not self._writes_int8(key, value, k_cache, v_cache):
+            return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tokens, kv_heads, head_dim = key.shape
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if self.lib.berth_write_kv_int8(
+                key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(),
+                v_cache.data_ptr(), slots.data_ptr(), tokens, kv_heads, head_dim, num_slots, _DTYPES[key.dtype],
+                torch.get_num_threads()) != 0:
+            raise IndexError(f"a slot of slot_mapping lies outside the cache's {num_slots} slots")
+
+    def _writes_int8(self, key, value, k_cache, v_cache) -> bool:
+        int8 = kv_quant.FORMATS["int8"].storage_dtype
+        rows_ok = all(x.device.type == "cpu" and x.dtype in _DTYPES and x.dtype == key.dtype and x.dim() == 3
+                      and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (key, value))
+        return (rows_ok and k_cache.dtype == int8 and v_cache.dtype == int8 and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and key.shape[2] <= self.max_dim
+                and tuple(k_cache.shape[2:]) == (key.shape[1], kv_quant.row_bytes(key.shape[2]))
+                and key.shape == value.shape and k_cache.shape == v_cache.shape)
+
+
 @functools.cache
 def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     """The kernel, built into ``folder`` on first use (once per source, compiler, CPU and ``isa``),
@@ -87,6 +112,9 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     lib.berth_paged_decode.restype = None
     lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
         ctypes.c_int] * 4
+    lib.berth_write_kv_int8.restype = ctypes.c_int
+    lib.berth_write_kv_int8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [
+        ctypes.c_int] * 3 + [ctypes.c_int64] + [ctypes.c_int] * 2
     lib.berth_isa.restype = ctypes.c_char_p
     built_isa = lib.berth_isa().decode()
     limits = [ctypes.c_int() for _ in range(3)]

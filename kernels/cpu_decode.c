@@ -168,6 +168,15 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char *k, c
     }
 }
 
+/* The float32 scale after an int8 row's 64 values (``index`` counts bytes). The vector paths load
+ * the values as they are and fold the scale in once per row instead of once per value: into the
+ * row's score after its dot products for keys, into its softmax weight for values. */
+static inline float int8_scale(const void *base, int64_t index) {
+    float scale;
+    memcpy(&scale, (const int8_t *)base + index + 64, sizeof scale);
+    return scale;
+}
+
 #endif
 #if defined(__AVX512F__)
 
@@ -203,15 +212,10 @@ static inline __attribute__((always_inline)) void load_row64(const void *base, i
             const __m256i half = _mm256_loadu_si256((const __m256i *)(src + 16 * j));
             row[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
         }
-    } else {  /* int8 and the row's scale after its 64 values */
+    } else {  /* int8: the values, not yet times the row's scale (int8_scale) */
         const int8_t *src = (const int8_t *)base + index;
-        float scale;
-        memcpy(&scale, src + 64, sizeof scale);
-        const __m512 s = _mm512_set1_ps(scale);
-        for (int j = 0; j < 4; j++) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + 16 * j));
-            row[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s);
-        }
+        for (int j = 0; j < 4; j++)
+            row[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * j))));
     }
 }
 
@@ -241,7 +245,7 @@ static inline __attribute__((always_inline)) void attend_run_64(
         const int NG, const void *k_cache, const void *v_cache, int64_t first, int64_t slot_stride, int run,
         int kv_dtype, HeadState *st, const char *pk, const char *pv, int64_t slot_bytes, int row_bytes) {
     __m512 qv[4][4], acc[4][4], part[4][16];
-    float p[4][16] __attribute__((aligned(64)));
+    float p[4][16] __attribute__((aligned(64))), ks[16] __attribute__((aligned(64))), vs[16] __attribute__((aligned(64)));
     for (int g = 0; g < NG; g++) {
         for (int j = 0; j < 4; j++) {
             qv[g][j] = _mm512_load_ps(st[g].q + 16 * j);
@@ -252,6 +256,10 @@ static inline __attribute__((always_inline)) void attend_run_64(
         __m512 k[4];
         prefetch_rows(pk, pv, t * slot_bytes, row_bytes);
         load_row64(k_cache, first + t * slot_stride, kv_dtype, k);
+        if (kv_dtype == 2) {
+            ks[t] = int8_scale(k_cache, first + t * slot_stride);
+            vs[t] = int8_scale(v_cache, first + t * slot_stride);
+        }
         for (int g = 0; g < NG; g++) {
             __m512 a = _mm512_mul_ps(qv[g][0], k[0]), b = _mm512_mul_ps(qv[g][2], k[2]);
             a = _mm512_fmadd_ps(qv[g][1], k[1], a);
@@ -263,7 +271,9 @@ static inline __attribute__((always_inline)) void attend_run_64(
         for (int t = run; t < 16; t++) part[g][t] = _mm512_setzero_ps();  /* a short run's unused lanes */
     const __mmask16 valid = (__mmask16)((1u << run) - 1u);
     for (int g = 0; g < NG; g++) {
-        const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, transpose_sum16(part[g]));
+        __m512 dots = transpose_sum16(part[g]);
+        if (kv_dtype == 2) dots = _mm512_mul_ps(dots, _mm512_maskz_load_ps(valid, ks));
+        const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, dots);
         const float run_max = _mm512_reduce_max_ps(scores);
         if (run_max > st[g].m) {  /* a new maximum: rescale what was summed under the old one */
             const float correction = st[g].m == -INFINITY ? 0.0f : expf(st[g].m - run_max);
@@ -273,7 +283,7 @@ static inline __attribute__((always_inline)) void attend_run_64(
         }
         const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(st[g].m))));
         st[g].l += _mm512_reduce_add_ps(e);
-        _mm512_store_ps(p[g], e);
+        _mm512_store_ps(p[g], kv_dtype == 2 ? _mm512_mul_ps(e, _mm512_maskz_load_ps(valid, vs)) : e);
     }
     for (int t = 0; t < run; t++) {
         __m512 v[4];
@@ -337,15 +347,10 @@ static inline __attribute__((always_inline)) void load_row64(const void *base, i
             const __m128i half = _mm_loadu_si128((const __m128i *)(src + 8 * (j0 + j)));
             row[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
         }
-    } else {  /* int8 and the row's scale after its 64 values */
+    } else {  /* int8: the values, not yet times the row's scale (int8_scale) */
         const int8_t *src = (const int8_t *)base + index;
-        float scale;
-        memcpy(&scale, src + 64, sizeof scale);
-        const __m256 s = _mm256_set1_ps(scale);
-        for (int j = 0; j < n; j++) {
-            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(src + 8 * (j0 + j)));
-            row[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
-        }
+        for (int j = 0; j < n; j++)
+            row[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * (j0 + j)))));
     }
 }
 
@@ -364,11 +369,15 @@ static inline __attribute__((always_inline)) void attend_run_64(
         const int NG, const void *k_cache, const void *v_cache, int64_t first, int64_t slot_stride, int run,
         int kv_dtype, HeadState *st, const char *pk, const char *pv, int64_t slot_bytes, int row_bytes) {
     __m256 part[4][8];
-    float p[4][8] __attribute__((aligned(32)));
+    float p[4][8] __attribute__((aligned(32))), ks[8] __attribute__((aligned(32))), vs[8] __attribute__((aligned(32)));
     for (int t = 0; t < run; t++) {
         __m256 k[8];
         prefetch_rows(pk, pv, t * slot_bytes, row_bytes);
         load_row64(k_cache, first + t * slot_stride, kv_dtype, 0, 8, k);
+        if (kv_dtype == 2) {
+            ks[t] = int8_scale(k_cache, first + t * slot_stride);
+            vs[t] = int8_scale(v_cache, first + t * slot_stride);
+        }
         for (int g = 0; g < NG; g++) {
             const float *q = st[g].q;
             __m256 a = _mm256_mul_ps(_mm256_load_ps(q), k[0]), b = _mm256_mul_ps(_mm256_load_ps(q + 8), k[1]);
@@ -381,10 +390,14 @@ static inline __attribute__((always_inline)) void attend_run_64(
     }
     for (int g = 0; g < NG; g++)
         for (int t = run; t < 8; t++) part[g][t] = _mm256_setzero_ps();  /* a short run's unused lanes */
+    if (kv_dtype == 2)
+        for (int t = run; t < 8; t++) ks[t] = vs[t] = 0.0f;
     const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)run),
                                        _CMP_LT_OQ);
     for (int g = 0; g < NG; g++) {
-        const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(part[g]), valid);
+        __m256 dots = transpose_sum8(part[g]);
+        if (kv_dtype == 2) dots = _mm256_mul_ps(dots, _mm256_load_ps(ks));
+        const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), dots, valid);
         const float run_max = reduce_max256(scores);
         if (run_max > st[g].m) {  /* a new maximum: rescale what was summed under the old one */
             const float correction = st[g].m == -INFINITY ? 0.0f : expf(st[g].m - run_max);
@@ -395,7 +408,7 @@ static inline __attribute__((always_inline)) void attend_run_64(
         }
         const __m256 e = _mm256_and_ps(valid, exp256(_mm256_sub_ps(scores, _mm256_set1_ps(st[g].m))));
         st[g].l += reduce_add256(e);
-        _mm256_store_ps(p[g], e);
+        _mm256_store_ps(p[g], kv_dtype == 2 ? _mm256_mul_ps(e, _mm256_load_ps(vs)) : e);
     }
     for (int j0 = 0; j0 < 8; j0 += 2) {  /* values 8 j0 .. 8 j0 + 15 of every row */
         __m256 acc[4][2];
@@ -455,8 +468,10 @@ static void attend_span_64(const void *q, const void *k_cache, const void *v_cac
                 const char *pv = ahead < 0 ? NULL : (const char *)v_cache + (ahead + kvh * row) * esize;
                 for (int g0 = 0; g0 < group; g0 += 4, pk = pv = NULL) {  /* the first heads fetch for the rest */
                     HeadState *heads = st + kvh * group + g0;
-#define ATTEND(NG) attend_run_64(NG, k_cache, v_cache, first + kvh * row, slot_stride, run, kv_dtype, heads, pk, pv, \
-                                 slot_stride * esize, row * esize)
+/* NG and the kv dtype as constants, so each inlined copy keeps only its own dtype's loads */
+#define ATTEND_KV(NG, KV) attend_run_64(NG, k_cache, v_cache, first + kvh * row, slot_stride, run, KV, heads, pk, \
+                                        pv, slot_stride * esize, row * esize)
+#define ATTEND(NG) (kv_dtype == 0 ? ATTEND_KV(NG, 0) : kv_dtype == 1 ? ATTEND_KV(NG, 1) : ATTEND_KV(NG, 2))
                     switch (group - g0 < 4 ? group - g0 : 4) {
                         case 1: ATTEND(1); break;
                         case 2: ATTEND(2); break;
@@ -464,6 +479,7 @@ static void attend_span_64(const void *q, const void *k_cache, const void *v_cac
                         default: ATTEND(4); break;
                     }
 #undef ATTEND
+#undef ATTEND_KV
                 }
             }
         }
@@ -555,6 +571,46 @@ static int decode_64(const void *q, const void *k_cache, const void *v_cache, co
 }
 #define HAVE_HEADS_64 1
 #endif
+
+/* Quantize-on-write into an int8 cache: each (token, kv head) row of ``d`` values of ``key`` and
+ * ``value`` (float32 or bfloat16 as ``dtype`` says; token t's rows at t * stride elements, its kv heads'
+ * rows back to back) becomes d int8 values and their float32 scale in slot ``slots[t]`` of the caches,
+ * as kernels/kv_quant.py's quantize does, bit for bit: scale = max|row| / 127 (at least 1e-30), each
+ * value x / scale clamped to +-127 and rounded half to even. One pass over each row, where the
+ * PyTorch ops took a dozen passes and temporaries a layer. Returns -1, writing nothing, where a slot
+ * lies outside the caches' ``num_slots``. */
+static inline void quantize_row(const void *src, int dtype, int d, int8_t *dst) {
+    float x[MAX_HEAD_DIM], amax = 0.0f;
+    if (dtype == 0) memcpy(x, src, (size_t)d * sizeof(float));
+    else for (int i = 0; i < d; i++) { uint32_t u = (uint32_t)((const uint16_t *)src)[i] << 16; memcpy(x + i, &u, 4); }
+    #pragma omp simd reduction(max:amax)
+    for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float scale = amax / 127.0f;
+    if (!(scale >= 1e-30f) && scale == scale) scale = 1e-30f;  /* clamp(min=1e-30), NaN kept */
+    #pragma omp simd
+    for (int i = 0; i < d; i++) dst[i] = (int8_t)nearbyintf(fminf(fmaxf(x[i] / scale, -127.0f), 127.0f));
+    memcpy(dst + d, &scale, sizeof scale);
+}
+
+int berth_write_kv_int8(const void *key, const void *value, int64_t key_stride, int64_t value_stride,
+                        void *k_cache, void *v_cache, const int64_t *slots, int tokens, int kv_heads, int d,
+                        int64_t num_slots, int dtype, int num_threads) {
+    if (d > MAX_HEAD_DIM) return -1;
+    for (int t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const int esize = dtype == 0 ? 4 : 2, row = d + 4;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * kv_heads >= 512)
+    for (int t = 0; t < tokens; t++) {
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t at = (slots[t] * kv_heads + h) * row;
+            quantize_row((const char *)key + ((int64_t)t * key_stride + (int64_t)h * d) * esize, dtype, d,
+                         (int8_t *)k_cache + at);
+            quantize_row((const char *)value + ((int64_t)t * value_stride + (int64_t)h * d) * esize, dtype, d,
+                         (int8_t *)v_cache + at);
+        }
+    }
+    return 0;
+}
 
 /* The vector path this build runs for head_dim 64: "avx512", "avx2" or "none" (plain C for every shape). */
 const char *berth_isa(void) {

@@ -205,6 +205,38 @@ def test_write_kv_quantizes_into_an_int8_cache():
                                atol=0.02, rtol=0.02)
 
 
+@needs_c
+@each_path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 700])  # 700 x 3 rows: written by both threads
+def test_c_write_kv_stores_the_bytes_of_kv_quant(path, dtype, tokens):
+    """The C quantize-on-write gives the reference's bytes exactly, from rows of every size (an
+    all-zero one among them), read from a view of a fused projection as the model hands them."""
+    g = torch.Generator().manual_seed(tokens)
+    fused = torch.randn(tokens, 3 * 3 * 64, generator=g) * torch.logspace(-4, 3, tokens)[:, None]
+    fused[1, 3 * 64:] = 0.0
+    fused = fused.to(dtype)
+    key = fused[:, 3 * 64:6 * 64].view(tokens, 3, 64)  # strided: not contiguous
+    value = fused[:, 6 * 64:].view(tokens, 3, 64)
+    slots = torch.randperm(64 * 16, generator=g)[:tokens]
+    caches = [torch.randint(0, 256, (64, 16, 3, 68), dtype=torch.uint8, generator=g) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    reference.write_kv(key, value, *want, slots)
+    KERNELS[path].write_kv(key, value, *caches, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(IndexError):
+        KERNELS[path].write_kv(key, value, *caches, torch.full_like(slots, 64 * 16))
+
+
+@needs_c
+def test_c_write_kv_leaves_other_caches_to_the_reference():
+    key, value = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    caches = [torch.zeros(2, 16, 3, 64) for _ in range(2)]
+    KERNEL.write_kv(key, value, *caches, torch.tensor([0, 5, 17, 31]))
+    assert torch.equal(caches[0].view(-1, 3, 64)[[0, 5, 17, 31]], key)
+    assert torch.equal(caches[1].view(-1, 3, 64)[[0, 5, 17, 31]], value)
+
+
 def quantized_case(lens, block_size, heads, kv_heads, head_dim, dtype, seed=0):
     q, k, v, tables, lens, scale = paged_case(lens, block_size, heads, kv_heads, head_dim, torch.float32, seed)
     return q.to(dtype), kv_quant.quantize(k), kv_quant.quantize(v), tables, lens, scale
