@@ -209,15 +209,20 @@ def time_worker(tree: Path, work: Path, timeout: float = 300.0) -> dict:
                 pass
             time.sleep(0.02)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=5)
+        stop(proc, reader)
     ready = next((t for t, text in lines if " consuming " in text), float("nan"))
     return {"ready": ready, "first_token": first_token, "log": [f"{t:6.2f}s {text}" for t, text in lines[:12]]}
+
+
+def stop(proc: subprocess.Popen, reader: threading.Thread) -> None:
+    """Stop a worker (SIGTERM, SIGKILL after 60 s) and the thread reading its log."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    reader.join(timeout=5)
 
 
 def time_respawn(tree: Path, work: Path, timeout: float = 300.0) -> dict | None:
@@ -253,13 +258,7 @@ def time_respawn(tree: Path, work: Path, timeout: float = 300.0) -> dict | None:
         os.kill(child, 9)
         respawned = wait_for(2)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=5)
+        stop(proc, reader)
     return {"ready": first_ready, "death_to_ready": respawned - killed}
 
 
