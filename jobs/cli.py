@@ -306,28 +306,19 @@ def tenant(name, weight, cache_group, **flags):
 def worker(**flags):
     """Run the engine on the request queue until SIGTERM."""
     configure_logging()
-    from jobs.engine_worker import engine_worker
+    from jobs.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
 
     settings = settings_from(flags)
     if settings.respawn:
         from jobs.respawn import Respawner
 
-        preload_worker_modules()
+        ledger_modules()  # imported once here, not in each child (on a thread while its model loads)
         sys.exit(Respawner(lambda ready: run_worker(settings, ready)).run())
-    with user_errors():
-        engine_worker(settings).run()
-
-
-def preload_worker_modules() -> None:
-    """What a worker imports besides torch and the engine (``jobs.engine_worker``): the ledger's side,
-    which it otherwise imports on a thread while its model loads. Imported, never run: fork-safe."""
-    import jobs.db  # noqa: F401
-    import jobs.housekeeping  # noqa: F401
-    import jobs.ledger  # noqa: F401
+    sys.exit(run_worker(settings, lambda: None))
 
 
 def run_worker(settings, ready) -> int:
-    """A ``--respawn`` child: build the worker, say it is ready, run it; its exit status."""
+    """Build the worker, say it is ready, run it; its exit status (``berth worker``, and each ``--respawn`` child)."""
     from jobs.engine_worker import engine_worker
 
     try:

@@ -45,6 +45,17 @@ def engine_worker(settings: Settings, engine: Engine | None = None, eager_tasks:
     return worker
 
 
+def ledger_modules():
+    """What the ledger's side imports (SQLAlchemy, Celery, the jobs modules): ``open_database``, the ledger
+    class and the embedded chores' factory. Importing runs nothing: a ``--respawn`` parent calls it to
+    import them once, before it forks."""
+    from jobs.db import open_database
+    from jobs.housekeeping import chores
+    from jobs.ledger import JobsLedger
+
+    return open_database, JobsLedger, chores
+
+
 class LedgerSide:
     """The ledger's imports and the database's opening, on a thread of their own when started, else
     in the caller's when asked for; errors (a database at another migration, unreachable) are raised
@@ -61,10 +72,7 @@ class LedgerSide:
 
     def _run(self) -> None:
         try:
-            from jobs.db import open_database
-            from jobs.housekeeping import chores
-            from jobs.ledger import JobsLedger
-
+            open_database, JobsLedger, chores = ledger_modules()
             open_database(self.settings.database_url)  # one per process: the ledger's is this one
             self.value = JobsLedger, chores
         except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
