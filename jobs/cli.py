@@ -3,6 +3,8 @@ can also be set as a ``BERTH_*`` environment variable; a flag wins over the envi
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import sys
@@ -77,6 +79,12 @@ def settings_from(flags: dict) -> Settings:
 @click.group()
 def main():
     """berth: bulk LLM inference with continuous batching over a paged KV cache."""
+    # Last of the exit handlers: every object moves to the collector's permanent generation, so that
+    # the collection the interpreter runs as it shuts down does not walk torch's and the engine's
+    # millions of objects. That walk was 0.6 s of a 3 s `berth generate` (AMD EPYC, py-spy:
+    # gc_collect_main after the output was written); the process's memory goes back to the system
+    # whole either way.
+    atexit.register(gc.freeze)
 
 
 @main.command()
