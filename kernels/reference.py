@@ -55,6 +55,17 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(*lead, nb * bs, kvh, d).transpose(-3, -2)
 
 
+def _prior_and_chunk(k_cache, v_cache, table, prior: int, key: torch.Tensor, value: torch.Tensor, dtype):
+    """``[kvh, prior + q_len, d]`` keys and values: the ``prior`` positions read from the cache blocks
+    ``table`` lists, then the chunk's own (``key``, ``value``: ``[q_len, kvh, d]``)."""
+    k, v = key.transpose(0, 1), value.transpose(0, 1)
+    if prior == 0:
+        return k, v
+    blocks = table[:-(-prior // k_cache.shape[1])]
+    return tuple(torch.cat([kv_quant.as_values(_gather(cache, blocks)[:, :prior], dtype), own], dim=1)
+                 for cache, own in ((k_cache, k), (v_cache, v)))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int | None = None) -> torch.Tensor:
@@ -113,13 +124,21 @@ def _decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, windo
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float, window: int | None = None,
+                            key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """A chunk of queries per sequence, attending causally to the cache (which holds the chunk).
 
     ``q``: ``[total_query_tokens, num_heads, head_dim]``, sequence s owning rows
     ``query_start_loc[s]:query_start_loc[s+1]``; its query i sits at position
     ``context_lens[s] - q_len_s + i`` and sees cached positions up to and including its own (with a
     ``window``, only the last ``window`` of those).
+
+    ``key``, ``value``: the chunks' own keys and values, ``[total_query_tokens, num_kv_heads, head_dim]``
+    in ``q``'s dtype, equal to what this step wrote to the cache. Where given, a chunk reads its own
+    positions from them and only the positions before it from the cache: a whole prompt in one chunk
+    (the usual case) gathers nothing. The decoder gives them for a cache of the model's dtype only: a
+    quantized cache holds the rows rounded, and a chunk must see them as a decode step or a resumed
+    run sees them.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -135,8 +154,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         first = max(0, ctx - q_len - window + 1) // block_size if windowed else 0
         table = block_tables[s, first: (ctx + block_size - 1) // block_size]
         ctx -= first * block_size
-        k = kv_quant.as_values(_gather(k_cache, table)[:, :ctx], q.dtype)  # [kvh, ctx, d]
-        v = kv_quant.as_values(_gather(v_cache, table)[:, :ctx], q.dtype)
+        if key is None:
+            k = kv_quant.as_values(_gather(k_cache, table)[:, :ctx], q.dtype)  # [kvh, ctx, d]
+            v = kv_quant.as_values(_gather(v_cache, table)[:, :ctx], q.dtype)
+        else:
+            k, v = _prior_and_chunk(k_cache, v_cache, table, ctx - q_len, key[lo:hi], value[lo:hi], q.dtype)
         # Each kv head repeated for its query heads, in 4-D: PyTorch's CPU flash kernel takes that
         # shape, while 3-D or enable_gqa falls back to the unfused math path (2-3 times slower).
         group = q.shape[1] // k.shape[0]

@@ -162,6 +162,27 @@ def test_reference_prefill_window_is_the_dense_mask(window):
         torch.testing.assert_close(got[lo:lo + n].double(), want, atol=1e-5, rtol=1e-5)
 
 
+def chunk_slots(tables, batch, block_size=16) -> torch.Tensor:
+    """The cache slots of each sequence's chunk (positions cached .. cached + n - 1), in query order."""
+    return torch.tensor([tables[s, p // block_size].item() * block_size + p % block_size
+                         for s, (cached, n) in enumerate(batch) for p in range(cached, cached + n)], dtype=torch.long)
+
+
+@pytest.mark.parametrize("window", [None, 20, 130])
+def test_reference_prefill_over_its_own_keys_is_the_same_as_over_the_cache(window):
+    """Given the chunks' own keys and values, prefill reads only the positions before each chunk from the
+    cache; with a float cache, which holds those same rows, the output is the same bit for bit."""
+    contexts = [c + n for c, n in PREFILL_WINDOW_BATCH]
+    _, k, v, tables, lens, scale = paged_case(contexts, 16, 9, 3, 64, torch.float32, seed=8)
+    chunks = [n for _, n in PREFILL_WINDOW_BATCH]
+    starts = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32)
+    q = torch.randn(sum(chunks), 9, 64, generator=torch.Generator().manual_seed(9))
+    key, value = (c.flatten(0, 1)[chunk_slots(tables, PREFILL_WINDOW_BATCH)] for c in (k, v))  # as written
+    over_cache = reference.paged_prefill_attention(q, k, v, tables, starts, lens, scale, window)
+    assert torch.equal(reference.paged_prefill_attention(q, k, v, tables, starts, lens, scale, window, key, value),
+                       over_cache)
+
+
 @needs_c
 @each_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
 from kernels.attention import AttentionOps
 from kernels.cpu_elementwise import ElementwiseKernel
 from worker.model.architectures import architecture, gate_up_modules, layer_windows, qkv_modules
@@ -173,8 +174,9 @@ class DecoderModel:
                 k = rms_norm(k, layer.k_norm, self.eps)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-            self.ops.write_kv(k, v.view(T, KVH, D), k_cache, v_cache, step.slot_mapping)
-            attn = self._attention(q, k_cache, v_cache, step, layer.window)
+            v = v.view(T, KVH, D)
+            self.ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, step, layer.window, k, v)
             h = h + layer.o(attn.view(T, H * D))
             x = rms_norm(h, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -202,13 +204,18 @@ class DecoderModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _attention(self, q, k_cache, v_cache, step: StepInput, window: int | None) -> torch.Tensor:
+    def _attention(self, q, k_cache, v_cache, step: StepInput, window: int | None, key: torch.Tensor | None = None,
+                   value: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode rows over the cache; prefill chunks over the cache before them and, where the step's
+        own ``key``/``value`` are given, over those (``kernels.reference.paged_prefill_attention``)."""
         nd = step.num_decode
         if nd == q.shape[0]:
             return self.ops.decode(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
                                    self.scale, window)
+        # the chunks' own rows, as the cache holds them, where it holds them exactly (not rounded to int8)
+        own = {} if key is None or kv_quant.is_quantized(k_cache) else {"key": key[nd:], "value": value[nd:]}
         prefill = self.ops.prefill(q[nd:], k_cache, v_cache, step.prefill_block_tables,
-                                   step.prefill_query_start_loc, step.prefill_context_lens, self.scale, window)
+                                   step.prefill_query_start_loc, step.prefill_context_lens, self.scale, window, **own)
         if nd == 0:
             return prefill
         decode = self.ops.decode(q[:nd], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
