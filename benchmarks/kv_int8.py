@@ -7,11 +7,14 @@ Reports, for the default model (or ``--model``):
   ones before it, as generation does) with each KV dtype; and on the throughput workload, the share
   of requests whose greedy output equals the exact run's, over the first 32 tokens and whole;
 - speed: useful tokens/s on the throughput workload (``benchmarks/workload.py``), the two caches run
-  in alternation for ``--rounds`` rounds so that a busy machine slows both alike (medians reported);
+  in alternation for ``--rounds`` rounds, the order swapped each round (exact first, then int8 first,
+  ...) so that neither always runs on the warmer or the cooler machine; each round's int8/exact ratio is
+  printed, and their median is the figure (a machine whose speed drifts by a fifth between runs moves
+  a ratio of two runs far more than a median of pairs run side by side);
 - memory: KV blocks that fit in the same ``--kv-memory``, and the bytes a checkpoint writes per token.
 
     python benchmarks/kv_int8.py --quick          # 32 requests
-    python benchmarks/kv_int8.py --requests 256 --rounds 3
+    python benchmarks/kv_int8.py --requests 256 --rounds 4
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two caches")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the two caches, the order swapped each round")
     parser.add_argument("--chunk", type=int, default=256, help="tokens per prefill chunk for the perplexity")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -91,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "perplexity": round(perplexity(engine, text_ids, args.chunk), 4), "tokens_per_s": []}
         del engine
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.rounds):
-        for kv in KV_DTYPES:
+    for round_ in range(args.rounds):
+        for kv in (KV_DTYPES if round_ % 2 == 0 else KV_DTYPES[::-1]):
             engine = warmed_engine(loaded, settings[kv])
             t0 = time.perf_counter()
             results = engine.generate(workload.prompts, [greedy_params(n) for n in workload.output_lens])
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["same_first_32"] = round(sum(a[:32] == b[:32] for a, b in zip(exact, quant)) / len(exact), 3)
     report["same_whole"] = round(sum(a == b for a, b in zip(exact, quant)) / len(exact), 3)
     a, q = report["auto"], report["int8"]
-    speed = statistics.median(q["tokens_per_s"]) / statistics.median(a["tokens_per_s"])
+    report["round_ratios"] = [round(i / e, 3) for e, i in zip(a["tokens_per_s"], q["tokens_per_s"])]
+    speed = statistics.median(report["round_ratios"])
     report["ratios"] = {"tokens_per_s": round(speed, 3), "blocks": round(q["blocks"] / a["blocks"], 3),
                         "perplexity": round(q["perplexity"] / a["perplexity"], 4),
                         "checkpoint_bytes_per_token": round(q["checkpoint_bytes_per_token"]
@@ -113,8 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     for key, label in (("perplexity", "perplexity"), ("blocks", "KV blocks in the same memory"),
                        ("checkpoint_bytes_per_token", "checkpoint bytes / token")):
         print(f"{label:28} {a[key]:>18} {q[key]:>12} {report['ratios'][key]:>10}")
-    print(f"{'useful tokens/s (median)':28} {statistics.median(a['tokens_per_s']):>18.1f} "
-          f"{statistics.median(q['tokens_per_s']):>12.1f} {report['ratios']['tokens_per_s']:>10}")
+    for i, (e, r) in enumerate(zip(a["tokens_per_s"], q["tokens_per_s"])):
+        first = "exact first" if i % 2 == 0 else "int8 first"
+        print(f"{f'useful tokens/s, round {i + 1}':28} {e:>18.1f} {r:>12.1f} {r / e:>10.3f}  ({first})")
+    print(f"{'useful tokens/s (median of rounds)':28} {'':>18} {'':>12} {report['ratios']['tokens_per_s']:>10}")
     print(f"greedy outputs equal to the exact run: first 32 tokens {report['same_first_32']:.1%}, "
           f"whole {report['same_whole']:.1%}")
     if args.out:

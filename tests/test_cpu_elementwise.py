@@ -1,6 +1,8 @@
 """The C kernel of the decoder's residual adds, norms, rotary and KV writes (kernels/cpu_elementwise.c)
 against PyTorch's operations (worker.model.decoder's references), and the decoder using it."""
 
+import math
+
 import pytest
 import torch
 
@@ -38,7 +40,9 @@ def test_add_rms_norm_is_the_residual_add_and_the_norm(rows, dim, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary (Phi-3 style: the first half of each head)
-def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads):
+# the cache where it starts: on a cache line (each slot's rows stored past the caches) or a float after one
+@pytest.mark.parametrize("misaligned", [0, 1])
+def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, misaligned):
     torch.manual_seed(rot)
     torch.set_num_threads(threads)
     tokens, heads, kv_heads, dim, blocks, block_size = 37, 9, 3, 64, 10, 16
@@ -47,7 +51,10 @@ def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads):
     angles = torch.rand(512, rot // 2) * 6
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     slots = torch.randperm(blocks * block_size)[:tokens]
-    k_cache, v_cache = torch.zeros(blocks, block_size, kv_heads, dim), torch.zeros(blocks, block_size, kv_heads, dim)
+    shape = (blocks, block_size, kv_heads, dim)
+    k_cache, v_cache = (torch.zeros(math.prod(shape) + 16)[misaligned:misaligned + math.prod(shape)].view(shape)
+                        for _ in range(2))
+    assert (k_cache.data_ptr() % 64 == 0) == (misaligned == 0)
     q = kernel.rotary_kv(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots)
 
     eq, ek, ev = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
