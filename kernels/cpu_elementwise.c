@@ -7,7 +7,10 @@
  *
  *   berth_add_rms_norm: h += delta (when given), out = weight * (h * rsqrt(mean(h^2) + eps));
  *   berth_rotary_kv:    the queries rotated into their own tensor, the keys rotated and the values
- *                       copied straight into their KV cache slots, from the fused Q/K/V output.
+ *                       copied straight into their KV cache slots, from the fused Q/K/V output (and
+ *                       the rotated keys into a tensor of their own too, when asked: prefill reads
+ *                       a chunk's own keys from there rather than back from the cache; without a
+ *                       cache, as for an int8 one that the caller writes, only there).
  *
  * Arithmetic as PyTorch's reference (kernels/cpu_elementwise.py names it): the same products and
  * sums in the same order per element, compiled with -ffp-contract=off so that no multiply and add
@@ -90,7 +93,8 @@ static inline void store_fence(void) {
 
 void berth_rotary_kv(const float *qkv, int64_t tokens, int64_t row_stride, const int64_t *positions,
                      const float *cos_table, const float *sin_table, int64_t rot, int64_t heads, int64_t kv_heads,
-                     int64_t dim, float *q_out, float *k_cache, float *v_cache, const int64_t *slots, int threads) {
+                     int64_t dim, float *q_out, float *k_out, float *k_cache, float *v_cache, const int64_t *slots,
+                     int threads) {
     int parallel = threads > 1 && tokens * (heads + 2 * kv_heads) * dim >= 32768;
     const int64_t kv_row = kv_heads * dim;
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -102,14 +106,20 @@ void berth_rotary_kv(const float *qkv, int64_t tokens, int64_t row_stride, const
             const float *c = cos_table + positions[t] * rot, *s = sin_table + positions[t] * rot;
             for (int64_t h = 0; h < heads; h++) rotate(row + h * dim, c, s, rot, dim, q_out + (t * heads + h) * dim);
             const float *k = row + heads * dim, *v = k + kv_row;
+            if (!k_cache) {  /* another kind of cache, written by the caller: the rotated keys only */
+                for (int64_t h = 0; h < kv_heads; h++) rotate(k + h * dim, c, s, rot, dim, k_out + t * kv_row + h * dim);
+                continue;
+            }
             const int64_t slot = slots[t] * kv_row;
             if (kv_row <= MAX_KV_ROW) {
                 for (int64_t h = 0; h < kv_heads; h++) rotate(k + h * dim, c, s, rot, dim, keys + h * dim);
                 store_row(k_cache + slot, keys, kv_row);
                 store_row(v_cache + slot, v, kv_row);
+                if (k_out) memcpy(k_out + t * kv_row, keys, (size_t)kv_row * sizeof(float));
             } else {
                 for (int64_t h = 0; h < kv_heads; h++) rotate(k + h * dim, c, s, rot, dim, k_cache + slot + h * dim);
                 memcpy(v_cache + slot, v, (size_t)kv_row * sizeof(float));
+                if (k_out) memcpy(k_out + t * kv_row, k_cache + slot, (size_t)kv_row * sizeof(float));
             }
         }
         store_fence();

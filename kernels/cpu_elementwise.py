@@ -43,25 +43,34 @@ class ElementwiseKernel:
         return out
 
     def rotary_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  heads: int, kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+                  heads: int, kv_heads: int, head_dim: int, k_cache: torch.Tensor | None,
+                  v_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+                  keys: torch.Tensor | None = None) -> torch.Tensor:
         """From ``qkv [tokens, (heads + 2 kv_heads) * head_dim]`` (rows contiguous): the queries rotated by
         the tables' rows ``positions`` as ``[tokens, heads, head_dim]``; the keys rotated and the values
-        written into ``k_cache``/``v_cache`` ``[blocks, block_size, kv_heads, head_dim]`` at ``slot_mapping``."""
+        written into ``k_cache``/``v_cache`` ``[blocks, block_size, kv_heads, head_dim]`` at ``slot_mapping``;
+        with ``keys`` (``[tokens, kv_heads, head_dim]``, contiguous float32), the rotated keys there too.
+        Without caches (None: ones ``writes_cache`` refuses, which the caller writes) only ``keys``."""
+        if k_cache is None and keys is None:
+            raise ValueError("rotary_kv without a cache needs a keys tensor to put the rotated keys in")
         tokens = qkv.shape[0]
         if qkv.stride(1) != 1:
             qkv = qkv.contiguous()
         q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype)
         self.lib.berth_rotary_kv(qkv.data_ptr(), tokens, qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
                                  sin.data_ptr(), cos.shape[-1], heads, kv_heads, head_dim, q.data_ptr(),
-                                 k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                                 *(None if x is None else x.data_ptr() for x in (keys, k_cache, v_cache, slot_mapping)),
                                  torch.get_num_threads())
         return q
 
-    def takes(self, activations: torch.Tensor, *caches: torch.Tensor) -> bool:
-        """Whether these tensors are ones the kernel computes on: float32 on the CPU, caches contiguous."""
-        return (activations.dtype == torch.float32 and activations.device.type == "cpu"
-                and all(c.dtype == torch.float32 and c.is_contiguous() for c in caches))
+    def takes(self, activations: torch.Tensor) -> bool:
+        """Whether these are activations the kernel computes on: float32 on the CPU."""
+        return activations.dtype == torch.float32 and activations.device.type == "cpu"
+
+    def writes_cache(self, *caches: torch.Tensor) -> bool:
+        """Whether ``rotary_kv`` writes these caches itself: float32 and contiguous (an int8 cache is
+        written by the attention backend's ``write_kv``, from the keys ``rotary_kv`` leaves)."""
+        return all(c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous() for c in caches)
 
 
 @functools.cache
@@ -74,5 +83,6 @@ def load(folder: Path) -> ElementwiseKernel | None:
     lib.berth_add_rms_norm.restype = None
     lib.berth_add_rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, ctypes.c_int]
     lib.berth_rotary_kv.restype = None
-    lib.berth_rotary_kv.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.berth_rotary_kv.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
+                                    ctypes.c_int]
     return ElementwiseKernel(lib)

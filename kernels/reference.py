@@ -136,9 +136,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``key``, ``value``: the chunks' own keys and values, ``[total_query_tokens, num_kv_heads, head_dim]``
     in ``q``'s dtype, equal to what this step wrote to the cache. Where given, a chunk reads its own
     positions from them and only the positions before it from the cache: a whole prompt in one chunk
-    (the usual case) gathers nothing. The decoder gives them for a cache of the model's dtype only: a
-    quantized cache holds the rows rounded, and a chunk must see them as a decode step or a resumed
-    run sees them.
+    (the usual case) gathers nothing. For a quantized cache they are the rows rounded as the cache holds
+    them (``kv_quant.dequantize(kv_quant.quantize(rows))``): a chunk sees its rows as a decode step and
+    a resumed run see them.
     """
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()

@@ -42,7 +42,8 @@ def test_add_rms_norm_is_the_residual_add_and_the_norm(rows, dim, threads):
 @pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary (Phi-3 style: the first half of each head)
 # the cache where it starts: on a cache line (each slot's rows stored past the caches) or a float after one
 @pytest.mark.parametrize("misaligned", [0, 1])
-def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, misaligned):
+@pytest.mark.parametrize("keep_keys", [False, True])  # the rotated keys in a tensor too (for a step's prefill)
+def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, misaligned, keep_keys):
     torch.manual_seed(rot)
     torch.set_num_threads(threads)
     tokens, heads, kv_heads, dim, blocks, block_size = 37, 9, 3, 64, 10, 16
@@ -55,7 +56,8 @@ def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, m
     k_cache, v_cache = (torch.zeros(math.prod(shape) + 16)[misaligned:misaligned + math.prod(shape)].view(shape)
                         for _ in range(2))
     assert (k_cache.data_ptr() % 64 == 0) == (misaligned == 0)
-    q = kernel.rotary_kv(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+    keys = torch.full((tokens, kv_heads, dim), float("nan")) if keep_keys else None
+    q = kernel.rotary_kv(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots, keys)
 
     eq, ek, ev = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -65,14 +67,18 @@ def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, m
     assert torch.equal(q, apply_rotary(eq.reshape(tokens, heads, dim), c, s))  # the same products and sums
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
+    if keep_keys:
+        assert torch.equal(keys, apply_rotary(ek.reshape(tokens, kv_heads, dim), c, s))
 
 
-def test_the_default_model_runs_the_kernel_and_gives_what_pytorchs_operations_give(smol_loaded):
+# an int8 cache: rotary leaves the keys, the backend quantizes them in, and prefill sees a chunk's rows rounded
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_default_model_runs_the_kernel_and_gives_what_pytorchs_operations_give(smol_loaded, kv_cache_dtype):
     from worker.config import Settings
     from worker.engine.engine import Engine
     from worker.engine.request import SamplingParams
 
-    engine = Engine(Settings(kv_memory=64 * 2**20), loaded=smol_loaded)
+    engine = Engine(Settings(kv_memory=64 * 2**20, kv_cache_dtype=kv_cache_dtype), loaded=smol_loaded)
     model = engine.runner.model
     assert model.fused is not None, "float32 on the CPU with the C attention kernel: the fused path"
     prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):", "1, 2, 3,")]

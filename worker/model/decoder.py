@@ -157,7 +157,7 @@ class DecoderModel:
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states after the final norm for ``step.logits_rows`` (what transformers' ``AutoModel``
         gives as ``last_hidden_state``); writes every new token's K/V."""
-        if self.fused is not None and self.fused.takes(self.embed, *kv_caches[0]):
+        if self.fused is not None and self.fused.takes(self.embed):
             return self._forward_fused(step, kv_caches)
         T = step.input_ids.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -190,11 +190,19 @@ class DecoderModel:
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed[step.input_ids]  # a new tensor: the residual stream, owned by this step
         delta = None  # what the layer before adds to h
+        writes_cache = self.fused.writes_cache(*kv_caches[0])
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.fused.add_rms_norm(h, delta, layer.input_norm, self.eps)
-            q = self.fused.rotary_kv(layer.qkv(x), step.positions, self.cos, self.sin, H, KVH, D, k_cache, v_cache,
-                                     step.slot_mapping)
-            attn = self._attention(q, k_cache, v_cache, step, layer.window)
+            qkv = layer.qkv(x)
+            # rotary writes a float32 cache itself; the rotated keys are kept for a step's prefill chunks,
+            # and for the backend to write any other cache (int8: quantized) from
+            keys = torch.empty(T, KVH, D, dtype=qkv.dtype) if step.num_decode < T or not writes_cache else None
+            cache = (k_cache, v_cache, step.slot_mapping) if writes_cache else (None, None, None)
+            q = self.fused.rotary_kv(qkv, step.positions, self.cos, self.sin, H, KVH, D, *cache, keys)
+            values = None if keys is None else qkv[:, (H + KVH) * D:].view(T, KVH, D)
+            if not writes_cache:
+                self.ops.write_kv(keys, values, k_cache, v_cache, step.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, step, layer.window, keys, values)
             x = self.fused.add_rms_norm(h, layer.o(attn.view(T, H * D)), layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             delta = layer.down(F.silu(gate).mul_(up))
@@ -212,8 +220,12 @@ class DecoderModel:
         if nd == q.shape[0]:
             return self.ops.decode(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
                                    self.scale, window)
-        # the chunks' own rows, as the cache holds them, where it holds them exactly (not rounded to int8)
-        own = {} if key is None or kv_quant.is_quantized(k_cache) else {"key": key[nd:], "value": value[nd:]}
+        own = {}  # the chunks' own rows as the cache holds them: a quantized cache's rounded, for the whole step at once
+        if key is not None:
+            fmt = kv_quant.row_format(k_cache)
+            own = {"key": key[nd:], "value": value[nd:]} if fmt is None else {
+                name: kv_quant.dequantize(kv_quant.quantize(rows[nd:], fmt.name), q.dtype)
+                for name, rows in (("key", key), ("value", value))}
         prefill = self.ops.prefill(q[nd:], k_cache, v_cache, step.prefill_block_tables,
                                    step.prefill_query_start_loc, step.prefill_context_lens, self.scale, window, **own)
         if nd == 0:
