@@ -324,7 +324,7 @@ def worker(**flags):
     """Run the engine on the request queue until SIGTERM."""
     configure_logging()
     settings = settings_from(flags)
-    if not settings.respawn:  # a --respawn parent builds no model: each child starts its own (run_worker)
+    if not settings.respawn:  # a --respawn child imports nothing: no import to fault the heap in beside
         prefault_heap(settings)  # beside torch's import, which follows
     from jobs.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
 
@@ -340,7 +340,6 @@ def run_worker(settings, ready) -> int:
     """Build the worker, say it is ready, run it; its exit status (``berth worker``, and each ``--respawn`` child)."""
     from jobs.engine_worker import engine_worker
 
-    prefault_heap(settings)  # in a --respawn child; started already where the process is the worker
     try:
         with user_errors():
             built = engine_worker(settings)

@@ -81,7 +81,7 @@ def test_a_damaged_or_missing_hint_starts_nothing(tmp_path, monkeypatch):
             hint.write_text(text)
         monkeypatch.setattr(heap_prefault, "_started", {})
         heap_prefault.start(settings)
-        assert heap_prefault._started == {}, text
+        assert heap_prefault._started == {os.getpid(): None}, text  # no thread, but its build is recorded
 
 
 def test_nothing_starts_for_a_gpu_or_a_missing_model(tmp_path, monkeypatch):
@@ -91,5 +91,6 @@ def test_nothing_starts_for_a_gpu_or_a_missing_model(tmp_path, monkeypatch):
     heap_prefault.record(heap_prefault.hint_file(str(model), "float32", "auto"), 2**20)
     monkeypatch.setattr(heap_prefault, "_started", {})
     heap_prefault.start(Settings(model=str(model), device="cuda"))
+    assert heap_prefault._started == {}  # not even recorded: a GPU's build takes no heap worth a hint
     heap_prefault.start(Settings(model=str(tmp_path / "missing.gguf")))
-    assert heap_prefault._started == {}
+    assert heap_prefault._started == {os.getpid(): None}  # no hint: no thread (the load will say what is missing)

@@ -43,7 +43,7 @@ LIMIT = TRIM_THRESHOLD * 3 // 4  # more, freed at the heap's top, could be trimm
 # beside torch's import (Linux 5.14 and later)
 MADV_POPULATE_WRITE = 23
 
-_started: dict[int, threading.Thread] = {}  # by process id: a forked child starts its own
+_started: dict[int, threading.Thread | None] = {}  # by process id (None: nothing to fault in yet)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -102,6 +102,7 @@ def start(settings: Settings) -> None:
     except ConfigError:  # no model: the engine's load says so, with what to do
         return
     nbytes = _hinted_bytes(hint_file(model_path, settings.dtype, settings.weight_dtype))
+    _started[os.getpid()] = None  # this process's build records its heap, for the next start
     if nbytes == 0:
         return
     pieces = [p for p in (libc.malloc(PIECE) for _ in range(-(-nbytes // PIECE))) if p]
@@ -122,9 +123,13 @@ def _fault_and_free(libc, pieces: list[int]) -> None:
 
 @contextlib.contextmanager
 def build(model_path: str, dtype: str, weight_dtype: str):
-    """Around the model's build on the CPU: waits for ``start``'s thread, if one runs in this process,
-    and records the heap the build took, for the next start."""
-    thread = _started.get(os.getpid())
+    """Around the model's build on the CPU, in a process that called ``start``: waits for its thread, and
+    records the heap the build took, for the next start. Elsewhere (an engine built by the Python API or
+    a test, a ``--respawn`` child) it does nothing: what those take is not what a start takes."""
+    if os.getpid() not in _started:
+        yield
+        return
+    thread = _started[os.getpid()]
     if thread is not None:
         thread.join()
     libc = _libc()
