@@ -66,6 +66,14 @@ def configure_logging(quiet: bool = False) -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its plugin list at every start says nothing
 
 
+def prefault_heap(settings: Settings) -> None:
+    """Fault in the heap the model's weights will fill, on a thread, while this process imports torch
+    (``worker.engine.heap_prefault``)."""
+    from worker.engine import heap_prefault
+
+    heap_prefault.start(settings)
+
+
 def settings_from(flags: dict) -> Settings:
     """Settings from the environment, overridden by the flags that were given."""
     given = {k: v for k, v in flags.items() if v is not None and k in Settings.model_fields}
@@ -96,12 +104,13 @@ def main():
 def generate(input_file, output, errors, quiet, **flags):
     """Run an OpenAI Batch request file through the engine in this process."""
     configure_logging(quiet)
+    settings = settings_from(flags)
+    prefault_heap(settings)  # beside torch's import, which follows
     from jobs.generate import generate_file
     from jobs.validate import InputError
     from worker.engine.engine import RequestRejected
     from worker.model.base import ModelLoadError
 
-    settings = settings_from(flags)
     try:
         summary = generate_file(input_file, output, settings, errors_path=errors, progress=not quiet)
     except (ConfigError, ModelLoadError, RequestRejected, InputError) as exc:
@@ -314,9 +323,11 @@ def tenant(name, weight, cache_group, **flags):
 def worker(**flags):
     """Run the engine on the request queue until SIGTERM."""
     configure_logging()
+    settings = settings_from(flags)
+    if not settings.respawn:  # a --respawn child imports nothing: no import to fault the heap in beside
+        prefault_heap(settings)  # beside torch's import, which follows
     from jobs.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
 
-    settings = settings_from(flags)
     if settings.respawn:
         from jobs.respawn import Respawner
 

@@ -17,6 +17,7 @@ committed at allocation anyway and zeroing it costs milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -28,6 +29,7 @@ import torch
 from kernels import cpu_elementwise, kv_quant
 from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
+from worker.engine import heap_prefault
 from worker.engine.pooling import PoolRows, chunk_rows
 from worker.engine.step_heap import keep_step_temporaries_in_heap
 from worker.engine.request import Sequence
@@ -96,7 +98,10 @@ class ModelRunner:
         if device.type == "cpu":
             keep_step_temporaries_in_heap()  # a step's tensors reused, not faulted in anew (worker.engine.step_heap)
         self.ops = select_ops(attention_backend, device, cache_dir("kernels"))
-        with one_thread():  # thousands of short operations (worker.model.torch_threads)
+        # on the CPU, the heap that the weights' copies fill is faulted in beside torch's import (heap_prefault)
+        prefaulted = (heap_prefault.build(loaded.path, str(dtype).removeprefix("torch."), weight_dtype)
+                      if device.type == "cpu" else contextlib.nullcontext())
+        with prefaulted, one_thread():  # thousands of short operations (worker.model.torch_threads)
             self.model = DecoderModel(loaded.config, loaded.weights, dtype, device, self.ops,
                                       int8_weights=weight_dtype == "int8", elementwise=self._elementwise(device))
         self.long_table_row = long_table_row(loaded.config)
