@@ -17,6 +17,9 @@ class AttentionOps:
     write_kv: Callable
     decode: Callable
     prefill: Callable
+    # whether ``prefill`` reads a chunk's own keys and values from the step's tensors (the reference's
+    # ``key``/``value``), so that the model hands them over; the Triton kernel reads them from the cache
+    prefill_reads_own_rows: bool = True
 
 
 TORCH_OPS = AttentionOps("torch", reference.write_kv, reference.paged_decode_attention,
@@ -52,4 +55,4 @@ def select_ops(backend: str, device: torch.device | str, build_dir: Path | None 
                                "install it with `pip install 'berth[gpu]'` or use attention_backend=torch") from exc
         return TORCH_OPS
     return AttentionOps("triton", triton_attention.write_kv, triton_attention.paged_decode_attention,
-                        triton_attention.paged_prefill_attention)
+                        triton_attention.paged_prefill_attention, prefill_reads_own_rows=False)

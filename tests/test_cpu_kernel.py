@@ -283,3 +283,26 @@ def test_int8_cache_attention_is_close_to_float32():
     exact = reference.paged_decode_attention(q, k, v, tables, lens, scale)
     got = reference.paged_decode_attention(q, kv_quant.quantize(k), kv_quant.quantize(v), tables, lens, scale)
     assert 0 < (got - exact).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("reads_own_rows", [True, False])
+def test_the_model_hands_prefill_its_chunks_rows_only_where_the_backend_reads_them(tiny_loaded, reads_own_rows):
+    """The chunks' own keys and values go to ``prefill`` where the ops say it reads them (the reference and
+    the C backend); the Triton kernel reads the cache, so it is not handed rows it would not read."""
+    import dataclasses
+
+    from worker.engine.engine import Engine
+    from worker.engine.request import SamplingParams
+
+    engine = Engine(loaded=tiny_loaded, kv_memory="8MiB", attention_backend="torch")
+    model = engine.runner.model
+    given = []
+
+    def prefill(*args, **kwargs):
+        given.append(sorted(kwargs))
+        return reference.paged_prefill_attention(*args, **kwargs)
+
+    model.ops = dataclasses.replace(model.ops, prefill=prefill, prefill_reads_own_rows=reads_own_rows)
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].completions[0].token_ids) == 3 and given
+    assert all(kw == (["key", "value"] if reads_own_rows else []) for kw in given)

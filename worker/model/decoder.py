@@ -221,7 +221,7 @@ class DecoderModel:
             return self.ops.decode(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
                                    self.scale, window)
         own = {}  # the chunks' own rows as the cache holds them: a quantized cache's rounded, for the whole step at once
-        if key is not None:
+        if key is not None and self.ops.prefill_reads_own_rows:
             fmt = kv_quant.row_format(k_cache)
             own = {"key": key[nd:], "value": value[nd:]} if fmt is None else {
                 name: kv_quant.dequantize(kv_quant.quantize(rows[nd:], fmt.name), q.dtype)
