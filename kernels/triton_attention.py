@@ -425,11 +425,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float, window: int | None = None,
-                            key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
-    """A chunk of queries per sequence, attending causally to the cache (which holds the chunk).
-    ``key`` and ``value`` (the reference's: the chunks' own) are not used: the kernel reads every
-    position from the cache.
+                            context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """A chunk of queries per sequence, attending causally to the cache (which holds the chunk). Every
+    position is read from the cache: the model hands it no chunk's own rows (``prefill_reads_own_rows``).
 
     ``q``: ``[total_query_tokens, num_heads, head_dim]``, sequence s owning rows
     ``query_start_loc[s]:query_start_loc[s+1]``; its query i sits at position
