@@ -11,16 +11,12 @@ import pytest
 from worker.engine.step_heap import keep_step_temporaries_in_heap
 
 STEPS = r"""
-import ctypes, json, sys
+import json, sys
 import torch
+from worker.engine.heap_prefault import _libc  # glibc's functions, typed (mallinfo2 among them); sets nothing
 from worker.engine.step_heap import keep_step_temporaries_in_heap
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
+libc = _libc()
 if sys.argv[1] == "kept":
     assert keep_step_temporaries_in_heap()
 SIZES_MIB = (30, 28, 24, 20, 16)  # larger than anything importing torch maps and frees
