@@ -1,12 +1,15 @@
 """The engine worker under stress, on RabbitMQ and PostgreSQL: told to stop mid-job it hands its
-requests back without counting an attempt; cut off from the broker mid-job (as when RabbitMQ's
-consumer_timeout closes its channel) it reconnects, keeps its requests running, and every request
-still gets exactly one result."""
+requests back without counting an attempt; cut off from the broker mid-job (its own end of the link
+shut, or the connection closed by RabbitMQ itself, at default settings: what RabbitMQ's 30-minute
+consumer_timeout does to a channel, without waiting half an hour) it reconnects, keeps its requests
+running, and every request still gets exactly one result."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import subprocess
 
 import pytest
 from sqlalchemy import select
@@ -15,6 +18,7 @@ from jobs import api
 from jobs.db import open_database
 from jobs.engine_worker import engine_worker
 from jobs.models import JobStatus, RequestRow, Result
+from tests.queue_support import _rabbitmqctl
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
 from worker.consumer.queues import Topology, connect, queue_depth
 
@@ -58,19 +62,41 @@ def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tm
     assert (job.status, job.completed) == (JobStatus.COMPLETED, 4)
 
 
-def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(tmp_path, settings, tiny_engine):
+def _cut_by_the_client(worker) -> None:
+    """The worker's end of its broker link shut (a network failure as the worker sees it)."""
+    worker.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _cut_by_the_broker(worker) -> None:
+    """RabbitMQ itself closes the worker's connection (``connection.close`` from the server, as when it
+    gives up on a consumer), by ``rabbitmqctl``, with the broker's and berth's default settings."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed")
+    port = worker.broker.connection.connection.sock.getsockname()[1]
+    listed = subprocess.run(["rabbitmqctl", "list_connections", "--no-table-headers", "pid", "peer_port"], check=True,
+                            capture_output=True, text=True, timeout=120).stdout
+    pids = [pid for pid, peer in (line.split("\t") for line in listed.splitlines() if "\t" in line)
+            if peer.strip() == str(port)]
+    assert len(pids) == 1, f"the worker's connection (port {port}) is not in rabbitmqctl's list:\n{listed}"
+    _rabbitmqctl("close_connection", pids[0], "berth test: closed by the broker")
+
+
+@pytest.mark.parametrize("cut_off", [_cut_by_the_client, _cut_by_the_broker], ids=["by-the-client", "by-the-broker"])
+def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(tmp_path, settings, tiny_engine,
+                                                                              cut_off):
     job = _long_job(tmp_path, settings)
     worker = engine_worker(settings, tiny_engine, eager_tasks=True)
     cut = []
 
     def cut_once_running() -> bool:
         if worker.inflight and not cut:
-            worker.broker.connection.connection.sock.shutdown(socket.SHUT_RDWR)  # the broker drops us
+            cut_off(worker)
             cut.append(set(worker.inflight))
         return api.status(job.id, settings).status.is_final
 
     worker.run(until=cut_once_running)
     assert cut and cut[0], "the connection was cut while requests ran"
+    assert worker.broker.metrics.registry.get_sample_value("berth_broker_reconnects_total") >= 1  # it was cut
     view = api.status(job.id, settings)
     assert (view.status, view.completed, view.failed) == (JobStatus.COMPLETED, 4, 0)
     with open_database(settings.database_url).session() as s:
