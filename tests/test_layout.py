@@ -61,3 +61,24 @@ def test_a_forbidden_import_fails_lint_imports_with_its_chain(tmp_path, path, li
     if "->" in chain and "cycles" not in chain:
         chain += " (l."  # the chain with its line number
     assert chain in broken, result.stdout
+
+
+def test_no_installed_distribution_but_berth_ships_our_top_level_packages():
+    """berth's folders are top-level packages (`kernels`, `worker`, ...). Installed beside a distribution that
+    ships one of those names, one shadows the other: transformers 5.25 began to require Hugging Face's `kernels`,
+    and `import transformers` then imported berth's kernels/ and failed. pyproject.toml caps transformers below
+    it; this names the culprit if any dependency pulls such a distribution in again."""
+    from importlib.metadata import distributions
+
+    clashes = []
+    for dist in distributions():
+        name = dist.metadata["Name"]
+        if name is None or name.lower() == "berth":
+            continue
+        top = {(f.parts[0].removesuffix(".py")) for f in (dist.files or ()) if f.parts
+               and not f.parts[0].endswith((".dist-info", ".data", ".pth"))}
+        for package in PACKAGES:
+            if package in top:
+                clashes.append(f"{name} {dist.version} installs a top-level `{package}`")
+    assert not clashes, ("; ".join(clashes) + ": it shadows berth's folder of that name (or is shadowed by it). "
+                         "Cap the dependency that requires it in pyproject.toml")
