@@ -48,8 +48,13 @@ def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_
     second = engine_worker(settings, Engine(settings), eager_tasks=True)
     second.run(until=lambda: api.status(job.id, settings).status.is_final)
     metrics = second.metrics.registry
-    # requests this short: their KV was not worth writing (KV "auto"), so it is computed again
-    assert metrics.get_sample_value("berth_checkpoint_restores_total", {"kv": "recomputed"}) == 4
+    # Each of the four resumed once, its KV read back or computed again. Whether KV "auto" wrote a request's
+    # blocks is the measured cost model's call (on a quiet machine these short requests' were not worth writing;
+    # on a loaded one slower steps make a crash likelier and they were): one whose state holds none is recomputed.
+    restores = {kv: metrics.get_sample_value("berth_checkpoint_restores_total", {"kv": kv}) or 0
+                for kv in ("loaded", "recomputed")}
+    assert restores["loaded"] + restores["recomputed"] == 4, restores
+    assert restores["recomputed"] >= sum(1 for s in states if not s.block_hashes()), restores
     assert metrics.get_sample_value("berth_checkpoint_restored_tokens_total") == sum(s.output_tokens for s in states)
     collected = collect_checkpoints(store, db, min_age=0)
     assert list(store.list(SEGMENT_PREFIX)) == [] and collected.segments_deleted > 0, \
