@@ -590,9 +590,9 @@ static int decode_64(const void *q, const void *k_cache, const void *v_cache, co
  * one token. Rows are token-major (row r: token r / group, head r % group), so a row block's keys
  * run from its first row's window start to its last row's position; the diagonal's few masked
  * scores are computed and discarded.
- * Head sizes that are a multiple of PF_DC vectors (64, 128, 192, 256 on AVX-512; 32 .. 256 by 32 on
- * AVX2) take this path; any other, or a build without a vector path, returns -1 and the caller runs
- * the reference.
+ * Head sizes that are a multiple of the vector (16 on AVX-512, 8 on AVX2), up to MAX_HEAD_DIM, take
+ * this path; any other, or a build without a vector path, returns -1 and the caller runs the
+ * reference.
  * ------------------------------------------------------------------------------------------------ */
 
 #ifdef RUN  /* a vector path was built */
@@ -740,25 +740,37 @@ static void scores_tile(const float *q, const float *kt, int v0, int v1, int d, 
     if (s * PF_SV < v1) scores_strip(1, q, kt, s, 0, d, p);  /* PF_SV is 2: one vector left */
 }
 
-/* Outputs o ([PF_RB][d]) times corr, plus the weights p times the chunk's values a .. b-1. */
-static inline void values_tile(const float *p, const float *v, const float *corr, int a, int b, int d, float *o) {
+/* Outputs o ([PF_RB][d]) times corr, plus the weights p times the chunk's values a .. b-1: NV vectors of
+ * each row's values, from value i0 on. */
+static inline __attribute__((always_inline)) void values_part(const int NV, const float *p, const float *v,
+                                                               const float *corr, int a, int b, int d, int i0,
+                                                               float *o) {
     for (int r0 = 0; r0 < PF_RB; r0 += PF_RP) {
-        for (int i0 = 0; i0 < d; i0 += PF_DC * VL) {
-            vf acc[PF_RP][PF_DC];
-            for (int r = 0; r < PF_RP; r++)
-                for (int c = 0; c < PF_DC; c++)
-                    acc[r][c] = vmul(vloada(o + (r0 + r) * d + i0 + c * VL), vset1(corr[r0 + r]));
-            for (int j = a; j < b; j++) {
-                vf vv[PF_DC];
-                for (int c = 0; c < PF_DC; c++) vv[c] = vloada(v + (int64_t)j * d + i0 + c * VL);
-                for (int r = 0; r < PF_RP; r++) {
-                    const vf w = vset1(p[(r0 + r) * PF_PS + j]);
-                    for (int c = 0; c < PF_DC; c++) acc[r][c] = vfma(w, vv[c], acc[r][c]);
-                }
+        vf acc[PF_RP][PF_DC];
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++) acc[r][c] = vmul(vloada(o + (r0 + r) * d + i0 + c * VL), vset1(corr[r0 + r]));
+        for (int j = a; j < b; j++) {
+            vf vv[PF_DC];
+            for (int c = 0; c < NV; c++) vv[c] = vloada(v + (int64_t)j * d + i0 + c * VL);
+            for (int r = 0; r < PF_RP; r++) {
+                const vf w = vset1(p[(r0 + r) * PF_PS + j]);
+                for (int c = 0; c < NV; c++) acc[r][c] = vfma(w, vv[c], acc[r][c]);
             }
-            for (int r = 0; r < PF_RP; r++)
-                for (int c = 0; c < PF_DC; c++) vstorea(o + (r0 + r) * d + i0 + c * VL, acc[r][c]);
         }
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++) vstorea(o + (r0 + r) * d + i0 + c * VL, acc[r][c]);
+    }
+}
+
+/* All d values of the PF_RB rows: PF_DC vectors at a time, then the 1 .. PF_DC-1 left. */
+static void values_tile(const float *p, const float *v, const float *corr, int a, int b, int d, float *o) {
+    int i0 = 0;
+    for (; i0 + PF_DC * VL <= d; i0 += PF_DC * VL) values_part(PF_DC, p, v, corr, a, b, d, i0, o);
+    switch ((d - i0) / VL) {  /* PF_DC is 4 */
+        case 1: values_part(1, p, v, corr, a, b, d, i0, o); break;
+        case 2: values_part(2, p, v, corr, a, b, d, i0, o); break;
+        case 3: values_part(3, p, v, corr, a, b, d, i0, o); break;
+        default: break;
     }
 }
 
@@ -990,13 +1002,13 @@ void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache,
  * [total_query_tokens, num_heads, head_dim], sequence s's queries at rows query_start_loc[s] ..
  * query_start_loc[s+1]-1, the caches as for decode, holding the chunks' own rows. Returns -1,
  * computing nothing, where this build has no vector path or head_dim is not a multiple of its
- * vectors (the caller then runs the reference), or the scratch cannot be allocated. */
+ * vector's lanes (the caller then runs the reference), or the scratch cannot be allocated. */
 int berth_paged_prefill(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         const int32_t *query_start_loc, const int32_t *context_lens, void *out, int num_seqs,
                         int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
                         int dtype, int kv_dtype, int window, int num_threads) {
 #ifdef HAVE_PREFILL
-    if (head_dim % (PF_DC * VL) == 0 && head_dim <= MAX_HEAD_DIM) {
+    if (head_dim % VL == 0 && head_dim <= MAX_HEAD_DIM) {
         const PrefillArgs a = {q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, num_heads,
                                num_kv_heads, head_dim, block_size, max_blocks, dtype, kv_dtype, window, scale};
         return prefill_vec(&a, num_seqs, num_threads);
