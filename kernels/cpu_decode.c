@@ -659,6 +659,7 @@ static inline vf vselect(vmask m, vf yes, vf no) { return _mm256_blendv_ps(no, y
 #define PF_KC 256            /* keys a chunk: its keys and values as float32, 64 KiB each at head_dim 64 */
 #define PF_PS (PF_KC + VL)   /* floats from a row of scores to the next (not a multiple of 1 KiB: no aliasing) */
 #define PF_MAX_ROWS 512      /* query rows a task at most: tokens x group, its queries and outputs in L2 */
+#define PF_AHEAD 8         /* keys ahead of the one packing whose rows are fetched */
 #define PF_MIN_ROWS 48       /* ... and at least, where the chunk allows, so each key chunk read serves as many */
 
 /* A thread's scratch: the chunk's keys (strips of PF_SW keys, [d][PF_SW] each) and values ([key][d]),
@@ -679,11 +680,17 @@ typedef struct {
 /* Keys c0 .. c0+n-1 of kv head ``kvh`` from the cache into the scratch as float32: keys transposed into
  * strips (zeros past n to the strip's end), values as rows. */
 static void pack_chunk(const PrefillArgs *a, const int32_t *table, int kvh, int c0, int n, PrefillScratch *w) {
-    const int d = a->d, row = cache_row(d, a->kv_dtype);
+    const int d = a->d, row = cache_row(d, a->kv_dtype), esize = a->kv_dtype == 0 ? 4 : a->kv_dtype == 1 ? 2 : 1;
     for (int j = 0; j < n; j++) {
         const int p = c0 + j;
         const int64_t at = (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size)
                             * a->num_kv_heads + kvh) * row;
+        if (j + PF_AHEAD < n) {  /* the rows PF_AHEAD keys on: a sequence's blocks lie anywhere in the cache */
+            const int pa = p + PF_AHEAD;
+            const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
+                                   * a->num_kv_heads + kvh) * row * esize;
+            prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
+        }
         float *kt = w->kt + (int64_t)(j / PF_SW) * d * PF_SW + j % PF_SW, *v = w->v + (int64_t)j * d;
         if (a->kv_dtype == 0) {
             const float *k = (const float *)a->k_cache + at, *vs = (const float *)a->v_cache + at;
