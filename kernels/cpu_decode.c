@@ -667,6 +667,7 @@ static inline vf vselect(vmask m, vf yes, vf no) { return _mm256_blendv_ps(no, y
 typedef struct {
     float *kt, *v, *p, *q, *o, *m, *l, *corr;
     int *pos, *lo;
+    uint16_t *pb;  /* bfloat16 queries' weights (PF_BF16) */
 } PrefillScratch;
 
 typedef struct {
@@ -781,12 +782,140 @@ static void values_tile(const float *p, const float *v, const float *corr, int a
     }
 }
 
+#if defined(__AVX512BF16__)
+/* bfloat16 queries over a bfloat16 or int8 cache, with AVX512-BF16: the products that PyTorch's bfloat16
+ * attention takes in bfloat16, taken so here, two at a time (vdpbf16ps: pairs of bfloat16 products summed
+ * into float32 lanes), half the instructions of the float32 tiles. Queries stay bfloat16 (the scale goes
+ * on their scores), keys are bfloat16 (int8 rows dequantized and rounded, as kv_quant.dequantize to
+ * bfloat16 does), and the weights are rounded to bfloat16 before they multiply the values, as PyTorch's
+ * flash attention rounds them; sums stay float32. Layouts, in pairs: keys in strips of [d/2][PF_SW][2]
+ * (a pair of a key's values a lane), values in pairs of keys [key/2][d][2], queries [row][d/2][2]. */
+#define PF_BF16 1
+
+static inline uint32_t bf16_pair(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
+}
+
+/* Keys c0 .. c0+n-1 of kv head kvh as bfloat16 pairs: keys into strips (zeros past n to the strip's
+ * end), values into pairs of keys (a zero key after an odd n). */
+static void pack_chunk_bf16(const PrefillArgs *a, const int32_t *table, int kvh, int c0, int n,
+                            PrefillScratch *w) {
+    const int d = a->d, half = d / 2, row = cache_row(d, a->kv_dtype), esize = a->kv_dtype == 1 ? 2 : 1;
+    uint32_t *kt = (uint32_t *)w->kt;
+    uint16_t *v = (uint16_t *)w->v;
+    for (int j = 0; j < n; j++) {
+        const int p = c0 + j;
+        const int64_t at = (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size)
+                            * a->num_kv_heads + kvh) * row;
+        if (j + PF_AHEAD < n) {
+            const int pa = p + PF_AHEAD;
+            const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
+                                   * a->num_kv_heads + kvh) * row * esize;
+            prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
+        }
+        uint32_t *kp = kt + (int64_t)(j / PF_SW) * half * PF_SW + j % PF_SW;
+        uint16_t *vp = v + (int64_t)(j / 2) * d * 2 + j % 2;
+        if (a->kv_dtype == 1) {
+            const uint16_t *k = (const uint16_t *)a->k_cache + at, *vs = (const uint16_t *)a->v_cache + at;
+            for (int i = 0; i < half; i++) kp[i * PF_SW] = (uint32_t)k[2 * i] | (uint32_t)k[2 * i + 1] << 16;
+            for (int i = 0; i < d; i++) vp[2 * i] = vs[i];
+        } else {  /* int8 values times the row's scale, rounded to bfloat16 */
+            const int8_t *k = (const int8_t *)a->k_cache + at, *vs = (const int8_t *)a->v_cache + at;
+            float ks, vsc;
+            memcpy(&ks, k + d, 4);
+            memcpy(&vsc, vs + d, 4);
+            for (int i = 0; i < half; i++)
+                kp[i * PF_SW] = bf16_pair((float)k[2 * i] * ks, (float)k[2 * i + 1] * ks);
+            for (int i = 0; i < d; i++) vp[2 * i] = f32_to_bf16((float)vs[i] * vsc);
+        }
+    }
+    for (int j = n; j % PF_SW; j++) {
+        uint32_t *kp = kt + (int64_t)(j / PF_SW) * half * PF_SW + j % PF_SW;
+        for (int i = 0; i < half; i++) kp[i * PF_SW] = 0;
+    }
+    if (n % 2) {
+        uint16_t *vp = v + (int64_t)(n / 2) * d * 2 + 1;
+        for (int i = 0; i < d; i++) vp[2 * i] = 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void scores_strip_bf16(const int NV, const uint32_t *q,
+                                                                     const uint32_t *kt, int s, int d, float *p) {
+    const int half = d / 2;
+    __m512 acc[PF_RB][PF_SV];
+    for (int r = 0; r < PF_RB; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
+    const uint32_t *k = kt + (int64_t)s * half * PF_SW;
+    for (int i = 0; i < half; i++) {
+        __m512bh kv[PF_SV];
+        for (int c = 0; c < NV; c++) kv[c] = (__m512bh)_mm512_load_si512((const void *)(k + i * PF_SW + c * VL));
+        for (int r = 0; r < PF_RB; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * d + i]);  /* rows d floats apart */
+            for (int c = 0; c < NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
+        }
+    }
+    for (int r = 0; r < PF_RB; r++)
+        for (int c = 0; c < NV; c++) _mm512_store_ps(p + r * PF_PS + s * PF_SW + c * VL, acc[r][c]);
+}
+
+static void scores_tile_bf16(const uint32_t *q, const uint32_t *kt, int v0, int v1, int d, float *p) {
+    int s = v0 / PF_SV;
+    for (; (s + 1) * PF_SV <= v1; s++) scores_strip_bf16(PF_SV, q, kt, s, d, p);
+    if (s * PF_SV < v1) scores_strip_bf16(1, q, kt, s, d, p);
+}
+
+/* As values_part, the weights pb (bfloat16) times the values of the key pairs a/2 .. (b+1)/2-1 (weights
+ * outside a .. b-1 are zero). */
+static inline __attribute__((always_inline)) void values_part_bf16(const int NV, const uint16_t *pb,
+                                                                    const uint16_t *v, const float *corr, int a,
+                                                                    int b, int d, int i0, float *o) {
+    for (int r0 = 0; r0 < PF_RB; r0 += PF_RP) {
+        __m512 acc[PF_RP][PF_DC];
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++)
+                acc[r][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + r) * d + i0 + c * VL),
+                                          _mm512_set1_ps(corr[r0 + r]));
+        for (int jp = a / 2; jp < (b + 1) / 2; jp++) {
+            __m512bh vv[PF_DC];
+            for (int c = 0; c < NV; c++)
+                vv[c] = (__m512bh)_mm512_load_si512((const void *)(v + ((int64_t)jp * d + i0 + c * VL) * 2));
+            for (int r = 0; r < PF_RP; r++) {
+                uint32_t pair;
+                memcpy(&pair, pb + (r0 + r) * PF_PS + 2 * jp, 4);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int c = 0; c < NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, vv[c]);
+            }
+        }
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++) _mm512_store_ps(o + (r0 + r) * d + i0 + c * VL, acc[r][c]);
+    }
+}
+
+static void values_tile_bf16(const uint16_t *pb, const uint16_t *v, const float *corr, int a, int b, int d,
+                             float *o) {
+    int i0 = 0;
+    for (; i0 + PF_DC * VL <= d; i0 += PF_DC * VL) values_part_bf16(PF_DC, pb, v, corr, a, b, d, i0, o);
+    switch ((d - i0) / VL) {
+        case 1: values_part_bf16(1, pb, v, corr, a, b, d, i0, o); break;
+        case 2: values_part_bf16(2, pb, v, corr, a, b, d, i0, o); break;
+        case 3: values_part_bf16(3, pb, v, corr, a, b, d, i0, o); break;
+        default: break;
+    }
+}
+#endif  /* __AVX512BF16__ */
+
 /* Sequence s's tokens t0 .. t1-1 of its chunk, the query heads of kv head kvh. */
 static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, PrefillScratch *w) {
     const int d = a->d, group = a->num_heads / a->num_kv_heads;
     const int start = a->query_start_loc[s], q_len = a->query_start_loc[s + 1] - start;
     const int first_pos = a->context_lens[s] - q_len;
     const int rows = (t1 - t0) * group, padded = (rows + PF_RB - 1) / PF_RB * PF_RB, esize = a->dtype == 0 ? 4 : 2;
+#ifdef PF_BF16
+    const int bf16 = a->dtype == 1;  /* the pairwise bfloat16 products: queries kept as they are, unscaled */
+#else
+    const int bf16 = 0;
+#endif
+    const float score_scale = bf16 ? a->scale : 1.0f;  /* float32 queries carry the scale */
     RowBuffer buffer;
     for (int r = 0; r < padded; r++) {
         float *q = w->q + (int64_t)r * d;
@@ -799,7 +928,13 @@ static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, P
             }
             const float *src = load_row(a->q, ((int64_t)(start + t) * a->num_heads + kvh * group + r % group) * d,
                                         a->dtype, d, &buffer);
-            for (int i = 0; i < d; i++) q[i] = src[i] * a->scale;
+            if (bf16) {
+                const uint16_t *raw = (const uint16_t *)a->q + ((int64_t)(start + t) * a->num_heads + kvh * group
+                                                                + r % group) * d;
+                memcpy(q, raw, (size_t)d * 2);  /* [d/2] pairs in the row's first d * 2 bytes */
+            } else {
+                for (int i = 0; i < d; i++) q[i] = src[i] * a->scale;
+            }
             w->pos[r] = first_pos + t;
             w->lo[r] = window_start(w->pos[r] + 1, a->window);
         } else {  /* padding: no query, the last row's keys */
@@ -815,7 +950,11 @@ static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, P
     const int key_end = w->pos[padded - 1] + 1;
     for (int c0 = w->lo[0]; c0 < key_end; c0 += PF_KC) {
         const int n = key_end - c0 < PF_KC ? key_end - c0 : PF_KC;
-        pack_chunk(a, table, kvh, c0, n, w);
+#ifdef PF_BF16
+        if (bf16) pack_chunk_bf16(a, table, kvh, c0, n, w);
+        else
+#endif
+            pack_chunk(a, table, kvh, c0, n, w);
         for (int rb = 0; rb < padded; rb += PF_RB) {
             /* the block's keys in this chunk, as columns: from its first row's window start to its last row */
             const int ca = w->lo[rb] > c0 ? w->lo[rb] - c0 : 0;
@@ -823,18 +962,28 @@ static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, P
             if (ca >= cb) continue;
             const int j0 = ca / VL * VL, j1 = (cb + VL - 1) / VL * VL;  /* whole vectors of scores */
             float *p = w->p;
-            scores_tile(w->q + (int64_t)rb * d, w->kt, j0 / VL, j1 / VL, d, p);
+#ifdef PF_BF16
+            if (bf16)
+                scores_tile_bf16((const uint32_t *)(w->q + (int64_t)rb * d), (const uint32_t *)w->kt, j0 / VL, j1 / VL,
+                                 d, p);
+            else
+#endif
+                scores_tile(w->q + (int64_t)rb * d, w->kt, j0 / VL, j1 / VL, d, p);
+            const vf sv = vset1(score_scale);
             for (int r = 0; r < PF_RB; r++) {
                 /* the row's keys in this chunk: columns lo .. hi */
                 const int R = rb + r, lo = w->lo[R] - c0, hi = w->pos[R] - c0 < n - 1 ? w->pos[R] - c0 : n - 1;
                 float *pr = p + r * PF_PS;
                 vf mx = vset1(-INFINITY);
                 for (int j = j0; j < j1; j += VL)
-                    mx = vmax(mx, vselect(vrange(j, lo, hi), vloada(pr + j), vset1(-INFINITY)));
+                    mx = vmax(mx, vselect(vrange(j, lo, hi), vmul(vloada(pr + j), sv), vset1(-INFINITY)));
                 const float run_max = vhmax(mx);
                 if (run_max == -INFINITY) {  /* none of this chunk's keys for this row */
                     w->corr[rb + r] = 1.0f;
                     for (int j = j0; j < j1; j += VL) vstorea(pr + j, vzero());
+#ifdef PF_BF16
+                    if (bf16) memset(w->pb + r * PF_PS + j0, 0, (size_t)(j1 - j0) * 2);
+#endif
                     continue;
                 }
                 const float m_new = run_max > w->m[R] ? run_max : w->m[R];
@@ -844,13 +993,23 @@ static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, P
                 vf sum = vzero();
                 const vf mv = vset1(m_new);
                 for (int j = j0; j < j1; j += VL) {
-                    const vf e = vselect(vrange(j, lo, hi), vexp(vsub(vloada(pr + j), mv)), vzero());
-                    vstorea(pr + j, e);
+                    const vf e = vselect(vrange(j, lo, hi), vexp(vsub(vmul(vloada(pr + j), sv), mv)), vzero());
+#ifdef PF_BF16
+                    if (bf16)
+                        _mm256_storeu_si256((__m256i *)(w->pb + r * PF_PS + j), (__m256i)_mm512_cvtneps_pbh(e));
+                    else
+#endif
+                        vstorea(pr + j, e);
                     sum = vadd(sum, e);
                 }
                 w->l[R] = w->l[R] * corr + vhsum(sum);
             }
-            values_tile(p, w->v, w->corr + rb, ca, cb, d, w->o + (int64_t)rb * d);
+#ifdef PF_BF16
+            if (bf16)
+                values_tile_bf16(w->pb, (const uint16_t *)w->v, w->corr + rb, ca, cb, d, w->o + (int64_t)rb * d);
+            else
+#endif
+                values_tile(p, w->v, w->corr + rb, ca, cb, d, w->o + (int64_t)rb * d);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -882,7 +1041,7 @@ static int prefill_vec(const PrefillArgs *a, int num_seqs, int num_threads) {
         blocks += (a->query_start_loc[s + 1] - a->query_start_loc[s] + block - 1) / block;
     int32_t *list = malloc((size_t)blocks * 3 * sizeof(int32_t));
     const int max_rows = (block * group + PF_RB - 1) / PF_RB * PF_RB;
-    const size_t floats = (size_t)PF_KC * a->d * 2 + (size_t)PF_RB * PF_PS + (size_t)max_rows * (2 * a->d + 3);
+    const size_t floats = (size_t)PF_KC * a->d * 2 + (size_t)PF_RB * PF_PS * 2 + (size_t)max_rows * (2 * a->d + 3);
     const size_t per_thread = (floats * sizeof(float) + (size_t)max_rows * 2 * sizeof(int) + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, per_thread * num_threads);
     if (list == NULL || scratch == NULL) {
@@ -908,7 +1067,8 @@ static int prefill_vec(const PrefillArgs *a, int num_seqs, int num_threads) {
         w.kt = base;
         w.v = w.kt + (size_t)PF_KC * a->d;
         w.p = w.v + (size_t)PF_KC * a->d;
-        w.q = w.p + (size_t)PF_RB * PF_PS;
+        w.pb = (uint16_t *)(w.p + (size_t)PF_RB * PF_PS);
+        w.q = w.p + (size_t)PF_RB * PF_PS * 2;
         w.o = w.q + (size_t)max_rows * a->d;
         w.m = w.o + (size_t)max_rows * a->d;
         w.l = w.m + max_rows;
