@@ -75,7 +75,6 @@ class DecodeKernel:
             _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], window or 0, torch.get_num_threads())
         return out
 
-
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 context_lens: torch.Tensor, scale: float, window: int | None = None,
