@@ -16,6 +16,15 @@ AVX2 path too (``base avx2`` ms, ``avx2/base``).
 
     git archive main kernels | tar -x -C /tmp/berth-baseline
     python benchmarks/cpu_decode_bench.py --baseline /tmp/berth-baseline
+
+``--prefill`` times the C prefill (``paged_prefill_attention``) against the reference's (PyTorch's
+``scaled_dot_product_attention`` a sequence) instead, in alternation on the same inputs: whole prompts
+of ``PROMPT`` tokens (the default model's ~136), as many as one step's default token budget (2048)
+holds and more, each sequence's blocks shuffled over the cache; float32 and bfloat16, and float32
+queries over an int8 cache. GFLOP/s count the causal product's multiply-adds (queries times the keys
+each sees, twice: scores and values); on an AVX-512 CPU the AVX2 path too.
+
+    python benchmarks/cpu_decode_bench.py --prefill
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ INT8 = "int8"  # float32 queries over an int8 KV cache (kernels/kv_quant.py: 64 
 CASES = [(torch.float32, 192, 512), (torch.float32, 64, 2048), (torch.bfloat16, 192, 512),
          (torch.bfloat16, 64, 2048), (INT8, 192, 512), (INT8, 64, 2048)]  # dtype, sequences, context
 WINDOW = 256
+PROMPT = 136
+PREFILL_CASES = [(dtype, seqs) for dtype in (torch.float32, torch.bfloat16, INT8) for seqs in (15, 64, 256)]
 
 
 def load_baseline_module(folder: Path):
@@ -74,6 +85,49 @@ def inputs(dtype: torch.dtype | str, seqs: int, context: int, gen: torch.Generat
     return q, k, v, tables, torch.full((seqs,), context, dtype=torch.int32), HEAD_DIM ** -0.5
 
 
+def prefill_inputs(dtype: torch.dtype | str, seqs: int, prompt: int, gen: torch.Generator) -> tuple:
+    """``paged_prefill_attention``'s arguments for ``seqs`` whole prompts of ``prompt`` tokens."""
+    q, k, v, tables, lens, scale = inputs(dtype, seqs, prompt, gen)
+    q = torch.randn(seqs * prompt, HEADS, HEAD_DIM, generator=gen).to(q.dtype)
+    starts = torch.arange(seqs + 1, dtype=torch.int32) * prompt
+    return q, k, v, tables, starts, lens, scale
+
+
+def prefill(args) -> int:
+    from kernels import reference
+
+    native = cpu_attention.load(cache_dir("kernels"))
+    if native is None:
+        raise SystemExit("no C compiler built kernels/cpu_decode.c")
+    avx2 = cpu_attention.load(cache_dir("kernels"), isa="avx2") if native.isa == "avx512" else None
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, this tree's path: {native.isa}; prompts of "
+          f"{PROMPT} tokens, {HEADS} heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}, blocks of {BLOCK_SIZE}")
+    print(f"{'dtype':9} {'seqs':>4} {'ref ms':>8} {'GFLOP/s':>7} {'C ms':>8} {'GFLOP/s':>7} {'ref/C':>6}"
+          + (f" {'avx2 ms':>8} {'GFLOP/s':>7} {'ref/avx2':>8}" if avx2 else ""))
+    gen = torch.Generator().manual_seed(0)
+    for dtype, seqs in [c for c in PREFILL_CASES if str(c[0]).removeprefix("torch.") in args.dtypes.split(",")]:
+        case = prefill_inputs(dtype, seqs, PROMPT, gen)
+        tol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5  # bfloat16: one rounding of the output
+        torch.testing.assert_close(native.paged_prefill_attention(*case), reference.paged_prefill_attention(*case),
+                                   atol=tol, rtol=tol)
+        ref, ours, narrow = [], [], []
+        reps = max(2, args.reps * 15 // seqs)
+        for _ in range(args.rounds):
+            ref.append(time_ms(lambda: reference.paged_prefill_attention(*case), reps))
+            ours.append(time_ms(lambda: native.paged_prefill_attention(*case), reps))
+            if avx2:
+                narrow.append(time_ms(lambda: avx2.paged_prefill_attention(*case), reps))
+        gflop = 2 * 2 * HEAD_DIM * HEADS * seqs * PROMPT * (PROMPT + 1) / 2 / 1e9
+        r, t = statistics.median(ref), statistics.median(ours)
+        line = f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {r:8.2f} {gflop / r * 1e3:7.1f} {t:8.2f} " \
+               f"{gflop / t * 1e3:7.1f} {r / t:6.2f}"
+        if narrow:
+            a = statistics.median(narrow)
+            line += f" {a:8.2f} {gflop / a * 1e3:7.1f} {r / a:8.2f}"
+        print(line)
+    return 0
+
+
 def time_ms(fn, reps: int) -> float:
     fn()
     times = []
@@ -95,7 +149,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternations of baseline and this tree per case")
     parser.add_argument("--reps", type=int, default=20, help="calls timed per round (the median is kept)")
     parser.add_argument("--dtypes", default="float32,bfloat16,int8", help="the cases' KV dtypes, comma-separated")
+    parser.add_argument("--prefill", action="store_true", help="time the C prefill against the reference instead")
     args = parser.parse_args()
+    if args.prefill:
+        return prefill(args)
     decode = decode_of(cpu_attention)
     if decode is None:
         raise SystemExit("no C compiler built kernels/cpu_decode.c")

@@ -18,7 +18,7 @@ class AttentionOps:
     decode: Callable
     prefill: Callable
     # whether ``prefill`` reads a chunk's own keys and values from the step's tensors (the reference's
-    # ``key``/``value``), so that the model hands them over; the Triton kernel reads them from the cache
+    # ``key``/``value``), so that the model hands them over; the Triton and C kernels read them from the cache
     prefill_reads_own_rows: bool = True
 
 
@@ -27,7 +27,7 @@ TORCH_OPS = AttentionOps("torch", reference.write_kv, reference.paged_decode_att
 
 
 def select_ops(backend: str, device: torch.device | str, build_dir: Path | None = None) -> AttentionOps:
-    """``auto`` takes Triton on CUDA and, on the CPU, the C decode kernel where a compiler builds it
+    """``auto`` takes Triton on CUDA and, on the CPU, the C kernels (decode and prefill) where a compiler builds them
     (into ``build_dir``; without one, the PyTorch path); ``torch`` forces the pure PyTorch path,
     ``cpu`` the C kernel, ``triton`` the Triton kernels. Every path reads the caches of
     ``kernels.kv_quant`` as their dtype says, but for the C kernel, which hands fp8 caches to the
@@ -38,8 +38,10 @@ def select_ops(backend: str, device: torch.device | str, build_dir: Path | None 
 
         kernel = cpu_attention.load(Path(build_dir)) if build_dir is not None else None
         if kernel is not None:
+            # the C prefill reads the chunks' own rows from the cache (written before it runs), so the
+            # model neither hands them over nor, for an int8 cache, rounds them through quantize/dequantize
             return AttentionOps("cpu", kernel.write_kv, kernel.paged_decode_attention,
-                                reference.paged_prefill_attention)
+                                kernel.paged_prefill_attention, prefill_reads_own_rows=False)
         if backend == "cpu":
             raise RuntimeError("attention_backend=cpu needs a C compiler with OpenMP (cc or $CC) to build "
                                "kernels/cpu_decode.c, and a folder to build it in; install gcc or use "

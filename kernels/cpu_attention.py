@@ -1,8 +1,12 @@
-"""The CPU decode-attention kernel (``cpu_decode.c``), built with the system C compiler on first use.
+"""The CPU attention kernels (``cpu_decode.c``: decode and prefill), built with the system C compiler
+on first use.
 
 PyTorch cannot attend over a paged cache without first gathering every sequence's blocks into a
 padded copy; at a few hundred running requests that copy, not the matrix multiplies, bounds a CPU
-decode step. The C kernel reads each cached key and value once, in place. It is compiled once per
+decode step. The C kernel reads each cached key and value once, in place. Its prefill replaces the
+reference's loop of ``scaled_dot_product_attention`` calls, one a sequence over K/V repeated for each
+query head of a group, with one call for the step that loads each key and value row once for many
+query rows (every query head of a group, several tokens). It is compiled once per
 source, compiler and CPU into the folder its caller names (the worker passes
 ``$BERTH_CACHE_DIR/kernels``, by default ``~/.cache/berth/kernels``) and shares PyTorch's OpenMP
 runtime. ``load(folder)`` gives None where no compiler works; the engine then keeps the PyTorch path.
@@ -36,7 +40,8 @@ _ISA_FLAGS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out o
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """The built kernel: ``paged_decode_attention`` has ``kernels.reference``'s contract."""
+    """The built kernel: ``paged_decode_attention`` and ``paged_prefill_attention`` have
+    ``kernels.reference``'s contracts."""
 
     lib: ctypes.CDLL
     isa: str  # the vector path built for head_dim 64: "avx512", "avx2" or "none"
@@ -70,6 +75,31 @@ class DecodeKernel:
             _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], window or 0, torch.get_num_threads())
         return out
 
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float, window: int | None = None,
+                                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+        """Same contract as ``kernels.reference.paged_prefill_attention``. The kernel reads every key and
+        value from the cache, which holds the chunks' own rows (written before attention runs), so it
+        ignores ``key`` and ``value``; the reference, where the kernel cannot run (another dtype or head
+        size, no vector path built), reads them."""
+        if not self.supports(q, k_cache, v_cache):
+            return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                     context_lens, scale, window, key, value)
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        starts = query_start_loc.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        _, num_heads, head_dim = q.shape
+        if self.lib.berth_paged_prefill(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+                lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads, k_cache.shape[2], head_dim,
+                k_cache.shape[1], tables.shape[1], scale, _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], window or 0,
+                torch.get_num_threads()) != 0:
+            return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                     context_lens, scale, window, key, value)
+        return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -111,6 +141,9 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
         return None
     lib.berth_paged_decode.restype = None
     lib.berth_paged_decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
+        ctypes.c_int] * 4
+    lib.berth_paged_prefill.restype = ctypes.c_int
+    lib.berth_paged_prefill.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float] + [
         ctypes.c_int] * 4
     lib.berth_write_kv_int8.restype = ctypes.c_int
     lib.berth_write_kv_int8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [

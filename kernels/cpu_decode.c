@@ -1,7 +1,10 @@
-/* Paged decode attention for the CPU: one query token per sequence, reading every cached key and
- * value exactly once, straight from the paged cache (no gathered copy, no padding).
+/* Paged attention for the CPU, straight from the paged cache (no gathered copy, no padding): decode
+ * (berth_paged_decode: one query token per sequence, reading every cached key and value exactly
+ * once) and prefill (berth_paged_prefill: a chunk of query tokens per sequence, causal; its own
+ * section below, after the decode kernel, whose helpers it shares). The file keeps its first name,
+ * cpu_decode.c, which other code and documents name.
  *
- * Same contract as kernels/reference.py:paged_decode_attention. Layout:
+ * Decode: same contract as kernels/reference.py:paged_decode_attention. Layout:
  *   q, out:            [num_seqs, num_heads, head_dim], contiguous
  *   k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables:      [num_seqs, max_blocks] int32;  context_lens: [num_seqs] int32
@@ -572,6 +575,519 @@ static int decode_64(const void *q, const void *k_cache, const void *v_cache, co
 #define HAVE_HEADS_64 1
 #endif
 
+/* ------------------------------------------------------------------------------------------------
+ * Prefill: a chunk of queries per sequence over the cache (which holds the chunk's own rows), as
+ * kernels/reference.py:paged_prefill_attention. Flash attention in float32 on the vector path: a
+ * task takes one sequence, one kv head and a block of its chunk's tokens, whose query rows (each
+ * token times the group's query heads) it keeps as float32, scaled, with their outputs and softmax
+ * states. It goes through the keys those rows see in chunks of PF_KC: each chunk's keys are read
+ * once from the paged cache into a float32 scratch (int8 rows dequantized there), keys transposed
+ * into strips of PF_SW so that a score tile is broadcast query values times key vectors, values as
+ * rows. Every row block of PF_RB query rows then takes the chunk: its scores tile (PF_RB rows x
+ * PF_SW keys in registers), the causal and window mask, an online-softmax update per row, and the
+ * weighted values (PF_RP rows x PF_DC vectors in registers). Each key and value loaded into a
+ * register serves PF_RB (scores) or PF_RP (values) query rows, where decode's serve the few heads of
+ * one token. Rows are token-major (row r: token r / group, head r % group), so a row block's keys
+ * run from its first row's window start to its last row's position; the diagonal's few masked
+ * scores are computed and discarded.
+ * Head sizes that are a multiple of the vector (16 on AVX-512, 8 on AVX2), up to MAX_HEAD_DIM, take
+ * this path; any other, or a build without a vector path, returns -1 and the caller runs the
+ * reference.
+ * ------------------------------------------------------------------------------------------------ */
+
+#ifdef RUN  /* a vector path was built */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+typedef __mmask16 vmask;
+#define VL 16
+#define PF_RB 12  /* query rows of a row block: scores tile PF_RB x PF_SV vectors, 24 of 32 registers */
+#define PF_SV 2
+#define PF_RP 6   /* the weighted values' tile: PF_RP rows x PF_DC vectors, 24 registers */
+#define PF_DC 4
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vloada(const float *p) { return _mm512_load_ps(p); }
+static inline void vstorea(float *p, vf x) { _mm512_store_ps(p, x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vexp(vf x) { return exp512(x); }
+static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }
+/* lanes whose column col + i lies in lo .. hi */
+static inline vmask vrange(int col, int lo, int hi) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(col));
+    return _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(lo), _MM_CMPINT_NLT)
+           & _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(hi), _MM_CMPINT_LE);
+}
+static inline vf vselect(vmask m, vf yes, vf no) { return _mm512_mask_blend_ps(m, no, yes); }
+#else
+typedef __m256 vf;
+typedef __m256 vmask;
+#define VL 8
+#define PF_RB 6   /* 16 registers: scores tile 6 x 2 vectors, weighted values 2 x 4 */
+#define PF_SV 2
+#define PF_RP 2
+#define PF_DC 4
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vloada(const float *p) { return _mm256_load_ps(p); }
+static inline void vstorea(float *p, vf x) { _mm256_store_ps(p, x); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vexp(vf x) { return exp256(x); }
+static inline float vhmax(vf x) { return reduce_max256(x); }
+static inline float vhsum(vf x) { return reduce_add256(x); }
+static inline vmask vrange(int col, int lo, int hi) {
+    const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(col));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), idx), above = _mm256_cmpgt_epi32(
+        idx, _mm256_set1_epi32(hi));
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(below, above), _mm256_set1_epi32(-1)));
+}
+static inline vf vselect(vmask m, vf yes, vf no) { return _mm256_blendv_ps(no, yes, m); }
+#endif
+
+#define PF_SW (PF_SV * VL)   /* keys a strip: the scores tile's width */
+#define PF_KC 256            /* keys a chunk: its keys and values as float32, 64 KiB each at head_dim 64 */
+#define PF_PS (PF_KC + VL)   /* floats from a row of scores to the next (not a multiple of 1 KiB: no aliasing) */
+#define PF_MAX_ROWS 512      /* query rows a task at most: tokens x group, its queries and outputs in L2 */
+#define PF_AHEAD 8         /* keys ahead of the one packing whose rows are fetched */
+#define PF_MIN_ROWS 48       /* ... and at least, where the chunk allows, so each key chunk read serves as many */
+
+/* A thread's scratch: the chunk's keys (strips of PF_SW keys, [d][PF_SW] each) and values ([key][d]),
+ * a row block's scores, and the task's queries, outputs and softmax states. */
+typedef struct {
+    float *kt, *v, *p, *q, *o, *m, *l, *corr;
+    int *pos, *lo;
+    uint16_t *pb;  /* bfloat16 queries' weights (PF_BF16) */
+} PrefillScratch;
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *query_start_loc, *context_lens;
+    void *out;
+    int num_heads, num_kv_heads, d, block_size, max_blocks, dtype, kv_dtype, window;
+    float scale;
+} PrefillArgs;
+
+/* Keys c0 .. c0+n-1 of kv head ``kvh`` from the cache into the scratch as float32: keys transposed into
+ * strips (zeros past n to the strip's end), values as rows. */
+static void pack_chunk(const PrefillArgs *a, const int32_t *table, int kvh, int c0, int n, PrefillScratch *w) {
+    const int d = a->d, row = cache_row(d, a->kv_dtype), esize = a->kv_dtype == 0 ? 4 : a->kv_dtype == 1 ? 2 : 1;
+    for (int j = 0; j < n; j++) {
+        const int p = c0 + j;
+        const int64_t at = (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size)
+                            * a->num_kv_heads + kvh) * row;
+        if (j + PF_AHEAD < n) {  /* the rows PF_AHEAD keys on: a sequence's blocks lie anywhere in the cache */
+            const int pa = p + PF_AHEAD;
+            const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
+                                   * a->num_kv_heads + kvh) * row * esize;
+            prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
+        }
+        float *kt = w->kt + (int64_t)(j / PF_SW) * d * PF_SW + j % PF_SW, *v = w->v + (int64_t)j * d;
+        if (a->kv_dtype == 0) {
+            const float *k = (const float *)a->k_cache + at, *vs = (const float *)a->v_cache + at;
+            for (int i = 0; i < d; i++) kt[i * PF_SW] = k[i];
+            memcpy(v, vs, (size_t)d * sizeof(float));
+        } else if (a->kv_dtype == 1) {
+            const uint16_t *k = (const uint16_t *)a->k_cache + at, *vs = (const uint16_t *)a->v_cache + at;
+            for (int i = 0; i < d; i++) {
+                const uint32_t kb = (uint32_t)k[i] << 16;
+                memcpy(kt + i * PF_SW, &kb, 4);
+            }
+            #pragma omp simd
+            for (int i = 0; i < d; i++) ((uint32_t *)v)[i] = (uint32_t)vs[i] << 16;
+        } else {  /* int8 values times the row's scale, as kv_quant.dequantize */
+            const int8_t *k = (const int8_t *)a->k_cache + at, *vs = (const int8_t *)a->v_cache + at;
+            float ks, vsc;
+            memcpy(&ks, k + d, 4);
+            memcpy(&vsc, vs + d, 4);
+            for (int i = 0; i < d; i++) kt[i * PF_SW] = (float)k[i] * ks;
+            #pragma omp simd
+            for (int i = 0; i < d; i++) v[i] = (float)vs[i] * vsc;
+        }
+    }
+    for (int j = n; j % PF_SW; j++) {
+        float *kt = w->kt + (int64_t)(j / PF_SW) * d * PF_SW + j % PF_SW;
+        for (int i = 0; i < d; i++) kt[i * PF_SW] = 0.0f;
+    }
+}
+
+/* Scores of PF_RB query rows (q: [PF_RB][d]) against NV vectors of keys (of strip s, from vector c0 on). */
+static inline __attribute__((always_inline)) void scores_strip(const int NV, const float *q, const float *kt, int s,
+                                                                int c0, int d, float *p) {
+    vf acc[PF_RB][PF_SV];
+    for (int r = 0; r < PF_RB; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = vzero();
+    const float *k = kt + (int64_t)s * d * PF_SW + c0 * VL;
+    for (int i = 0; i < d; i++) {
+        vf kv[PF_SV];
+        for (int c = 0; c < NV; c++) kv[c] = vloada(k + i * PF_SW + c * VL);
+        for (int r = 0; r < PF_RB; r++) {
+            const vf qb = vset1(q[r * d + i]);
+            for (int c = 0; c < NV; c++) acc[r][c] = vfma(qb, kv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < PF_RB; r++)
+        for (int c = 0; c < NV; c++) vstorea(p + r * PF_PS + s * PF_SW + (c0 + c) * VL, acc[r][c]);
+}
+
+/* Scores of PF_RB query rows against the chunk's key vectors v0 .. v1-1 (VL keys each), into p: whole
+ * strips, and a last one of a single vector where that is all the diagonal needs. */
+static void scores_tile(const float *q, const float *kt, int v0, int v1, int d, float *p) {
+    int s = v0 / PF_SV;
+    for (; (s + 1) * PF_SV <= v1; s++) scores_strip(PF_SV, q, kt, s, 0, d, p);
+    if (s * PF_SV < v1) scores_strip(1, q, kt, s, 0, d, p);  /* PF_SV is 2: one vector left */
+}
+
+/* Outputs o ([PF_RB][d]) times corr, plus the weights p times the chunk's values a .. b-1: NV vectors of
+ * each row's values, from value i0 on. */
+static inline __attribute__((always_inline)) void values_part(const int NV, const float *p, const float *v,
+                                                               const float *corr, int a, int b, int d, int i0,
+                                                               float *o) {
+    for (int r0 = 0; r0 < PF_RB; r0 += PF_RP) {
+        vf acc[PF_RP][PF_DC];
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++) acc[r][c] = vmul(vloada(o + (r0 + r) * d + i0 + c * VL), vset1(corr[r0 + r]));
+        for (int j = a; j < b; j++) {
+            vf vv[PF_DC];
+            for (int c = 0; c < NV; c++) vv[c] = vloada(v + (int64_t)j * d + i0 + c * VL);
+            for (int r = 0; r < PF_RP; r++) {
+                const vf w = vset1(p[(r0 + r) * PF_PS + j]);
+                for (int c = 0; c < NV; c++) acc[r][c] = vfma(w, vv[c], acc[r][c]);
+            }
+        }
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++) vstorea(o + (r0 + r) * d + i0 + c * VL, acc[r][c]);
+    }
+}
+
+/* All d values of the PF_RB rows: PF_DC vectors at a time, then the 1 .. PF_DC-1 left. */
+static void values_tile(const float *p, const float *v, const float *corr, int a, int b, int d, float *o) {
+    int i0 = 0;
+    for (; i0 + PF_DC * VL <= d; i0 += PF_DC * VL) values_part(PF_DC, p, v, corr, a, b, d, i0, o);
+    switch ((d - i0) / VL) {  /* PF_DC is 4 */
+        case 1: values_part(1, p, v, corr, a, b, d, i0, o); break;
+        case 2: values_part(2, p, v, corr, a, b, d, i0, o); break;
+        case 3: values_part(3, p, v, corr, a, b, d, i0, o); break;
+        default: break;
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* bfloat16 queries over a bfloat16 or int8 cache, with AVX512-BF16: the products that PyTorch's bfloat16
+ * attention takes in bfloat16, taken so here, two at a time (vdpbf16ps: pairs of bfloat16 products summed
+ * into float32 lanes), half the instructions of the float32 tiles. Queries stay bfloat16 (the scale goes
+ * on their scores), keys are bfloat16 (int8 rows dequantized and rounded, as kv_quant.dequantize to
+ * bfloat16 does), and the weights are rounded to bfloat16 before they multiply the values, as PyTorch's
+ * flash attention rounds them; sums stay float32. Layouts, in pairs: keys in strips of [d/2][PF_SW][2]
+ * (a pair of a key's values a lane), values in pairs of keys [key/2][d][2], queries [row][d/2][2]. */
+#define PF_BF16 1
+
+static inline uint32_t bf16_pair(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
+}
+
+/* Keys c0 .. c0+n-1 of kv head kvh as bfloat16 pairs: keys into strips (zeros past n to the strip's
+ * end), values into pairs of keys (a zero key after an odd n). */
+static void pack_chunk_bf16(const PrefillArgs *a, const int32_t *table, int kvh, int c0, int n,
+                            PrefillScratch *w) {
+    const int d = a->d, half = d / 2, row = cache_row(d, a->kv_dtype), esize = a->kv_dtype == 1 ? 2 : 1;
+    uint32_t *kt = (uint32_t *)w->kt;
+    uint16_t *v = (uint16_t *)w->v;
+    for (int j = 0; j < n; j++) {
+        const int p = c0 + j;
+        const int64_t at = (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size)
+                            * a->num_kv_heads + kvh) * row;
+        if (j + PF_AHEAD < n) {
+            const int pa = p + PF_AHEAD;
+            const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
+                                   * a->num_kv_heads + kvh) * row * esize;
+            prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
+        }
+        uint32_t *kp = kt + (int64_t)(j / PF_SW) * half * PF_SW + j % PF_SW;
+        uint16_t *vp = v + (int64_t)(j / 2) * d * 2 + j % 2;
+        if (a->kv_dtype == 1) {
+            const uint16_t *k = (const uint16_t *)a->k_cache + at, *vs = (const uint16_t *)a->v_cache + at;
+            for (int i = 0; i < half; i++) kp[i * PF_SW] = (uint32_t)k[2 * i] | (uint32_t)k[2 * i + 1] << 16;
+            for (int i = 0; i < d; i++) vp[2 * i] = vs[i];
+        } else {  /* int8 values times the row's scale, rounded to bfloat16 */
+            const int8_t *k = (const int8_t *)a->k_cache + at, *vs = (const int8_t *)a->v_cache + at;
+            float ks, vsc;
+            memcpy(&ks, k + d, 4);
+            memcpy(&vsc, vs + d, 4);
+            for (int i = 0; i < half; i++)
+                kp[i * PF_SW] = bf16_pair((float)k[2 * i] * ks, (float)k[2 * i + 1] * ks);
+            for (int i = 0; i < d; i++) vp[2 * i] = f32_to_bf16((float)vs[i] * vsc);
+        }
+    }
+    for (int j = n; j % PF_SW; j++) {
+        uint32_t *kp = kt + (int64_t)(j / PF_SW) * half * PF_SW + j % PF_SW;
+        for (int i = 0; i < half; i++) kp[i * PF_SW] = 0;
+    }
+    if (n % 2) {
+        uint16_t *vp = v + (int64_t)(n / 2) * d * 2 + 1;
+        for (int i = 0; i < d; i++) vp[2 * i] = 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void scores_strip_bf16(const int NV, const uint32_t *q,
+                                                                     const uint32_t *kt, int s, int d, float *p) {
+    const int half = d / 2;
+    __m512 acc[PF_RB][PF_SV];
+    for (int r = 0; r < PF_RB; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
+    const uint32_t *k = kt + (int64_t)s * half * PF_SW;
+    for (int i = 0; i < half; i++) {
+        __m512bh kv[PF_SV];
+        for (int c = 0; c < NV; c++) kv[c] = (__m512bh)_mm512_load_si512((const void *)(k + i * PF_SW + c * VL));
+        for (int r = 0; r < PF_RB; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * d + i]);  /* rows d floats apart */
+            for (int c = 0; c < NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
+        }
+    }
+    for (int r = 0; r < PF_RB; r++)
+        for (int c = 0; c < NV; c++) _mm512_store_ps(p + r * PF_PS + s * PF_SW + c * VL, acc[r][c]);
+}
+
+static void scores_tile_bf16(const uint32_t *q, const uint32_t *kt, int v0, int v1, int d, float *p) {
+    int s = v0 / PF_SV;
+    for (; (s + 1) * PF_SV <= v1; s++) scores_strip_bf16(PF_SV, q, kt, s, d, p);
+    if (s * PF_SV < v1) scores_strip_bf16(1, q, kt, s, d, p);
+}
+
+/* As values_part, the weights pb (bfloat16) times the values of the key pairs a/2 .. (b+1)/2-1 (weights
+ * outside a .. b-1 are zero). */
+static inline __attribute__((always_inline)) void values_part_bf16(const int NV, const uint16_t *pb,
+                                                                    const uint16_t *v, const float *corr, int a,
+                                                                    int b, int d, int i0, float *o) {
+    for (int r0 = 0; r0 < PF_RB; r0 += PF_RP) {
+        __m512 acc[PF_RP][PF_DC];
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++)
+                acc[r][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + r) * d + i0 + c * VL),
+                                          _mm512_set1_ps(corr[r0 + r]));
+        for (int jp = a / 2; jp < (b + 1) / 2; jp++) {
+            __m512bh vv[PF_DC];
+            for (int c = 0; c < NV; c++)
+                vv[c] = (__m512bh)_mm512_load_si512((const void *)(v + ((int64_t)jp * d + i0 + c * VL) * 2));
+            for (int r = 0; r < PF_RP; r++) {
+                uint32_t pair;
+                memcpy(&pair, pb + (r0 + r) * PF_PS + 2 * jp, 4);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int c = 0; c < NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, vv[c]);
+            }
+        }
+        for (int r = 0; r < PF_RP; r++)
+            for (int c = 0; c < NV; c++) _mm512_store_ps(o + (r0 + r) * d + i0 + c * VL, acc[r][c]);
+    }
+}
+
+static void values_tile_bf16(const uint16_t *pb, const uint16_t *v, const float *corr, int a, int b, int d,
+                             float *o) {
+    int i0 = 0;
+    for (; i0 + PF_DC * VL <= d; i0 += PF_DC * VL) values_part_bf16(PF_DC, pb, v, corr, a, b, d, i0, o);
+    switch ((d - i0) / VL) {
+        case 1: values_part_bf16(1, pb, v, corr, a, b, d, i0, o); break;
+        case 2: values_part_bf16(2, pb, v, corr, a, b, d, i0, o); break;
+        case 3: values_part_bf16(3, pb, v, corr, a, b, d, i0, o); break;
+        default: break;
+    }
+}
+#endif  /* __AVX512BF16__ */
+
+/* Sequence s's tokens t0 .. t1-1 of its chunk, the query heads of kv head kvh. */
+static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, PrefillScratch *w) {
+    const int d = a->d, group = a->num_heads / a->num_kv_heads;
+    const int start = a->query_start_loc[s], q_len = a->query_start_loc[s + 1] - start;
+    const int first_pos = a->context_lens[s] - q_len;
+    const int rows = (t1 - t0) * group, padded = (rows + PF_RB - 1) / PF_RB * PF_RB, esize = a->dtype == 0 ? 4 : 2;
+#ifdef PF_BF16
+    const int bf16 = a->dtype == 1;  /* the pairwise bfloat16 products: queries kept as they are, unscaled */
+#else
+    const int bf16 = 0;
+#endif
+    const float score_scale = bf16 ? a->scale : 1.0f;  /* float32 queries carry the scale */
+    RowBuffer buffer;
+    for (int r = 0; r < padded; r++) {
+        float *q = w->q + (int64_t)r * d;
+        if (r < rows) {
+            const int t = t0 + r / group;
+            if (r % group == 0 && t + 4 < t1) {  /* the queries 4 tokens on, into L2: a task's rows are strided */
+                const char *ahead = (const char *)a->q
+                                    + ((int64_t)(start + t + 4) * a->num_heads + kvh * group) * d * esize;
+                for (int b = 0; b < group * d * esize; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+            }
+            const float *src = load_row(a->q, ((int64_t)(start + t) * a->num_heads + kvh * group + r % group) * d,
+                                        a->dtype, d, &buffer);
+            if (bf16) {
+                const uint16_t *raw = (const uint16_t *)a->q + ((int64_t)(start + t) * a->num_heads + kvh * group
+                                                                + r % group) * d;
+                memcpy(q, raw, (size_t)d * 2);  /* [d/2] pairs in the row's first d * 2 bytes */
+            } else {
+                for (int i = 0; i < d; i++) q[i] = src[i] * a->scale;
+            }
+            w->pos[r] = first_pos + t;
+            w->lo[r] = window_start(w->pos[r] + 1, a->window);
+        } else {  /* padding: no query, the last row's keys */
+            memset(q, 0, (size_t)d * sizeof(float));
+            w->pos[r] = w->pos[rows - 1];
+            w->lo[r] = w->lo[rows - 1];
+        }
+        memset(w->o + (int64_t)r * d, 0, (size_t)d * sizeof(float));
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    const int32_t *table = a->block_tables + (int64_t)s * a->max_blocks;
+    const int key_end = w->pos[padded - 1] + 1;
+    for (int c0 = w->lo[0]; c0 < key_end; c0 += PF_KC) {
+        const int n = key_end - c0 < PF_KC ? key_end - c0 : PF_KC;
+#ifdef PF_BF16
+        if (bf16) pack_chunk_bf16(a, table, kvh, c0, n, w);
+        else
+#endif
+            pack_chunk(a, table, kvh, c0, n, w);
+        for (int rb = 0; rb < padded; rb += PF_RB) {
+            /* the block's keys in this chunk, as columns: from its first row's window start to its last row */
+            const int ca = w->lo[rb] > c0 ? w->lo[rb] - c0 : 0;
+            const int cb = w->pos[rb + PF_RB - 1] + 1 - c0 < n ? w->pos[rb + PF_RB - 1] + 1 - c0 : n;
+            if (ca >= cb) continue;
+            const int j0 = ca / VL * VL, j1 = (cb + VL - 1) / VL * VL;  /* whole vectors of scores */
+            float *p = w->p;
+#ifdef PF_BF16
+            if (bf16)
+                scores_tile_bf16((const uint32_t *)(w->q + (int64_t)rb * d), (const uint32_t *)w->kt, j0 / VL, j1 / VL,
+                                 d, p);
+            else
+#endif
+                scores_tile(w->q + (int64_t)rb * d, w->kt, j0 / VL, j1 / VL, d, p);
+            const vf sv = vset1(score_scale);
+            for (int r = 0; r < PF_RB; r++) {
+                /* the row's keys in this chunk: columns lo .. hi */
+                const int R = rb + r, lo = w->lo[R] - c0, hi = w->pos[R] - c0 < n - 1 ? w->pos[R] - c0 : n - 1;
+                float *pr = p + r * PF_PS;
+                vf mx = vset1(-INFINITY);
+                for (int j = j0; j < j1; j += VL)
+                    mx = vmax(mx, vselect(vrange(j, lo, hi), vmul(vloada(pr + j), sv), vset1(-INFINITY)));
+                const float run_max = vhmax(mx);
+                if (run_max == -INFINITY) {  /* none of this chunk's keys for this row */
+                    w->corr[rb + r] = 1.0f;
+                    for (int j = j0; j < j1; j += VL) vstorea(pr + j, vzero());
+#ifdef PF_BF16
+                    if (bf16) memset(w->pb + r * PF_PS + j0, 0, (size_t)(j1 - j0) * 2);
+#endif
+                    continue;
+                }
+                const float m_new = run_max > w->m[R] ? run_max : w->m[R];
+                const float corr = w->m[R] == -INFINITY ? 0.0f : expf(w->m[R] - m_new);
+                w->corr[rb + r] = corr;
+                w->m[R] = m_new;
+                vf sum = vzero();
+                const vf mv = vset1(m_new);
+                for (int j = j0; j < j1; j += VL) {
+                    const vf e = vselect(vrange(j, lo, hi), vexp(vsub(vmul(vloada(pr + j), sv), mv)), vzero());
+#ifdef PF_BF16
+                    if (bf16)
+                        _mm256_storeu_si256((__m256i *)(w->pb + r * PF_PS + j), (__m256i)_mm512_cvtneps_pbh(e));
+                    else
+#endif
+                        vstorea(pr + j, e);
+                    sum = vadd(sum, e);
+                }
+                w->l[R] = w->l[R] * corr + vhsum(sum);
+            }
+#ifdef PF_BF16
+            if (bf16)
+                values_tile_bf16(w->pb, (const uint16_t *)w->v, w->corr + rb, ca, cb, d, w->o + (int64_t)rb * d);
+            else
+#endif
+                values_tile(p, w->v, w->corr + rb, ca, cb, d, w->o + (int64_t)rb * d);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int64_t oi = ((int64_t)(start + t0 + r / group) * a->num_heads + kvh * group + r % group) * d;
+        const float inv = w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f, *o = w->o + (int64_t)r * d;
+        if (a->dtype == 0) {
+            for (int i = 0; i < d; i++) ((float *)a->out)[oi + i] = o[i] * inv;
+        } else {
+            for (int i = 0; i < d; i++) ((uint16_t *)a->out)[oi + i] = f32_to_bf16(o[i] * inv);
+        }
+    }
+}
+
+/* Tasks: (sequence, first token, end token) blocks of each chunk, each taken for every kv head. A
+ * block has at most PF_MAX_ROWS query rows; fewer where the blocks would otherwise be too few to keep
+ * every thread busy (about 8 tasks a thread), but not under PF_MIN_ROWS. A chunk is cut into blocks of
+ * equal size. */
+static int prefill_vec(const PrefillArgs *a, int num_seqs, int num_threads) {
+    const int group = a->num_heads / a->num_kv_heads;
+    int64_t tokens = 0;
+    for (int s = 0; s < num_seqs; s++) tokens += a->query_start_loc[s + 1] - a->query_start_loc[s];
+    if (tokens == 0) return 0;
+    const int most = PF_MAX_ROWS / group > 0 ? PF_MAX_ROWS / group : 1;
+    const int least = (PF_MIN_ROWS + group - 1) / group < most ? (PF_MIN_ROWS + group - 1) / group : most;
+    int64_t per = (tokens * a->num_kv_heads + 8 * num_threads - 1) / (8 * num_threads);
+    const int block = per > most ? most : per < least ? least : (int)per;
+    int64_t blocks = 0;
+    for (int s = 0; s < num_seqs; s++)
+        blocks += (a->query_start_loc[s + 1] - a->query_start_loc[s] + block - 1) / block;
+    int32_t *list = malloc((size_t)blocks * 3 * sizeof(int32_t));
+    const int max_rows = (block * group + PF_RB - 1) / PF_RB * PF_RB;
+    const size_t floats = (size_t)PF_KC * a->d * 2 + (size_t)PF_RB * PF_PS * 2 + (size_t)max_rows * (2 * a->d + 3);
+    const size_t per_thread = (floats * sizeof(float) + (size_t)max_rows * 2 * sizeof(int) + 63) / 64 * 64;
+    char *scratch = aligned_alloc(64, per_thread * num_threads);
+    if (list == NULL || scratch == NULL) {
+        free(list);
+        free(scratch);
+        return -1;
+    }
+    int64_t at = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = a->query_start_loc[s + 1] - a->query_start_loc[s], n = (q_len + block - 1) / block;
+        for (int b = 0; b < n; b++) {  /* n blocks of equal size, within one token */
+            list[3 * at] = s;
+            list[3 * at + 1] = (int)((int64_t)q_len * b / n);
+            list[3 * at + 2] = (int)((int64_t)q_len * (b + 1) / n);
+            at++;
+        }
+    }
+    const int64_t tasks = blocks * a->num_kv_heads;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *base = (float *)(scratch + per_thread * omp_get_thread_num());
+        PrefillScratch w;
+        w.kt = base;
+        w.v = w.kt + (size_t)PF_KC * a->d;
+        w.p = w.v + (size_t)PF_KC * a->d;
+        w.pb = (uint16_t *)(w.p + (size_t)PF_RB * PF_PS);
+        w.q = w.p + (size_t)PF_RB * PF_PS * 2;
+        w.o = w.q + (size_t)max_rows * a->d;
+        w.m = w.o + (size_t)max_rows * a->d;
+        w.l = w.m + max_rows;
+        w.corr = w.l + max_rows;
+        w.pos = (int *)(w.corr + max_rows);
+        w.lo = w.pos + max_rows;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int32_t *e = list + 3 * (task / a->num_kv_heads);
+            prefill_task(a, e[0], (int)(task % a->num_kv_heads), e[1], e[2], &w);
+        }
+    }
+    free(list);
+    free(scratch);
+    return 0;
+}
+#define HAVE_PREFILL 1
+#endif  /* RUN: a vector path was built */
+
 /* Quantize-on-write into an int8 cache: each (token, kv head) row of ``d`` values of ``key`` and
  * ``value`` (float32 or bfloat16 as ``dtype`` says; token t's rows at t * stride elements, its kv heads'
  * rows back to back) becomes d int8 values and their float32 scale in slot ``slots[t]`` of the caches,
@@ -647,4 +1163,26 @@ void berth_paged_decode(const void *q, const void *k_cache, const void *v_cache,
                          num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, window);
         }
     }
+}
+
+/* Prefill attention (kernels/reference.py:paged_prefill_attention) on the vector path: q and out
+ * [total_query_tokens, num_heads, head_dim], sequence s's queries at rows query_start_loc[s] ..
+ * query_start_loc[s+1]-1, the caches as for decode, holding the chunks' own rows. Returns -1,
+ * computing nothing, where this build has no vector path or head_dim is not a multiple of its
+ * vector's lanes (the caller then runs the reference), or the scratch cannot be allocated. */
+int berth_paged_prefill(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                        const int32_t *query_start_loc, const int32_t *context_lens, void *out, int num_seqs,
+                        int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                        int dtype, int kv_dtype, int window, int num_threads) {
+#ifdef HAVE_PREFILL
+    if (head_dim % VL == 0 && head_dim <= MAX_HEAD_DIM) {
+        const PrefillArgs a = {q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, num_heads,
+                               num_kv_heads, head_dim, block_size, max_blocks, dtype, kv_dtype, window, scale};
+        return prefill_vec(&a, num_seqs, num_threads);
+    }
+#endif
+    (void)q; (void)k_cache; (void)v_cache; (void)block_tables; (void)query_start_loc; (void)context_lens;
+    (void)out; (void)num_seqs; (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size;
+    (void)max_blocks; (void)scale; (void)dtype; (void)kv_dtype; (void)window; (void)num_threads;
+    return -1;
 }

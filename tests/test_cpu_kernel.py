@@ -287,8 +287,8 @@ def test_int8_cache_attention_is_close_to_float32():
 
 @pytest.mark.parametrize("reads_own_rows", [True, False])
 def test_the_model_hands_prefill_its_chunks_rows_only_where_the_backend_reads_them(tiny_loaded, reads_own_rows):
-    """The chunks' own keys and values go to ``prefill`` where the ops say it reads them (the reference and
-    the C backend); the Triton kernel reads the cache, so it is not handed rows it would not read."""
+    """The chunks' own keys and values go to ``prefill`` where the ops say it reads them (the reference);
+    the Triton and C kernels read the cache, so they are not handed rows they would not read."""
     import dataclasses
 
     from worker.engine.engine import Engine
@@ -306,3 +306,104 @@ def test_the_model_hands_prefill_its_chunks_rows_only_where_the_backend_reads_th
     out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].completions[0].token_ids) == 3 and given
     assert all(kw == (["key", "value"] if reads_own_rows else []) for kw in given)
+
+
+# --------------------------------------------------------------------------------------------------
+# prefill (berth_paged_prefill): chunks of queries over the cache, which holds the chunks' own rows
+# --------------------------------------------------------------------------------------------------
+
+# (cached tokens before the chunk, chunk length): whole prompts (no prior context) of the default model's
+# length and of one token, chunks after a prior context at unaligned offsets, single tokens, an empty
+# chunk, and a chunk whose keys span the kernel's key chunks (256) and whose rows span several tasks
+PREFILL_BATCH = [(0, 136), (0, 1), (105, 45), (36, 1), (20, 0), (64, 32), (150, 90), (0, 17), (300, 280), (3, 5)]
+PREFILL_WINDOWS = [None, 1, 20, 130, 5000]
+
+
+def prefill_case(batch, block_size, heads, kv_heads, head_dim, dtype, kv_dtype=None, seed=0):
+    """Queries ``[sum of chunks, heads, head_dim]`` in ``dtype`` and caches in ``dtype`` or, with
+    ``kv_dtype="int8"``, int8 rows, holding every sequence's context and chunk."""
+    _, k, v, tables, lens, scale = paged_case([c + n for c, n in batch], block_size, heads, kv_heads, head_dim,
+                                              torch.float32, seed)
+    k, v = (kv_quant.quantize(k), kv_quant.quantize(v)) if kv_dtype == "int8" else (k.to(dtype), v.to(dtype))
+    chunks = [n for _, n in batch]
+    starts = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32)
+    q = torch.randn(sum(chunks), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, k, v, tables, starts, lens, scale
+
+
+def c_prefill(path, monkeypatch, *args, **kwargs):
+    """The C kernel's prefill, failing where it would hand the case to the reference."""
+    def no_fallback(*_, **__):
+        raise AssertionError("the C prefill fell back to the reference")
+
+    with monkeypatch.context() as m:
+        m.setattr(reference, "paged_prefill_attention", no_fallback)
+        return KERNELS[path].paged_prefill_attention(*args, **kwargs)
+
+
+@needs_c
+@each_path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [
+    (16, 9, 3, 64), (16, 4, 4, 64), (32, 16, 4, 64), (24, 8, 2, 64),  # groups 3, 1, 4, 4; 24: unaligned blocks
+    (16, 8, 2, 128), (8, 6, 2, 48)])  # other head sizes: two passes of values, a partial one
+def test_prefill_matches_reference(path, dtype, kv_dtype, block_size, heads, kv_heads, head_dim, monkeypatch):
+    args = prefill_case(PREFILL_BATCH, block_size, heads, kv_heads, head_dim, dtype, kv_dtype, seed=block_size)
+    for window in PREFILL_WINDOWS:
+        want = reference.paged_prefill_attention(*args, window=window)
+        got = c_prefill(path, monkeypatch, *args, window=window)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_c
+@each_path
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_prefill_ignores_the_own_rows_it_is_handed(path, kv_dtype, monkeypatch):
+    """Handed the chunks' own keys and values (as the model hands the reference them: for an int8 cache,
+    rounded as the cache holds them), the kernel reads the same rows from the cache: the reference's
+    output with them, within float tolerance."""
+    q, k, v, tables, starts, lens, scale = prefill_case(PREFILL_BATCH, 16, 9, 3, 64, torch.float32, kv_dtype, seed=4)
+    slots = chunk_slots(tables, PREFILL_BATCH)
+    key, value = (kv_quant.as_values(c.flatten(0, 1)[slots], torch.float32) for c in (k, v))
+    for window in (None, 20):
+        want = reference.paged_prefill_attention(q, k, v, tables, starts, lens, scale, window, key, value)
+        got = c_prefill(path, monkeypatch, q, k, v, tables, starts, lens, scale, window, key, value)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+@each_path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_of_few_long_chunks_split_over_threads_matches_reference(path, dtype, threads, monkeypatch):
+    """A long chunk after a long context and a short one: the long one's tokens are cut into blocks
+    (tasks) by the thread count, their keys into several chunks whose softmax states carry over, and a
+    window leaves a block's first rows keys its last rows no longer see."""
+    batch = [(600, 1000), (0, 3)]
+    args = prefill_case(batch, 16, 9, 3, 64, dtype, seed=6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window in (None, 100, 700):
+            want = reference.paged_prefill_attention(*args, window=window)
+            got = c_prefill(path, monkeypatch, *args, window=window)
+            torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_c
+def test_prefill_the_kernel_cannot_run_falls_back_to_reference():
+    """float16 queries, and a head size that is no multiple of the vector's lanes: the reference's output."""
+    for dtype, head_dim in ((torch.float16, 64), (torch.float32, 36)):
+        args = prefill_case([(0, 20), (7, 9)], 16, 4, 2, head_dim, dtype, seed=2)
+        torch.testing.assert_close(KERNEL.paged_prefill_attention(*args), reference.paged_prefill_attention(*args))
+
+
+@needs_c
+def test_cpu_backend_prefills_with_the_c_kernel_over_the_cache():
+    ops = select_ops("cpu", "cpu", cache_dir("kernels"))
+    assert ops.prefill == KERNEL.paged_prefill_attention and not ops.prefill_reads_own_rows
+    assert select_ops("torch", "cpu", cache_dir("kernels")).prefill_reads_own_rows
