@@ -191,12 +191,14 @@ class DecoderModel:
         h = self.embed[step.input_ids]  # a new tensor: the residual stream, owned by this step
         delta = None  # what the layer before adds to h
         writes_cache = self.fused.writes_cache(*kv_caches[0])
+        own_rows = step.num_decode < T and self.ops.prefill_reads_own_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.fused.add_rms_norm(h, delta, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
-            # rotary writes a float32 cache itself; the rotated keys are kept for a step's prefill chunks,
-            # and for the backend to write any other cache (int8: quantized) from
-            keys = torch.empty(T, KVH, D, dtype=qkv.dtype) if step.num_decode < T or not writes_cache else None
+            # rotary writes a float32 cache itself; the rotated keys are kept for a step's prefill chunks
+            # where the backend's prefill reads them from the step (not the cache), and for the backend to
+            # write any other cache (int8: quantized) from
+            keys = torch.empty(T, KVH, D, dtype=qkv.dtype) if own_rows or not writes_cache else None
             cache = (k_cache, v_cache, step.slot_mapping) if writes_cache else (None, None, None)
             q = self.fused.rotary_kv(qkv, step.positions, self.cos, self.sin, H, KVH, D, *cache, keys)
             values = None if keys is None else qkv[:, (H + KVH) * D:].view(T, KVH, D)
