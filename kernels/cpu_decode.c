@@ -1099,12 +1099,35 @@ static inline void quantize_row(const void *src, int dtype, int d, int8_t *dst) 
     float x[MAX_HEAD_DIM], amax = 0.0f;
     if (dtype == 0) memcpy(x, src, (size_t)d * sizeof(float));
     else for (int i = 0; i < d; i++) { uint32_t u = (uint32_t)((const uint16_t *)src)[i] << 16; memcpy(x + i, &u, 4); }
+    /* Comparisons, not fmaxf/fminf: without -ffinite-math-only GCC calls libm's for those, one value at a
+     * time (a row took ~1,000 cycles); these vectorise and treat NaN as fmaxf/fminf did: skipped by the
+     * maximum, clamped to -127. */
     #pragma omp simd reduction(max:amax)
-    for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < d; i++) { const float a = fabsf(x[i]); amax = a > amax ? a : amax; }
     float scale = amax / 127.0f;
     if (!(scale >= 1e-30f) && scale == scale) scale = 1e-30f;  /* clamp(min=1e-30), NaN kept */
-    #pragma omp simd
-    for (int i = 0; i < d; i++) dst[i] = (int8_t)nearbyintf(fminf(fmaxf(x[i] / scale, -127.0f), 127.0f));
+    int i = 0;
+#if defined(__AVX512F__)  /* GCC leaves the rounding loop below scalar: 16 values a step here */
+    for (const __m512 s = _mm512_set1_ps(scale); i + 16 <= d; i += 16) {
+        __m512 v = _mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), s), _mm512_set1_ps(-127.0f));  /* NaN: -127 */
+        v = _mm512_roundscale_ps(_mm512_min_ps(v, _mm512_set1_ps(127.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+#elif defined(__AVX2__)
+    for (const __m256 s = _mm256_set1_ps(scale); i + 8 <= d; i += 8) {
+        __m256 v = _mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), s), _mm256_set1_ps(-127.0f));  /* NaN: -127 */
+        v = _mm256_round_ps(_mm256_min_ps(v, _mm256_set1_ps(127.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_cvtps_epi32(v)),
+                                          _mm256_extracti128_si256(_mm256_cvtps_epi32(v), 1));
+        _mm_storel_epi64((__m128i *)(dst + i), _mm_packs_epi16(w, w));
+    }
+#endif
+    for (; i < d; i++) {
+        float v = x[i] / scale;
+        v = v > -127.0f ? v : -127.0f;
+        v = v < 127.0f ? v : 127.0f;
+        dst[i] = (int8_t)__builtin_roundevenf(v);  /* half to even, as torch.round */
+    }
     memcpy(dst + d, &scale, sizeof scale);
 }
 

@@ -236,6 +236,8 @@ def test_c_write_kv_stores_the_bytes_of_kv_quant(path, dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
     fused = torch.randn(tokens, 3 * 3 * 64, generator=g) * torch.logspace(-4, 3, tokens)[:, None]
     fused[1, 3 * 64:] = 0.0
+    # a row whose values fall halfway between integers once scaled (max 127: scale 1), rounded half to even
+    fused[2, 3 * 64:4 * 64] = torch.cat([torch.tensor([127.0, -126.5]), torch.arange(-31, 31) + 0.5])
     fused = fused.to(dtype)
     key = fused[:, 3 * 64:6 * 64].view(tokens, 3, 64)  # strided: not contiguous
     value = fused[:, 6 * 64:].view(tokens, 3, 64)
