@@ -83,23 +83,21 @@ class DecodeKernel:
         value from the cache, which holds the chunks' own rows (written before attention runs), so it
         ignores ``key`` and ``value``; the reference, where the kernel cannot run (another dtype or head
         size, no vector path built), reads them."""
-        if not self.supports(q, k_cache, v_cache):
-            return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                                     context_lens, scale, window, key, value)
-        q = q.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        starts = query_start_loc.to(torch.int32).contiguous()
-        lens = context_lens.to(torch.int32).contiguous()
-        out = torch.empty_like(q)
-        _, num_heads, head_dim = q.shape
-        if self.lib.berth_paged_prefill(
-                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
-                lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads, k_cache.shape[2], head_dim,
-                k_cache.shape[1], tables.shape[1], scale, _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], window or 0,
-                torch.get_num_threads()) != 0:
-            return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                                     context_lens, scale, window, key, value)
-        return out
+        if self.supports(q, k_cache, v_cache):
+            qc = q.contiguous()
+            tables = block_tables.to(torch.int32).contiguous()
+            starts = query_start_loc.to(torch.int32).contiguous()
+            lens = context_lens.to(torch.int32).contiguous()
+            out = torch.empty_like(qc)
+            _, num_heads, head_dim = qc.shape
+            if self.lib.berth_paged_prefill(
+                    qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+                    lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads, k_cache.shape[2], head_dim,
+                    k_cache.shape[1], tables.shape[1], scale, _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype],
+                    window or 0, torch.get_num_threads()) == 0:
+                return out
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                                 scale, window, key, value)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
