@@ -678,20 +678,26 @@ typedef struct {
     float scale;
 } PrefillArgs;
 
+/* Key position p's row of kv head kvh in the caches (elements of ``row``, the cache's row; sequence table
+ * ``table``), and, PF_AHEAD keys on while those are before ``end``, its rows fetched into L2 meanwhile: a
+ * sequence's blocks lie anywhere in the cache. */
+static inline int64_t key_row(const PrefillArgs *a, const int32_t *table, int kvh, int p, int end, int row,
+                              int esize) {
+    if (p + PF_AHEAD < end) {
+        const int pa = p + PF_AHEAD;
+        const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
+                               * a->num_kv_heads + kvh) * row * esize;
+        prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
+    }
+    return (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size) * a->num_kv_heads + kvh) * row;
+}
+
 /* Keys c0 .. c0+n-1 of kv head ``kvh`` from the cache into the scratch as float32: keys transposed into
  * strips (zeros past n to the strip's end), values as rows. */
 static void pack_chunk(const PrefillArgs *a, const int32_t *table, int kvh, int c0, int n, PrefillScratch *w) {
     const int d = a->d, row = cache_row(d, a->kv_dtype), esize = a->kv_dtype == 0 ? 4 : a->kv_dtype == 1 ? 2 : 1;
     for (int j = 0; j < n; j++) {
-        const int p = c0 + j;
-        const int64_t at = (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size)
-                            * a->num_kv_heads + kvh) * row;
-        if (j + PF_AHEAD < n) {  /* the rows PF_AHEAD keys on: a sequence's blocks lie anywhere in the cache */
-            const int pa = p + PF_AHEAD;
-            const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
-                                   * a->num_kv_heads + kvh) * row * esize;
-            prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
-        }
+        const int64_t at = key_row(a, table, kvh, c0 + j, c0 + n, row, esize);
         float *kt = w->kt + (int64_t)(j / PF_SW) * d * PF_SW + j % PF_SW, *v = w->v + (int64_t)j * d;
         if (a->kv_dtype == 0) {
             const float *k = (const float *)a->k_cache + at, *vs = (const float *)a->v_cache + at;
@@ -804,15 +810,7 @@ static void pack_chunk_bf16(const PrefillArgs *a, const int32_t *table, int kvh,
     uint32_t *kt = (uint32_t *)w->kt;
     uint16_t *v = (uint16_t *)w->v;
     for (int j = 0; j < n; j++) {
-        const int p = c0 + j;
-        const int64_t at = (((int64_t)table[p / a->block_size] * a->block_size + p % a->block_size)
-                            * a->num_kv_heads + kvh) * row;
-        if (j + PF_AHEAD < n) {
-            const int pa = p + PF_AHEAD;
-            const int64_t ahead = (((int64_t)table[pa / a->block_size] * a->block_size + pa % a->block_size)
-                                   * a->num_kv_heads + kvh) * row * esize;
-            prefetch_rows((const char *)a->k_cache, (const char *)a->v_cache, ahead, row * esize);
-        }
+        const int64_t at = key_row(a, table, kvh, c0 + j, c0 + n, row, esize);
         uint32_t *kp = kt + (int64_t)(j / PF_SW) * half * PF_SW + j % PF_SW;
         uint16_t *vp = v + (int64_t)(j / 2) * d * 2 + j % 2;
         if (a->kv_dtype == 1) {
@@ -926,13 +924,11 @@ static void prefill_task(const PrefillArgs *a, int s, int kvh, int t0, int t1, P
                                     + ((int64_t)(start + t + 4) * a->num_heads + kvh * group) * d * esize;
                 for (int b = 0; b < group * d * esize; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
             }
-            const float *src = load_row(a->q, ((int64_t)(start + t) * a->num_heads + kvh * group + r % group) * d,
-                                        a->dtype, d, &buffer);
+            const int64_t qi = ((int64_t)(start + t) * a->num_heads + kvh * group + r % group) * d;
             if (bf16) {
-                const uint16_t *raw = (const uint16_t *)a->q + ((int64_t)(start + t) * a->num_heads + kvh * group
-                                                                + r % group) * d;
-                memcpy(q, raw, (size_t)d * 2);  /* [d/2] pairs in the row's first d * 2 bytes */
+                memcpy(q, (const uint16_t *)a->q + qi, (size_t)d * 2);  /* [d/2] pairs in the row's first d * 2 bytes */
             } else {
+                const float *src = load_row(a->q, qi, a->dtype, d, &buffer);
                 for (int i = 0; i < d; i++) q[i] = src[i] * a->scale;
             }
             w->pos[r] = first_pos + t;
