@@ -26,7 +26,7 @@ from worker.consumer.queues import Topology, connect, queue_depth
 @pytest.fixture
 def settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
     return tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
-                         storage_url=f"file://{tmp_path / 'store'}", drain_timeout=0.2)
+                         storage_url=f"file://{tmp_path / 'store'}")  # drain_timeout at its default (60 s)
 
 
 def _long_job(tmp_path, settings, n=4, max_tokens=300):
@@ -44,6 +44,9 @@ def _rows(settings, job_id):
 
 
 def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tmp_path, settings, tiny_engine):
+    # drain_timeout 0.2 s: the hand-back of what is still running when the drain ends (by default a stopped
+    # worker first lets its running requests finish for up to 60 s, and these would)
+    settings = settings.model_copy(update={"drain_timeout": 0.2})
     job = _long_job(tmp_path, settings, max_tokens=600)
     worker = engine_worker(settings, tiny_engine, eager_tasks=True)
 
