@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise steps on the CPU in float32 (``cpu_elementwise.c``), each one pass.
+"""A decoder layer's elementwise steps on the CPU in float32 or bfloat16 (``cpu_elementwise.c``), each one pass.
 
 PyTorch runs the residual add and RMSNorm as seven operations and rotary plus the KV write as a dozen,
 each reading and writing a whole activation and making a new tensor. The C file does each group in one
@@ -6,7 +6,8 @@ pass per row: ``add_rms_norm`` (the residual added in place, then the norm), ``r
 queries rotated into a tensor of their own, the keys rotated and the values copied into their cache
 slots, from the fused Q/K/V projection's output). Their references are ``worker.model.decoder``'s
 ``rms_norm``, ``apply_rotary`` and ``kernels.reference.write_kv``: the same products and sums per
-element, but for the order in which a row's squares are summed (tests/test_cpu_elementwise.py). Built
+element, each rounded to bfloat16 where PyTorch's operation rounds it, but for the order in which a row's
+squares are summed (tests/test_cpu_elementwise.py). Built
 like the decode-attention kernel (``kernels.c_build``); ``load(folder)`` gives None where no compiler
 works, and the decoder keeps PyTorch's operations.
 """
@@ -24,6 +25,7 @@ from kernels.c_build import build
 
 SOURCE = Path(__file__).with_name("cpu_elementwise.c")
 FLAGS = ["-ffp-contract=off"]  # no multiply-add fused into one rounding: PyTorch's elementwise ops round each
+DTYPES = (torch.float32, torch.bfloat16)  # the kernel's flag: 0, 1
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,13 @@ class ElementwiseKernel:
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """``h += delta`` in place (unless None), then ``weight * (h * rsqrt(mean(h**2) + eps))`` over each row
-        of ``h [rows, dim]`` (contiguous float32) as a new tensor."""
+        of ``h [rows, dim]`` (contiguous, float32 or bfloat16, as ``delta`` and ``weight``) as a new tensor."""
         rows, dim = h.shape
         if delta is not None:
             delta = delta.contiguous()
         out = torch.empty_like(h)
         self.lib.berth_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                    out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+                                    out.data_ptr(), rows, dim, eps, torch.get_num_threads(), DTYPES.index(h.dtype))
         return out
 
     def rotary_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -49,7 +51,8 @@ class ElementwiseKernel:
         """From ``qkv [tokens, (heads + 2 kv_heads) * head_dim]`` (rows contiguous): the queries rotated by
         the tables' rows ``positions`` as ``[tokens, heads, head_dim]``; the keys rotated and the values
         written into ``k_cache``/``v_cache`` ``[blocks, block_size, kv_heads, head_dim]`` at ``slot_mapping``;
-        with ``keys`` (``[tokens, kv_heads, head_dim]``, contiguous float32), the rotated keys there too.
+        with ``keys`` (``[tokens, kv_heads, head_dim]``, contiguous), the rotated keys there too. Every
+        tensor of ``qkv``'s dtype, float32 or bfloat16.
         Without caches (None: ones ``writes_cache`` refuses, which the caller writes) only ``keys``."""
         if k_cache is None and keys is None:
             raise ValueError("rotary_kv without a cache needs a keys tensor to put the rotated keys in")
@@ -60,17 +63,18 @@ class ElementwiseKernel:
         self.lib.berth_rotary_kv(qkv.data_ptr(), tokens, qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
                                  sin.data_ptr(), cos.shape[-1], heads, kv_heads, head_dim, q.data_ptr(),
                                  *(None if x is None else x.data_ptr() for x in (keys, k_cache, v_cache, slot_mapping)),
-                                 torch.get_num_threads())
+                                 torch.get_num_threads(), DTYPES.index(qkv.dtype))
         return q
 
     def takes(self, activations: torch.Tensor) -> bool:
-        """Whether these are activations the kernel computes on: float32 on the CPU."""
-        return activations.dtype == torch.float32 and activations.device.type == "cpu"
+        """Whether these are activations the kernel computes on: float32 or bfloat16 on the CPU."""
+        return activations.dtype in DTYPES and activations.device.type == "cpu"
 
-    def writes_cache(self, *caches: torch.Tensor) -> bool:
-        """Whether ``rotary_kv`` writes these caches itself: float32 and contiguous (an int8 cache is
-        written by the attention backend's ``write_kv``, from the keys ``rotary_kv`` leaves)."""
-        return all(c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous() for c in caches)
+    def writes_cache(self, dtype: torch.dtype, *caches: torch.Tensor) -> bool:
+        """Whether ``rotary_kv`` writes these caches itself from activations of ``dtype``: caches of that
+        dtype, contiguous (an int8 cache is written by the attention backend's ``write_kv``, from the keys
+        ``rotary_kv`` leaves)."""
+        return all(c.dtype == dtype and c.device.type == "cpu" and c.is_contiguous() for c in caches)
 
 
 @functools.cache
@@ -81,8 +85,8 @@ def load(folder: Path) -> ElementwiseKernel | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.berth_add_rms_norm.restype = None
-    lib.berth_add_rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.berth_add_rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.berth_rotary_kv.restype = None
     lib.berth_rotary_kv.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr,
-                                    ctypes.c_int]
+                                    ctypes.c_int, ctypes.c_int]
     return ElementwiseKernel(lib)

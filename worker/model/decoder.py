@@ -116,8 +116,9 @@ class DecoderModel:
                  ops: AttentionOps, int8_weights: bool = False, elementwise: ElementwiseKernel | None = None):
         """``weights`` under the Hugging Face checkpoint's names and shapes (``hf_weight_names``);
         ``int8_weights``: the attention and MLP projections multiply by int8 weights (not bit-exact);
-        ``elementwise``: the C kernel of the residual adds, norms, rotary and KV writes, used in float32 on
-        the CPU where no per-head q/k norm comes between the projection and rotary (else PyTorch's ops)."""
+        ``elementwise``: the C kernel of the residual adds, norms, rotary and KV writes, used in float32 and
+        bfloat16 on the CPU where no per-head q/k norm comes between the projection and rotary (else
+        PyTorch's ops)."""
         arch = architecture(config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"this {config.model_type} model's activation is {config.hidden_act!r}; berth's "
@@ -190,12 +191,12 @@ class DecoderModel:
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed[step.input_ids]  # a new tensor: the residual stream, owned by this step
         delta = None  # what the layer before adds to h
-        writes_cache = self.fused.writes_cache(*kv_caches[0])
+        writes_cache = self.fused.writes_cache(h.dtype, *kv_caches[0])
         own_rows = step.num_decode < T and self.ops.prefill_reads_own_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.fused.add_rms_norm(h, delta, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
-            # rotary writes a float32 cache itself; the rotated keys are kept for a step's prefill chunks
+            # rotary writes a cache of the model's dtype itself; the rotated keys are kept for a step's prefill chunks
             # where the backend's prefill reads them from the step (not the cache), and for the backend to
             # write any other cache (int8: quantized) from
             keys = torch.empty(T, KVH, D, dtype=qkv.dtype) if own_rows or not writes_cache else None
