@@ -21,6 +21,16 @@ from kernels.cpu_features import cpu_signature
 
 log = logging.getLogger(__name__)
 
+ISAS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out of a native build
+
+
+def isa_flags(isa: str | None) -> list[str]:
+    """The flags that build ``isa``'s vector path: None, what the CPU has; "avx2", the AVX2 path even
+    where the CPU has AVX-512 (tests run the other kind of CPU's path so)."""
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {sorted(k for k in ISAS if k)} or None, not {isa!r}")
+    return ISAS[isa]
+
 
 def build(source: Path, folder: Path, flags: list[str] = (), without: str = "") -> ctypes.CDLL | None:
     """``source`` compiled into a shared library in ``folder`` and loaded; None, with a warning that

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kernels import kv_quant, reference
-from kernels.c_build import build
+from kernels.c_build import build, isa_flags
 from kernels.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # uint8: int8 rows with their scales (kernels/kv_quant.py); fp8 rows are left to the reference
 _KV_DTYPES = {**_DTYPES, kv_quant.FORMATS["int8"].storage_dtype: 2}
-_ISA_FLAGS = {None: [], "avx2": ["-mno-avx512f"]}  # "avx2": leave AVX-512 out of a native build
 
 
 @dataclass(frozen=True)
@@ -129,12 +128,11 @@ def load(folder: Path, isa: str | None = None) -> DecodeKernel | None:
     """The kernel, built into ``folder`` on first use (once per source, compiler, CPU and ``isa``),
     or None where it cannot be built (logged). ``isa`` None builds for what the CPU has; "avx2"
     builds the AVX2 + FMA path even where the CPU has AVX-512 (None if it has not AVX2 and FMA)."""
-    if isa not in _ISA_FLAGS:
-        raise ValueError(f"isa must be one of {sorted(k for k in _ISA_FLAGS if k)} or None, not {isa!r}")
+    flags = isa_flags(isa)
     if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
         log.warning("this CPU has no AVX2 + FMA: the AVX2 decode-attention path cannot run here")
         return None
-    lib = build(SOURCE, folder, _ISA_FLAGS[isa], "CPU decode attention uses the PyTorch path")
+    lib = build(SOURCE, folder, flags, "CPU decode attention uses the PyTorch path")
     if lib is None:
         return None
     lib.berth_paged_decode.restype = None

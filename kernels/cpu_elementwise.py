@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.c_build import build
+from kernels.c_build import build, isa_flags
 
 SOURCE = Path(__file__).with_name("cpu_elementwise.c")
 FLAGS = ["-ffp-contract=off"]  # no multiply-add fused into one rounding: PyTorch's elementwise ops round each
@@ -78,9 +78,11 @@ class ElementwiseKernel:
 
 
 @functools.cache
-def load(folder: Path) -> ElementwiseKernel | None:
-    """The kernel, built into ``folder`` on first use, or None where it cannot be built (logged)."""
-    lib = build(SOURCE, folder, FLAGS, without="the decoder's norms and rotary take PyTorch's operations")
+def load(folder: Path, isa: str | None = None) -> ElementwiseKernel | None:
+    """The kernel, built into ``folder`` on first use, or None where it cannot be built (logged). ``isa``:
+    as ``kernels.c_build.isa_flags`` ("avx2": the cache's streaming stores of an AVX2-only CPU)."""
+    lib = build(SOURCE, folder, [*FLAGS, *isa_flags(isa)],
+                without="the decoder's norms and rotary take PyTorch's operations")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -12,6 +12,8 @@ from worker.config import cache_dir
 from worker.model.decoder import apply_rotary, rms_norm
 
 kernel = cpu_elementwise.load(cache_dir("kernels"))
+# the other kind of CPU's build, where this one has AVX-512: its streaming stores are AVX2's
+avx2_kernel = cpu_elementwise.load(cache_dir("kernels"), isa="avx2")
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler")
 
 
@@ -74,7 +76,9 @@ def test_bfloat16_add_rounds_to_nearest_even_as_pytorch():
 @pytest.mark.parametrize("misaligned", [0, 1])
 @pytest.mark.parametrize("keep_keys", [False, True])  # the rotated keys in a tensor too (for a step's prefill)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, misaligned, keep_keys, dtype):
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, misaligned, keep_keys, dtype, isa):
+    built = avx2_kernel if isa else kernel
     torch.manual_seed(rot)
     torch.set_num_threads(threads)
     tokens, heads, kv_heads, dim, blocks, block_size = 37, 9, 3, 64, 10, 16
@@ -89,7 +93,7 @@ def test_rotary_kv_rotates_queries_and_keys_and_writes_the_cache(rot, threads, m
                         .view(shape) for _ in range(2))
     assert (k_cache.data_ptr() % 64 == 0) == (misaligned == 0)
     keys = torch.full((tokens, kv_heads, dim), float("nan"), dtype=dtype) if keep_keys else None
-    q = kernel.rotary_kv(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots, keys)
+    q = built.rotary_kv(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots, keys)
 
     eq, ek, ev = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
