@@ -1,5 +1,5 @@
-"""The engine worker under stress, on RabbitMQ and PostgreSQL: told to stop mid-job it hands its
-requests back without counting an attempt; cut off from the broker mid-job (its own end of the link
+"""The engine worker under stress, on RabbitMQ and PostgreSQL: told to stop mid-job it finishes what
+runs (the default 60 s drain) and hands the rest back without counting an attempt; cut off from the broker mid-job (its own end of the link
 shut, or the connection closed by RabbitMQ itself, at default settings: what RabbitMQ's 30-minute
 consumer_timeout does to a channel, without waiting half an hour) it reconnects, keeps its requests
 running, and every request still gets exactly one result."""
@@ -63,6 +63,44 @@ def test_a_stopped_worker_hands_its_requests_back_without_counting_an_attempt(tm
 
     job = work_until_over(settings, tiny_engine, job.id)  # another worker takes them over
     assert (job.status, job.completed) == (JobStatus.COMPLETED, 4)
+
+
+def test_a_stopped_worker_finishes_what_runs_at_the_default_drain_and_hands_back_the_rest(tmp_path, settings):
+    """At the default drain_timeout (60 s) a stopped worker lets its running requests finish and record their
+    results, and hands back at once, without counting an attempt, those it held but had not started (two run
+    at a time here, so that the worker holds more than it runs)."""
+    from worker.engine.engine import Engine
+
+    assert settings.drain_timeout == 60.0
+    settings = settings.model_copy(update={"max_num_seqs": 2})
+    tiny_engine = Engine(settings)
+    job = _long_job(tmp_path, settings, n=8)
+    worker = engine_worker(settings, tiny_engine, eager_tasks=True)
+    started_at_stop: set[int] = set()
+
+    def stop_once_running() -> bool:
+        started = {item.claim.request_id for item in worker.inflight.values() if item.started}
+        if started and not worker.stop_requested:
+            started_at_stop.update(started)
+            worker.stop()  # what SIGTERM does
+        return False
+
+    worker.run(until=stop_once_running)  # returns once the drain has ended
+    assert tiny_engine.num_unfinished == 0
+    rows = _rows(settings, job.id)
+    with open_database(settings.database_url).session() as s:
+        done = set(s.scalars(select(Result.request_id).where(Result.request_id.in_([r.id for r in rows]))))
+    assert started_at_stop and started_at_stop <= done, "a request running at the stop did not finish in the drain"
+    assert all(r.attempts == 1 for r in rows if r.id in done)
+    assert all(r.attempts == 0 for r in rows if r.id not in done), "a handed-back request counted an attempt"
+    with connect(settings) as conn:
+        depth = queue_depth(conn, [Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")])
+    assert depth == len(rows) - len(done)
+
+    job = work_until_over(settings, tiny_engine, job.id)  # another worker takes the rest
+    assert (job.status, job.completed) == (JobStatus.COMPLETED, 8)
+    with open_database(settings.database_url).session() as s:
+        assert len(s.scalars(select(Result.request_id).where(Result.request_id.in_([r.id for r in rows]))).all()) == 8
 
 
 def _cut_by_the_client(worker) -> None:
