@@ -9,7 +9,7 @@ The workload (``benchmarks/workload.py``, seed 0) is written as an OpenAI Batch 
 greedy, ``ignore_eos``. Every system runs that same file on a new engine built from the one loaded
 model (so nothing carries over in a prefix cache), warmed up before its clock starts:
 
-1. engine: ``jobs.generate.generate_file`` (``berth generate``): no database, no queue.
+1. engine: ``jobs.hosting.generate.generate_file`` (``berth generate``): no database, no queue.
 2. embedded: ``berth run``'s path on the defaults: a SQLite database, the embedded SQLite queue and
    a local folder in a fresh directory; ``api.submit`` (ingest in this process), an engine worker in
    this process, finalize in this process.
@@ -126,7 +126,7 @@ def read_output(path: Path, workload: Workload) -> dict:
 # ---------------------------------------------------------------- the systems
 def run_engine(loaded: LoadedModel, settings: Settings, request_file: Path, workload: Workload, out: Path) -> dict:
     """``generate_file`` on the request file, timed from the call to the output file written."""
-    from jobs.generate import generate_file
+    from jobs.hosting.generate import generate_file
 
     engine = warmed_engine(loaded, settings)
     t0 = time.time()
@@ -142,9 +142,9 @@ def run_whole_path(loaded: LoadedModel, settings: Settings, request_file: Path, 
     ``api.submit`` called to the job's results file written (its ``completed_at``). A status probe
     queries the job from another process meanwhile."""
     from jobs import api
-    from jobs.db import open_database
-    from jobs.engine_worker import engine_worker
-    from jobs.models import JobStatus
+    from jobs.records.db import open_database
+    from jobs.hosting.engine_worker import engine_worker
+    from jobs.records.models import JobStatus
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
     worker = engine_worker(settings, warmed_engine(loaded, settings), eager_tasks=True)
@@ -269,7 +269,7 @@ def embedded_services(workdir: Path, name: str) -> Iterator[dict]:
     try:
         yield {"database_url": f"sqlite:///{folder}/berth.db", "broker_url": "", "storage_url": f"file://{folder}/store"}
     finally:
-        from jobs.db import close_database
+        from jobs.records.db import close_database
 
         close_database(f"sqlite:///{folder}/berth.db")
         shutil.rmtree(folder, ignore_errors=True)
@@ -280,7 +280,7 @@ def server_services(args, workdir: Path, model: str) -> Iterator[dict]:
     """A fresh PostgreSQL database and RabbitMQ queue prefix, dropped and deleted on leaving."""
     from sqlalchemy import create_engine, make_url, text
 
-    from jobs.db import close_database
+    from jobs.records.db import close_database
 
     name = f"berth_bench_{uuid.uuid4().hex[:12]}"
     admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
@@ -304,7 +304,7 @@ def delete_queues(amqp_url: str, prefix: str, model: str) -> None:
     """Delete the queues and exchanges berth declared under ``prefix``."""
     from kombu import Connection
 
-    from worker.consumer.queues import Topology
+    from worker.messaging.topology import Topology
 
     topology = Topology(prefix)
     try:
@@ -339,9 +339,9 @@ def time_submission(settings: Settings, request_file: Path, lines: int) -> dict:
     from sqlalchemy import func, select
 
     from jobs import api
-    from jobs.db import open_database
-    from jobs.models import RequestRow
-    from jobs.validate import model_info
+    from jobs.records.db import open_database
+    from jobs.records.models import RequestRow
+    from jobs.lines.validate import model_info
 
     db = open_database(settings.database_url)
     model_info(settings)  # the tokenizer, loaded once per process (timed apart: validator_load_seconds)
@@ -358,7 +358,7 @@ def time_submission(settings: Settings, request_file: Path, lines: int) -> dict:
 
 def validator_load_seconds(settings: Settings) -> float:
     """What the first submission in a process pays to load the tokenizer and config for validation."""
-    from jobs.validate import model_info
+    from jobs.lines.validate import model_info
 
     t0 = time.perf_counter()
     model_info(settings)

@@ -157,7 +157,7 @@ def extraction_line(i: int, kind: str, document: str, model: str, constrained: b
 
 def run_extractions(folder: Path, engine, name: str, constrained: bool) -> list[tuple[str, str, str]]:
     """Every case through ``berth generate`` on ``engine``: (kind, finish_reason, text), in order."""
-    from jobs.generate import generate_file
+    from jobs.hosting.generate import generate_file
 
     path = folder / f"{name}.jsonl"
     path.write_text("".join(extraction_line(i, kind, doc, engine.model_name, constrained) + "\n"

@@ -244,7 +244,7 @@ class BerthServe:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> BerthServe:
-        from jobs.db import close_database, open_database
+        from jobs.records.db import close_database, open_database
         from jobs.http.keys import create_key
 
         url = self.env["BERTH_DATABASE_URL"]

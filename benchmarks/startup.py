@@ -66,7 +66,7 @@ try:  # as `berth generate` does before torch's import (a baseline from before i
     heap_prefault.start(Settings())
 except ImportError:
     pass
-import jobs.generate
+import jobs.hosting.generate
 t1 = time.perf_counter()
 try:
     from worker.engine.engine import DTYPES, Engine

@@ -16,25 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from jobs.db import open_database, upgrade
-from jobs.files import JobFiles
-from jobs.job_errors import JobStateError
-from jobs.job_status import JobStatus
-from jobs.status import JobView, get_job
-from jobs.status import list_jobs as query_jobs
+from jobs.records.db import open_database, upgrade
+from jobs.records.job_files import JobFiles
+from jobs.records.job_errors import JobStateError
+from jobs.records.job_status import JobStatus
+from jobs.records.status import JobView, get_job
+from jobs.records.status import list_jobs as query_jobs
 from worker.config import Settings
 
-# jobs.submit (line checks: the tokenizer, the grammar library), jobs.tasks (Celery, ingest and finalize) and
-# the modules that change rows through SQLAlchemy's ORM (jobs.lifecycle, jobs.tenants) are imported by the
+# jobs.pipeline.submit (line checks: the tokenizer, the grammar library), jobs.pipeline.celery_tasks (Celery, ingest and finalize) and
+# the modules that change rows through SQLAlchemy's ORM (jobs.records.lifecycle, jobs.records.tenants) are imported by the
 # functions that use them: `berth status`, `list` and `results` read rows (SQLAlchemy's core) and files only.
 if TYPE_CHECKING:
-    from jobs.submit import JobSpec
+    from jobs.pipeline.submit import JobSpec
 
 
 def __getattr__(name: str):
     """``api.JobSpec``, the job's options for ``submit`` and ``run``, imported when first asked for."""
     if name == "JobSpec":
-        from jobs.submit import JobSpec
+        from jobs.pipeline.submit import JobSpec
 
         return JobSpec
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -50,8 +50,8 @@ def submit(path: str | Path, settings: Settings | None = None, *, spec: JobSpec 
            eager: bool | None = None) -> JobView:
     """Accept a request file as a job. Its lines are checked and queued by the ingest task: in this
     process on the embedded default (or with ``eager=True``), else on a Celery worker."""
-    from jobs.submit import JobSpec, create_job
-    from jobs.tasks import INGEST, make_app
+    from jobs.pipeline.submit import JobSpec, create_job
+    from jobs.pipeline.celery_tasks import INGEST, make_app
 
     settings = settings or Settings()
     db = open_database(settings.database_url)
@@ -73,8 +73,8 @@ def list_jobs(settings: Settings | None = None, tenant: str | None = None, statu
 
 def cancel(job_id: str, settings: Settings | None = None) -> JobView:
     """Cancel a job: running requests are aborted within a second, the rest fail as cancelled."""
-    from jobs.lifecycle import cancel as cancel_job
-    from jobs.tasks import finalize_later, make_app
+    from jobs.records.lifecycle import cancel as cancel_job
+    from jobs.pipeline.celery_tasks import finalize_later, make_app
 
     settings = settings or Settings()
     db = open_database(settings.database_url)
@@ -109,7 +109,7 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
         ) -> tuple[JobView, ResultFiles]:
     """Submit, work and fetch the results in this process: ingest and finalize run in-process, an
     engine worker consumes the queue until the job ends. Zero servers on the default settings."""
-    from jobs.engine_worker import engine_worker
+    from jobs.hosting.engine_worker import engine_worker
 
     settings = settings or Settings()
     worker = engine_worker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
@@ -128,9 +128,9 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
 
 
 def retry(job_id: str, settings: Settings | None = None, eager: bool | None = None) -> JobView:
-    """A new job of the failed lines of a finished job (``jobs.retry``), ingested as ``submit`` does."""
-    from jobs.retry import retry_job
-    from jobs.tasks import INGEST, make_app
+    """A new job of the failed lines of a finished job (``jobs.pipeline.retry``), ingested as ``submit`` does."""
+    from jobs.pipeline.retry import retry_job
+    from jobs.pipeline.celery_tasks import INGEST, make_app
 
     settings = settings or Settings()
     db = open_database(settings.database_url)
@@ -141,35 +141,35 @@ def retry(job_id: str, settings: Settings | None = None, eager: bool | None = No
 
 def set_tenant_weight(name: str, weight: float, settings: Settings | None = None) -> None:
     """A tenant's share of the engines (1 by default): with weights 2 and 1, twice the seats."""
-    from jobs.tenants import set_weight
+    from jobs.records.tenants import set_weight
 
     set_weight(open_database((settings or Settings()).database_url), name, weight)
 
 
 def set_tenant_cache_group(name: str, group: str | None, settings: Settings | None = None) -> None:
     """Tenants of one ``group`` share cached prompt prefixes (None: the tenant's are its own, the default)."""
-    from jobs.tenants import set_cache_group
+    from jobs.records.tenants import set_cache_group
 
     set_cache_group(open_database((settings or Settings()).database_url), name, group)
 
 
 def allow_broker_user(user: str, tenant: str, settings: Settings | None = None) -> None:
     """Let broker (RabbitMQ) user ``user`` submit jobs through the queue; they are ``tenant``'s."""
-    from jobs.tenants import allow_broker_user as allow_user
+    from jobs.records.tenants import allow_broker_user as allow_user
 
     allow_user(open_database((settings or Settings()).database_url), user, tenant)
 
 
 def remove_broker_user(user: str, settings: Settings | None = None) -> bool:
     """The broker user may no longer submit jobs; whether it could."""
-    from jobs.tenants import remove_broker_user as remove_user
+    from jobs.records.tenants import remove_broker_user as remove_user
 
     return remove_user(open_database((settings or Settings()).database_url), user)
 
 
 def webhook_secret(tenant: str, settings: Settings | None = None, rotate: bool = False) -> str:
     """The secret that signs the tenant's webhooks (made on first use; ``rotate``: a new one)."""
-    from jobs.tenants import webhook_secret as tenant_secret
+    from jobs.records.tenants import webhook_secret as tenant_secret
 
     return tenant_secret(open_database((settings or Settings()).database_url), tenant, rotate)
 

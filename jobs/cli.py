@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlsplit
 import click
 from pydantic import ValidationError
 
-from jobs.job_status import JobStatus
+from jobs.records.job_status import JobStatus
 from worker.config import ConfigError, Settings
 
 
@@ -106,8 +106,8 @@ def generate(input_file, output, errors, quiet, **flags):
     configure_logging(quiet)
     settings = settings_from(flags)
     prefault_heap(settings)  # beside torch's import, which follows
-    from jobs.generate import generate_file
-    from jobs.validate import InputError
+    from jobs.hosting.generate import generate_file
+    from jobs.lines.validate import InputError
     from worker.engine.engine import RequestRejected
     from worker.model.base import ModelLoadError
 
@@ -151,7 +151,7 @@ def job_options(command):
 
 
 def job_spec(flags: dict):
-    from jobs.submit import JobSpec
+    from jobs.pipeline.submit import JobSpec
 
     metadata = {}
     for item in flags.pop("metadata"):
@@ -170,8 +170,8 @@ def job_spec(flags: dict):
 # berth's errors that reach the user as one line, by module and name. They are looked up among the modules
 # already imported, never imported to be named: an error of a module nobody imported cannot have been
 # raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
-USER_ERRORS = (("jobs.db", "SchemaError"), ("jobs.job_errors", "JobNotFound"), ("jobs.job_errors", "JobStateError"),
-               ("jobs.tenants", "TenantNotFound"), ("jobs.validate", "InputError"),
+USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"), ("jobs.records.job_errors", "JobStateError"),
+               ("jobs.records.tenants", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
                ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
 
 
@@ -195,7 +195,7 @@ def _print_job(view, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(view.to_dict(), indent=2))
         return
-    from jobs.progress import describe
+    from jobs.records.progress import describe
 
     click.echo(describe(view))
 
@@ -227,7 +227,7 @@ def submit(input_file, as_json, **flags):
 def status(job_id, watch, as_json, **flags):
     """A job's state, request counts, tokens, throughput and time left."""
     from jobs import api
-    from jobs.progress import watch as watch_job
+    from jobs.records.progress import watch as watch_job
 
     settings = settings_from(flags)
     with user_errors():
@@ -245,7 +245,7 @@ def status(job_id, watch, as_json, **flags):
 def list_command(tenant, state, limit, as_json, **flags):
     """The newest jobs."""
     from jobs import api
-    from jobs.progress import job_table
+    from jobs.records.progress import job_table
 
     with user_errors():
         views = api.list_jobs(settings_from(flags), tenant, state, limit)
@@ -326,10 +326,10 @@ def worker(**flags):
     settings = settings_from(flags)
     if not settings.respawn:  # a --respawn child imports nothing: no import to fault the heap in beside
         prefault_heap(settings)  # beside torch's import, which follows
-    from jobs.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
+    from jobs.hosting.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
 
     if settings.respawn:
-        from jobs.respawn import Respawner
+        from jobs.hosting.respawn import Respawner
 
         ledger_modules()  # imported once here, not in each child (on a thread while its model loads)
         sys.exit(Respawner(lambda ready: run_worker(settings, ready)).run())
@@ -338,7 +338,7 @@ def worker(**flags):
 
 def run_worker(settings, ready) -> int:
     """Build the worker, say it is ready, run it; its exit status (``berth worker``, and each ``--respawn`` child)."""
-    from jobs.engine_worker import engine_worker
+    from jobs.hosting.engine_worker import engine_worker
 
     try:
         with user_errors():
@@ -429,7 +429,7 @@ def run(input_file, output, errors, quiet, **flags):
     """Submit, run and fetch a job in this process (no servers on the default settings)."""
     configure_logging(quiet)
     from jobs import api
-    from jobs.progress import JobProgress
+    from jobs.records.progress import JobProgress
 
     spec = job_spec(flags)
     settings = settings_from(flags)
@@ -474,10 +474,10 @@ def retry(job_id, as_json, **flags):
 def serve(host, port, open_access, **flags):
     """OpenAI's Files and Batches API (base_url http://HOST:PORT/v1). On the embedded defaults (no
     --broker-url) it runs an engine worker in this process too."""
-    from jobs.db import open_database
+    from jobs.records.db import open_database
     from jobs.http.keys import any_keys
     from jobs.http.server import Server
-    from worker.consumer.queues import is_embedded
+    from worker.messaging.topology import is_embedded
 
     configure_logging()
     settings = settings_from(flags)
@@ -508,7 +508,7 @@ def key():
 @click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
 def key_create(tenant, database_url):
     """Make a key and print it: it is shown this once (the database keeps only its hash)."""
-    from jobs.db import open_database
+    from jobs.records.db import open_database
     from jobs.http.keys import create_key
 
     with user_errors():
@@ -524,7 +524,7 @@ def key_list(tenant, database_url):
     """The keys by their first characters, with their tenants."""
     import datetime
 
-    from jobs.db import open_database
+    from jobs.records.db import open_database
     from jobs.http.keys import list_keys
 
     with user_errors():
@@ -540,7 +540,7 @@ def key_list(tenant, database_url):
 @click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
 def key_revoke(key_or_prefix, database_url):
     """Revoke a key: give it whole, or its 12 first characters as `berth key list` shows them."""
-    from jobs.db import open_database
+    from jobs.records.db import open_database
     from jobs.http.keys import revoke_key
 
     with user_errors():

@@ -1,1 +1,1 @@
-"""Alembic migrations of the jobs database; ``jobs.db.upgrade`` (``berth db upgrade``) applies them."""
+"""Alembic migrations of the jobs database; ``jobs.records.db.upgrade`` (``berth db upgrade``) applies them."""

@@ -1,10 +1,10 @@
-"""Alembic's entry point. ``jobs.db.alembic_config`` hands it an open connection; run from the
+"""Alembic's entry point. ``jobs.records.db.alembic_config`` hands it an open connection; run from the
 ``alembic`` command line instead, it connects to ``BERTH_DATABASE_URL``."""
 
 from alembic import context
 
-from jobs.db import make_engine
-from jobs.models import Base
+from jobs.records.db import make_engine
+from jobs.records.models import Base
 from worker.config import Settings
 
 config = context.config

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from worker.consumer.broker import Delivery
 from worker.consumer.ledger import Claim, Death, LedgerDown, Outcome
-from worker.consumer.queues import request_body
+from worker.messaging.topology import request_body
 from worker.engine.engine import EngineStats, RequestRejected, StepLatencies
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, Sequence
 
@@ -72,7 +72,7 @@ class FakeLedger:
         return out
 
     def _death(self, row: Row) -> Death:
-        """As ``jobs.workers.found_dead``: the first claim to find a death counts what it was running."""
+        """As ``jobs.records.workers.found_dead``: the first claim to find a death counts what it was running."""
         life = row.holder_life or row.holder
         if life not in self.deaths:
             running = sum(1 for r in self.rows.values()

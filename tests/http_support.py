@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from jobs.db import open_database
+from jobs.records.db import open_database
 from jobs.http.keys import create_key
 from jobs.http.server import Server
 from tests.jobs_support import tiny_settings

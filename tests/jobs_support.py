@@ -32,7 +32,7 @@ def pg_url():
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
     from sqlalchemy import create_engine, text
 
-    from jobs.db import close_database
+    from jobs.records.db import close_database
 
     name = f"berth_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)  # survives a restart
@@ -55,7 +55,7 @@ def queue_prefix():
     yield prefix
     from kombu import Connection
 
-    from worker.consumer.queues import Topology
+    from worker.messaging.topology import Topology
 
     topology = Topology(prefix)
     with Connection(AMQP_URL) as conn:
@@ -125,7 +125,7 @@ def work_until_over(settings, engine, job_id: str, timeout: float = 60.0):
     import time
 
     from jobs import api
-    from jobs.engine_worker import engine_worker
+    from jobs.hosting.engine_worker import engine_worker
 
     deadline = time.monotonic() + timeout
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import MetaData, insert, select
 
-from jobs.db import head_revision, make_engine, upgrade
+from jobs.records.db import head_revision, make_engine, upgrade
 
 
 def dump(engine, tables) -> dict:

@@ -9,9 +9,9 @@ import json
 from sqlalchemy import select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.ledger import JobsLedger
-from jobs.models import LineErrorRow, RequestRow
+from jobs.records.db import open_database
+from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.models import LineErrorRow, RequestRow
 from tests.jobs_support import TINY_NAME, tiny_settings
 
 
@@ -22,7 +22,7 @@ def _line(i: int, **body) -> dict:
 
 def test_cache_salt_reaches_the_workers_claim(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.chdir(tmp_path)
-    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.records.db'}",
                              storage_url=f"file://{tmp_path / 'store'}")
     path = tmp_path / "in.jsonl"
     lines = [_line(0, cache_salt="s3cret"), _line(1), _line(2, cache_salt=""), _line(3, cache_salt=7),

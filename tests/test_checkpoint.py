@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from jobs.checkpoint_gc import collect_checkpoints
+from jobs.pipeline.checkpoint_gc import collect_checkpoints
 from storage import ObjectNotFound, open_store
 from tests.checkpoint_support import (
     ControlledStore,
@@ -389,12 +389,12 @@ def test_collection_keeps_the_latest_states_and_what_they_name(tiny_loaded, tiny
     from sqlalchemy import select, update
 
     from jobs import api
-    from jobs.db import open_database
-    from jobs.models import RequestRow
-    from jobs.results import ResultRecord, record_outcomes
+    from jobs.records.db import open_database
+    from jobs.records.models import RequestRow
+    from jobs.records.results import ResultRecord, record_outcomes
     from tests.jobs_support import tiny_settings, write_requests
 
-    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.records.db'}",
                              storage_url=f"file://{tmp_path / 'jobstore'}")
     job = api.submit(write_requests(tmp_path / "r.jsonl", 2), settings, eager=True)
     db = open_database(settings.database_url)

@@ -10,11 +10,11 @@ import json
 from sqlalchemy import select
 
 from jobs import api
-from jobs.checkpoint_gc import collect_checkpoints
-from jobs.db import open_database
-from jobs.engine_worker import engine_worker
-from jobs.generate import generate_file
-from jobs.models import JobStatus, RequestRow
+from jobs.pipeline.checkpoint_gc import collect_checkpoints
+from jobs.records.db import open_database
+from jobs.hosting.engine_worker import engine_worker
+from jobs.hosting.generate import generate_file
+from jobs.records.models import JobStatus, RequestRow
 from storage import open_store
 from tests.checkpoint_support import read_state
 from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_settings

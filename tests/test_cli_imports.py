@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from jobs import api
-from jobs.db import open_database
-from jobs.files import JobFiles
-from jobs.submit import JobSpec, create_job
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.submit import JobSpec, create_job
 from worker.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]  # this tree's berth, not another one installed
 FORBIDDEN = ("torch", "xgrammar", "transformers", "triton", "worker.engine.engine", "worker.model.loader")
 # ... and what the commands that only show jobs need neither: they read rows with SQLAlchemy's core
-# (jobs.status), and Settings reads its BERTH_* variables without pydantic-settings.
-READ_PATH = (*FORBIDDEN, "sqlalchemy.orm", "jobs.models", "jobs.lifecycle", "pydantic_settings", "celery", "kombu")
+# (jobs.records.status), and Settings reads its BERTH_* variables without pydantic-settings.
+READ_PATH = (*FORBIDDEN, "sqlalchemy.orm", "jobs.records.models", "jobs.records.lifecycle", "pydantic_settings", "celery", "kombu")
 
 # Runs `berth ARGS...` in this process, then writes the exit code and, for each forbidden module that
 # was imported, the stack of berth's own frames at its first import.
@@ -123,12 +123,12 @@ def test_status_prints_without_rich(jobs_db):
 
 
 def test_the_read_path_shows_a_job_as_the_orm_row_does(jobs_db):
-    """``jobs.status`` reads the columns by name with SQLAlchemy's core; the view of the ORM row (what
+    """``jobs.records.status`` reads the columns by name with SQLAlchemy's core; the view of the ORM row (what
     the HTTP API lists) must be the same, field for field, metadata and message id included."""
     from sqlalchemy import select, update
 
-    from jobs.models import Job, Tenant
-    from jobs.status import COLUMNS, JobView, get_job, list_jobs
+    from jobs.records.models import Job, Tenant
+    from jobs.records.status import COLUMNS, JobView, get_job, list_jobs
 
     db = open_database(jobs_db["env"]["BERTH_DATABASE_URL"])
     with db.session() as s, s.begin():
@@ -190,7 +190,7 @@ def test_the_hook_names_the_chain_of_an_import(jobs_db):
     """The check itself, on a package `status` does import: its first importer among berth's lines."""
     result = berth(jobs_db, "status", jobs_db["finished"], forbidden=("sqlalchemy",))
     stack = result["imported"]["sqlalchemy"]
-    assert any("jobs/db.py" in line and "import" in line for line in stack), stack
+    assert any("jobs/records/db.py" in line and "import" in line for line in stack), stack
 
 
 def test_a_command_leaves_the_objects_to_the_system_at_exit(jobs_db):

@@ -11,7 +11,7 @@ from worker.config import Settings
 from worker.consumer import admission
 from worker.consumer.ledger import Claim, Death
 import worker.consumer.loop as consumer
-from worker.consumer.queues import request_body
+from worker.messaging.topology import request_body
 from worker.engine.request import SamplingParams
 
 

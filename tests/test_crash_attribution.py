@@ -23,11 +23,11 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.files import JobFiles
-from jobs.finalize import finalize
-from jobs.generate import generate_file
-from jobs.models import JobStatus, RequestRow, Result, ResultStatus
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import finalize
+from jobs.hosting.generate import generate_file
+from jobs.records.models import JobStatus, RequestRow, Result, ResultStatus
 from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, kill_if_running, stop_gracefully, \
     tiny_env, tiny_settings
 from tests.s3_support import S3_ENV

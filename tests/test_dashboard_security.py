@@ -23,8 +23,8 @@ import pytest
 from selenium.webdriver.common.by import By
 from sqlalchemy import update
 
-from jobs.db import open_database
-from jobs.models import Job, WorkerRow, now
+from jobs.records.db import open_database
+from jobs.records.models import Job, WorkerRow, now
 from tests.browser_support import chromium, until
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import write_requests

@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.generate import generate_file
-from jobs.models import JobStatus, Result
+from jobs.records.db import open_database
+from jobs.hosting.generate import generate_file
+from jobs.records.models import JobStatus, Result
 from tests.jobs_support import TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings, work_in_process_until_over
 from tests.test_checkpoint_crash import _results, _run_until, _start_worker, _wait_generating
 

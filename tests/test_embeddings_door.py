@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
-from jobs.batch_format import LineError, response_line
+from jobs.lines.batch_format import LineError, response_line
 from jobs.cli import main
-from jobs.db import open_database
-from jobs.models import Job, Result, ResultStatus
-from jobs.validate import LineValidator, ModelInfo, read_lines
+from jobs.records.db import open_database
+from jobs.records.models import Job, Result, ResultStatus
+from jobs.lines.validate import LineValidator, ModelInfo, read_lines
 from tests.jobs_support import TINY_NAME, read_jsonl, tiny_settings
 
 URL = "/v1/embeddings"
@@ -119,7 +119,7 @@ def test_the_response_line_is_openais_embedding_list(validator, tiny_engine):
 
 
 def _batch_line(custom_id: str):
-    from jobs.batch_format import BatchLine
+    from jobs.lines.batch_format import BatchLine
 
     return BatchLine(1, custom_id, URL, {})
 

@@ -17,13 +17,13 @@ from click.testing import CliRunner
 from hypothesis import strategies as st
 
 from jobs import api
-from jobs.batch_format import CODE_CHARS, MAX_CUSTOM_ID, PARAM_CHARS, BatchLine, LineError, response_line
-from jobs.generate import generate_file
-from jobs.ledger import params_from_dict
-from jobs.messages import params_to_dict
-from jobs.models import JobStatus, LineErrorRow, RequestRow
-from jobs.submit import JobRefused, JobSpec
-from jobs.validate import InputError, LineValidator, ModelInfo, read_lines
+from jobs.lines.batch_format import CODE_CHARS, MAX_CUSTOM_ID, PARAM_CHARS, BatchLine, LineError, response_line
+from jobs.hosting.generate import generate_file
+from jobs.hosting.database_ledger import params_from_dict
+from jobs.pipeline.request_messages import params_to_dict
+from jobs.records.models import JobStatus, LineErrorRow, RequestRow
+from jobs.pipeline.submit import JobRefused, JobSpec
+from jobs.lines.validate import InputError, LineValidator, ModelInfo, read_lines
 from tests.jobs_support import AMQP_URL, TINY_NAME, read_jsonl, request_line, tiny_settings, work_until_over
 from worker.config import Settings
 
@@ -331,7 +331,7 @@ def test_hostile_lines_do_not_stop_their_job_on_postgresql(tmp_path, tiny_llama_
                                                            queue_prefix):
     from sqlalchemy import select
 
-    from jobs.db import open_database
+    from jobs.records.db import open_database
 
     settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
                              storage_url=f"file://{tmp_path / 'store'}")
@@ -464,10 +464,10 @@ def test_an_oversized_file_is_refused_at_once(tmp_path, tiny_llama_dir, tiny_eng
 
 
 def test_the_ingest_never_stores_more_than_the_line_limit(tmp_path, tiny_llama_dir):
-    from jobs.db import open_database
-    from jobs.files import JobFiles
-    from jobs.ingest import ingest
-    from jobs.submit import create_job
+    from jobs.records.db import open_database
+    from jobs.records.job_files import JobFiles
+    from jobs.pipeline.ingest import ingest
+    from jobs.pipeline.submit import create_job
 
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(request_line(i)) + "\n" for i in range(5)))
@@ -504,8 +504,7 @@ def test_every_known_body_field_is_in_the_docs_table():
     import re
     from pathlib import Path
 
-    from jobs import request_fields as rf
-
+    from jobs.lines import request_fields as rf
     doc = Path(__file__).resolve().parents[1].joinpath("docs", "request-fields.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| ") and not line.startswith("| Field")]
     named = {name for row in rows for cell in row.split("|")[1:3] for name in re.findall(r"`([a-z_]+)`", cell)}

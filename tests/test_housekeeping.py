@@ -17,13 +17,13 @@ import time
 from sqlalchemy import select, update
 
 from jobs import api
-from jobs.db import open_database
-from jobs.housekeeping import chores
-from jobs.models import Job, JobStatus, RequestRow, now
-import jobs.housekeeping
-import jobs.tasks
+from jobs.records.db import open_database
+from jobs.hosting.chores import chores
+from jobs.records.models import Job, JobStatus, RequestRow, now
+import jobs.hosting.chores
+import jobs.pipeline.celery_tasks
 from tests.jobs_support import AMQP_URL, TINY_NAME, request_line, tiny_settings, write_requests
-from worker.consumer.queues import Topology, broker_url, connect
+from worker.messaging.topology import Topology, broker_url, connect
 
 
 def _embedded(tmp_path, tiny_llama_dir):
@@ -113,7 +113,7 @@ def test_a_failing_chore_logs_once_and_does_not_raise(tmp_path, tiny_llama_dir, 
     def broken(*args, **kwargs):
         raise ConnectionError("the database went away")
 
-    monkeypatch.setattr(jobs.tasks, "reconcile", broken)
+    monkeypatch.setattr(jobs.pipeline.celery_tasks, "reconcile", broken)
     reconcile = _chore(_embedded(tmp_path, tiny_llama_dir), "reconcile")
     with caplog.at_level(logging.INFO, logger="berth.housekeeping"):
         reconcile()
@@ -132,14 +132,14 @@ def test_housekeeping_runs_on_while_an_ingest_it_resumed_runs(tmp_path, tiny_lla
     whose ingest never started is ingested by a later reconcile, all while the first still runs.
     (Before, the resumed ingest ran on the housekeeping thread itself and held every chore.) The
     periods are cut to 0.5 s so that the test takes seconds."""
-    from jobs.files import JobFiles
-    from jobs.submit import JobSpec, create_job
-    from jobs.validate import LineValidator
+    from jobs.records.job_files import JobFiles
+    from jobs.pipeline.submit import JobSpec, create_job
+    from jobs.lines.validate import LineValidator
     from worker.consumer.housekeeper import Housekeeper
 
     settings = _embedded(tmp_path, tiny_llama_dir)
-    monkeypatch.setattr(jobs.housekeeping, "RECONCILE_SECONDS", 0.5)
-    monkeypatch.setattr(jobs.housekeeping, "EXPIRE_SECONDS", 0.5)
+    monkeypatch.setattr(jobs.hosting.chores, "RECONCILE_SECONDS", 0.5)
+    monkeypatch.setattr(jobs.hosting.chores, "EXPIRE_SECONDS", 0.5)
     db, files = open_database(settings.database_url), JobFiles(settings.storage_url)
     release, check = threading.Event(), LineValidator.check
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobs.cli import main
-from jobs.db import open_database
+from jobs.records.db import open_database
 from jobs.http.keys import revoke_key
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import write_requests
@@ -210,8 +210,8 @@ def test_errors_of_routes_and_parameters_are_openai_shaped(served):
 def test_berth_key_create_prints_a_key_the_database_keeps_only_the_hash_of(tmp_path):
     from sqlalchemy import select
 
-    from jobs.db import open_database
-    from jobs.models import ApiKey
+    from jobs.records.db import open_database
+    from jobs.records.models import ApiKey
 
     url = f"sqlite:///{tmp_path / 'keys.db'}"
     made = CliRunner().invoke(main, ["key", "create", "--tenant", "team-a", "--database-url", url])

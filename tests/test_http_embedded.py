@@ -16,7 +16,7 @@ import urllib.request
 from click.testing import CliRunner
 
 from jobs.cli import main
-from jobs.generate import generate_file
+from jobs.hosting.generate import generate_file
 from jobs.http.server import _free_port
 from tests.http_support import client, embedded_settings, key_for, serving, upload, wait_for
 from tests.jobs_support import (choices_by_custom_id, kill_if_running, read_jsonl, request_line, tiny_env,

@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
                                               status_code_conformance)
 
 from jobs.http.app import create_app
-from jobs.http.tasks import Tasks
+from jobs.http.background import Tasks
 from tests.http_support import client, embedded_settings, key_for, serving
 from tests.jobs_support import TINY_NAME, tiny_settings, write_requests
 
@@ -122,7 +122,7 @@ def test_the_documented_bodies_are_the_fields_berth_takes():
     import jsonschema
 
     from jobs.http.completion_bodies import REFUSED, body_schema
-    from jobs.request_fields import IMPLEMENTED, NO_EFFECT, NOT_YET, ONLY
+    from jobs.lines.request_fields import IMPLEMENTED, NO_EFFECT, NOT_YET, ONLY
     from tests.test_structured_door import PERSON
 
     for url in ROUTES:

@@ -22,7 +22,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from jobs.db import open_database
+from jobs.records.db import open_database
 from jobs.http.server import _free_port
 from tests.http_support import client, embedded_settings, key_for, serving, upload, wait_for
 from tests.jobs_support import kill_if_running, tiny_env, write_requests
@@ -303,7 +303,7 @@ def test_uploads_at_once_cannot_share_the_last_room(backend, tmp_path, tiny_llam
 
 
 def test_an_upload_expires_after_its_expires_after(served):
-    from jobs.file_removal import expire_files
+    from jobs.records.file_removal import expire_files
     from storage import open_store
 
     server, tmp = served
@@ -335,8 +335,8 @@ def test_a_batchs_output_files_expire_after_its_output_expires_after(tmp_path, t
     files say when they expire (counted from the batch's end) and are deleted then: a 404 as OpenAI
     shows an expired file, gone from the store, shown as gone on the dashboard; the outputs of a
     batch nobody looked at go at the same time."""
-    from jobs.file_removal import expire_files
-    from jobs.status import get_job
+    from jobs.records.file_removal import expire_files
+    from jobs.records.status import get_job
     from storage import open_store
 
     lines = write_requests(tmp_path / "r.jsonl", 3).read_text().splitlines()

@@ -9,9 +9,9 @@ import sys
 
 from sqlalchemy import select
 
-from jobs.db import open_database
-from jobs.generate import generate_file
-from jobs.models import Result
+from jobs.records.db import open_database
+from jobs.hosting.generate import generate_file
+from jobs.records.models import Result
 from tests.http_support import client, key_for, serving, upload, wait_for
 from tests.jobs_support import (AMQP_URL, choices_by_custom_id, kill_if_running, stop_gracefully, tiny_env,
                                 tiny_settings, write_requests)
@@ -28,7 +28,7 @@ def test_a_batch_through_postgresql_and_rabbitmq(tmp_path, tiny_llama_dir, pg_ur
     env = {**os.environ, **tiny_env(settings)}
     worker = [sys.executable, "-m", "jobs.cli", "worker"]
     procs = [_spawn(worker, env, tmp_path / "worker0.log"), _spawn(worker, env, tmp_path / "worker1.log"),
-             _spawn([sys.executable, "-m", "celery", "-A", "jobs.tasks", "worker", "--pool=solo", "--loglevel=WARNING",
+             _spawn([sys.executable, "-m", "celery", "-A", "jobs.pipeline.celery_tasks", "worker", "--pool=solo", "--loglevel=WARNING",
                      "--without-gossip", "--without-mingle", "--without-heartbeat"], env, tmp_path / "celery.log")]
     try:
         with serving(settings) as server:

@@ -11,17 +11,17 @@ import time
 import pytest
 from sqlalchemy import select, update
 
-import jobs.ingest
+import jobs.pipeline.ingest
 from jobs import api
-from jobs.db import open_database
-from jobs.files import JobFiles
-from jobs.ingest import ingest
-from jobs.lifecycle import cancel, expire_due
-from jobs.models import Job, JobStatus, LineErrorRow, RequestRow, now
-from jobs.reconcile import reconcile
-from jobs.submit import JobSpec, create_job
-from jobs.tasks import dispatch, finalize_later, ingest_later, make_app
-from jobs.validate import LineValidator
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.ingest import ingest
+from jobs.records.lifecycle import cancel, expire_due
+from jobs.records.models import Job, JobStatus, LineErrorRow, RequestRow, now
+from jobs.pipeline.reconcile import reconcile
+from jobs.pipeline.submit import JobSpec, create_job
+from jobs.pipeline.celery_tasks import dispatch, finalize_later, ingest_later, make_app
+from jobs.lines.validate import LineValidator
 from tests.jobs_support import (
     AMQP_URL,
     TINY_NAME,
@@ -106,8 +106,8 @@ def test_a_line_the_database_refuses_is_that_lines_error(any_settings, tmp_path,
 def test_an_ingest_that_stopped_midway_is_resumed_by_the_reconciler(tmp_path, tiny_llama_dir, tiny_engine,
                                                                     monkeypatch):
     settings = _embedded(tmp_path, tiny_llama_dir)
-    monkeypatch.setattr(jobs.ingest, "CHUNK_LINES", 3)
-    store, calls = jobs.ingest._store_chunk, []
+    monkeypatch.setattr(jobs.pipeline.ingest, "CHUNK_LINES", 3)
+    store, calls = jobs.pipeline.ingest._store_chunk, []
 
     def stopping(*args):
         calls.append(args)
@@ -115,7 +115,7 @@ def test_an_ingest_that_stopped_midway_is_resumed_by_the_reconciler(tmp_path, ti
             raise ConnectionError("the database went away")
         return store(*args)
 
-    monkeypatch.setattr(jobs.ingest, "_store_chunk", stopping)
+    monkeypatch.setattr(jobs.pipeline.ingest, "_store_chunk", stopping)
     job = api.submit(write_requests(tmp_path / "requests.jsonl", 8), settings)  # the error is logged, not raised
     db = open_database(settings.database_url)
     assert (job.status, job.total) == (JobStatus.VALIDATING, 3)
@@ -154,8 +154,8 @@ def test_two_ingests_of_one_job_store_each_line_once(any_settings, tmp_path, mon
     and before it stores it the second (B) stores two chunks and stops. A then finds its lines
     stored, skips them and stores the rest."""
     settings = any_settings
-    monkeypatch.setattr(jobs.ingest, "CHUNK_LINES", 3)
-    insert, check = jobs.ingest._insert, jobs.ingest._check
+    monkeypatch.setattr(jobs.pipeline.ingest, "CHUNK_LINES", 3)
+    insert, check = jobs.pipeline.ingest._insert, jobs.pipeline.ingest._check
     calls = {"check": 0, "insert": 0}
 
     def stopping_insert(*args, **kw):  # B's third chunk fails
@@ -173,8 +173,8 @@ def test_two_ingests_of_one_job_store_each_line_once(any_settings, tmp_path, mon
             assert _stored_lines(settings, job_id)[0] == [1, 2, 3, 4, 5, 6]
         return checked
 
-    monkeypatch.setattr(jobs.ingest, "_insert", stopping_insert)
-    monkeypatch.setattr(jobs.ingest, "_check", check_then_overtaken)
+    monkeypatch.setattr(jobs.pipeline.ingest, "_insert", stopping_insert)
+    monkeypatch.setattr(jobs.pipeline.ingest, "_check", check_then_overtaken)
     job = api.submit(write_requests(tmp_path / "requests.jsonl", 8), settings, eager=True)
 
     assert (job.status, job.total, job.failed) == (JobStatus.IN_PROGRESS, 8, 0)
@@ -191,7 +191,7 @@ def test_a_job_closed_during_its_ingest_accounts_for_every_line(tmp_path, tiny_l
     or once the ingest returned (a Celery worker's finalize may run before or after)."""
     settings = _embedded(tmp_path, tiny_llama_dir)
     app = make_app(settings, eager=True)
-    monkeypatch.setattr(jobs.ingest, "CHUNK_LINES", 3)
+    monkeypatch.setattr(jobs.pipeline.ingest, "CHUNK_LINES", 3)
     lines = [json.dumps(request_line(i)) for i in range(8)]
     lines[1], lines[5] = "not json {", "}{"
     lines.insert(6, "")  # a blank line is no line: line 7
@@ -199,7 +199,7 @@ def test_a_job_closed_during_its_ingest_accounts_for_every_line(tmp_path, tiny_l
     path.write_text("".join(line + "\n" for line in lines))
     numbers = [1, 2, 3, 4, 5, 6, 8, 9]
     line_of = {f"req-{i}": n for i, n in enumerate(numbers)}
-    publish, closed = jobs.ingest.publish, []
+    publish, closed = jobs.pipeline.ingest.publish, []
 
     def publish_then_close(db, publisher, messages):
         n = publish(db, publisher, messages)
@@ -216,7 +216,7 @@ def test_a_job_closed_during_its_ingest_accounts_for_every_line(tmp_path, tiny_l
                 finalize_later(app, [job_id])
         return n
 
-    monkeypatch.setattr(jobs.ingest, "publish", publish_then_close)
+    monkeypatch.setattr(jobs.pipeline.ingest, "publish", publish_then_close)
     job = api.submit(path, settings)
     if finalize_at == "after the ingest":
         finalize_later(app, [job.id])
@@ -246,7 +246,7 @@ def test_a_chunk_slower_than_the_silence_window_is_ingested_once(tmp_path, tiny_
     job out again, and each line is checked and stored once, by one ingest. Here the window is 2 s
     and the heartbeat 0.2 s instead of 120 s and 15 s (``test_the_heartbeat_fits_the_silence_window``)."""
     settings = _embedded(tmp_path, tiny_llama_dir)
-    monkeypatch.setattr(jobs.ingest, "HEARTBEAT_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(jobs.pipeline.ingest, "HEARTBEAT_SECONDS", 0.2, raising=False)
     check, checked = LineValidator.check, []
 
     def slow(self, raw):
@@ -281,6 +281,6 @@ def test_a_chunk_slower_than_the_silence_window_is_ingested_once(tmp_path, tiny_
 
 def test_the_heartbeat_fits_the_silence_window():
     """With the defaults, a running ingest stamps its sign of life several times per silence window."""
-    from jobs.reconcile import INGEST_SILENCE_SECONDS
+    from jobs.pipeline.reconcile import INGEST_SILENCE_SECONDS
 
-    assert 4 * jobs.ingest.HEARTBEAT_SECONDS <= INGEST_SILENCE_SECONDS
+    assert 4 * jobs.pipeline.ingest.HEARTBEAT_SECONDS <= INGEST_SILENCE_SECONDS

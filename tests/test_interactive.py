@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from jobs.generate import generate_file
+from jobs.hosting.generate import generate_file
 from tests.http_support import client, embedded_settings, key_for, serving, upload
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, tiny_settings
 from tests.test_tools import _line as _tool_line

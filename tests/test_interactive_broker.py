@@ -29,19 +29,19 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from jobs import api
-from jobs.batch_format import to_request
-from jobs.db import close_database, open_database
-from jobs.files import JobFiles
-from jobs.finalize import finalize
-from jobs.line_error import BatchLine
-from jobs.models import Result, ResultStatus
-from jobs.validate import model_info
+from jobs.lines.batch_format import to_request
+from jobs.records.db import close_database, open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import finalize
+from jobs.lines.line_error import BatchLine
+from jobs.records.models import Result, ResultStatus
+from jobs.lines.validate import model_info
 from tests.http_support import client, key_for, serving
 from tests.jobs_support import (AMQP_URL, PG_ADMIN_URL, TINY_NAME, _reachable, kill_if_running, read_jsonl,
                                 request_line, stop_gracefully, tiny_env, tiny_settings)
 from tests.queue_support import PIKA_URL
 from tests.test_jobs_end_to_end import _free_port
-from worker.consumer.queues import Topology
+from worker.messaging.topology import Topology
 
 DEADLINE = 240.0  # seconds for anything to happen: generous, the machine is loaded; never a sleep
 START = 1200.0  # seconds for a worker process to import torch and load the model, at the lowest priority
@@ -196,7 +196,7 @@ def _batch_through_workers(settings, tmp: Path, lines: list[dict], name: str) ->
 
 
 def _result_count(db, job_id: str) -> int:
-    from jobs.models import RequestRow
+    from jobs.records.models import RequestRow
 
     with db.session() as s:
         return s.scalar(select(func.count(Result.id)).join(RequestRow, Result.request_id == RequestRow.id)

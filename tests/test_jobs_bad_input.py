@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jobs import api
-from jobs.models import JobStatus
+from jobs.records.models import JobStatus
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, tiny_settings
 
 

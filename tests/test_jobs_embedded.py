@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from jobs.cli import main
-from jobs.generate import generate_file
+from jobs.hosting.generate import generate_file
 from tests.jobs_support import (
     TINY_NAME,
     choices_by_custom_id,

@@ -7,10 +7,10 @@ import socket
 import pytest
 from kombu.exceptions import EncodeError
 
-from jobs.messages import RequestMessage
-from jobs.queue import Publisher
+from jobs.pipeline.request_messages import RequestMessage
+from jobs.pipeline.publish import Publisher
 from worker.config import Settings
-from worker.consumer.queues import Topology, connect
+from worker.messaging.topology import Topology, connect
 
 
 def _message(i: int, job_id: object = "batch_test") -> RequestMessage:

@@ -17,12 +17,12 @@ from kombu import Connection
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.generate import generate_file
-from jobs.models import JobStatus, Result
+from jobs.records.db import open_database
+from jobs.hosting.generate import generate_file
+from jobs.records.models import JobStatus, Result
 from tests.jobs_support import (AMQP_URL, TINY_NAME, choices_by_custom_id, read_jsonl, tiny_env, tiny_settings,
                                 write_requests)
-from worker.consumer.queues import Topology
+from worker.messaging.topology import Topology
 
 N = 200
 
@@ -68,7 +68,7 @@ def test_two_engine_workers_share_a_rabbitmq_queue(tmp_path, tiny_llama_dir, pg_
         # that ingests it starts only then. (Started together, one worker could run all 200 short
         # requests before the other had loaded its model.)
         _wait_for_consumers(settings, 2, procs)
-        procs.append(_spawn([sys.executable, "-m", "celery", "-A", "jobs.tasks", "worker", "--pool=solo",
+        procs.append(_spawn([sys.executable, "-m", "celery", "-A", "jobs.pipeline.celery_tasks", "worker", "--pool=solo",
                              "--loglevel=WARNING", "--without-gossip", "--without-mingle", "--without-heartbeat"],
                             env, tmp_path / "celery.log"))
         deadline = time.monotonic() + 150

@@ -12,15 +12,15 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-import jobs.ingest
-from jobs.ingest import job_target, publish
-from jobs.lifecycle import JobStateError, expire_due
-from jobs.models import JobStatus, RequestRow, Result, ResultStatus
-from jobs.queue import Publisher
-from jobs.reconcile import reconcile
-from jobs.submit import JobSpec
-from jobs.tasks import finalize_later, make_app
+from jobs.records.db import open_database
+import jobs.pipeline.ingest
+from jobs.pipeline.ingest import job_target, publish
+from jobs.records.lifecycle import JobStateError, expire_due
+from jobs.records.models import JobStatus, RequestRow, Result, ResultStatus
+from jobs.pipeline.publish import Publisher
+from jobs.pipeline.reconcile import reconcile
+from jobs.pipeline.submit import JobSpec
+from jobs.pipeline.celery_tasks import finalize_later, make_app
 from tests.jobs_support import (
     AMQP_URL,
     TINY_NAME,
@@ -29,7 +29,7 @@ from tests.jobs_support import (
     work_until_over,
     write_requests,
 )
-from worker.consumer.queues import Topology, connect, queue_depth
+from worker.messaging.topology import Topology, connect, queue_depth
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def _submit_unpublished(tmp_path, settings, monkeypatch, n: int, spec: JobSpec |
     """A job whose rows are committed but whose messages never reached the broker (as if the
     submitter died between the two)."""
     with monkeypatch.context() as m:
-        m.setattr(jobs.ingest, "publish", lambda db, publisher, messages: 0)
+        m.setattr(jobs.pipeline.ingest, "publish", lambda db, publisher, messages: 0)
         job = api.submit(write_requests(tmp_path / "requests.jsonl", n), settings, spec=spec, eager=True)
     db = open_database(settings.database_url)
     with db.session() as s:
@@ -139,7 +139,7 @@ def test_cancel_and_expiry_close_jobs_with_every_request_accounted_for(tmp_path,
 
 
 def test_cancelling_a_running_job_aborts_its_requests_in_the_engine(tmp_path, settings, tiny_engine):
-    from jobs.engine_worker import engine_worker
+    from jobs.hosting.engine_worker import engine_worker
 
     long = [{"custom_id": f"long-{i}", "url": "/v1/completions",
              "body": {"model": TINY_NAME, "prompt": f"story {i}", "max_tokens": 1500, "ignore_eos": True}}

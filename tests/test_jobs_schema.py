@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from sqlalchemy import text
 
 from jobs.cli import main
-from jobs.db import SchemaError, close_database, head_revision, make_engine, open_database
-from jobs.models import Base
+from jobs.records.db import SchemaError, close_database, head_revision, make_engine, open_database
+from jobs.records.models import Base
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -43,7 +43,7 @@ def test_the_schema_check_without_alembic_agrees_with_alembic(backend, tmp_path,
     command more than the command); Alembic must read the same."""
     from alembic.script import ScriptDirectory
 
-    from jobs.db import alembic_config, schema_revision, upgrade
+    from jobs.records.db import alembic_config, schema_revision, upgrade
 
     assert head_revision() == ScriptDirectory.from_config(alembic_config()).get_current_head()
     url = f"sqlite:///{tmp_path / 'berth.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")

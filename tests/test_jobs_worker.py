@@ -15,12 +15,12 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.engine_worker import engine_worker
-from jobs.models import JobStatus, RequestRow, Result
+from jobs.records.db import open_database
+from jobs.hosting.engine_worker import engine_worker
+from jobs.records.models import JobStatus, RequestRow, Result
 from tests.queue_support import _rabbitmqctl
 from tests.jobs_support import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
-from worker.consumer.queues import Topology, connect, queue_depth
+from worker.messaging.topology import Topology, connect, queue_depth
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""One reading of a delivery's body for every consumer of berth's (worker/consumer/message_body.py):
+"""One reading of a delivery's body for every consumer of berth's (worker/messaging/message_body.py):
 the engine worker's broker link and the queue door read the same bytes the same way, whatever the
 message's content_encoding, whether the client library handed the body over as bytes or as a str,
 and never fail with anything but UnreadableBody (which the caller turns into a refusal and an ack)."""
@@ -13,7 +13,7 @@ import pytest
 
 from jobs.queue_door.contract import SubmitRefused, decode
 from worker.consumer.broker import Delivery
-from worker.consumer.message_body import BodyTooLarge, UnreadableBody, raw_body, read_json
+from worker.messaging.message_body import BodyTooLarge, UnreadableBody, raw_body, read_json
 
 GOOD = json.dumps({"request_id": 7, "job_id": "batch_x", "text": "caf\u00e9 \u2603"}).encode()
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from jobs.db import close_database, open_database
-from jobs.files import JobFiles
+from jobs.records.db import close_database, open_database
+from jobs.records.job_files import JobFiles
 from jobs.http.batches import batch_object, get_batch
 from tests.migration_support import upgraded
 

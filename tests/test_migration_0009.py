@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.db import close_database, open_database
-from jobs.ledger import JobsLedger
-from jobs.models import Job, ResultStatus
-from jobs.results import ResultRecord, record_outcomes
-from jobs.tenants import set_cache_group
+from jobs.records.db import close_database, open_database
+from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.models import Job, ResultStatus
+from jobs.records.results import ResultRecord, record_outcomes
+from jobs.records.tenants import set_cache_group
 from tests.jobs_support import tiny_settings
 from tests.migration_support import upgraded
 

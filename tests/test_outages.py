@@ -31,11 +31,11 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.files import JobFiles
-from jobs.finalize import finalize
-from jobs.generate import generate_file
-from jobs.models import JobStatus, RequestRow, Result
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import finalize
+from jobs.hosting.generate import generate_file
+from jobs.records.models import JobStatus, RequestRow, Result
 from tests.jobs_support import AMQP_URL, PG_ADMIN_URL, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
 from tests.s3_support import S3_ENV
 from tests.test_checkpoint_crash import _metric, _results, _start_worker
@@ -125,11 +125,11 @@ def _check_job(settings, job_id: str, requests: Path, lengths: list[int], genera
 
 # ---- the database failing, simulated: runs anywhere (the real restart below needs root)
 def test_outcomes_wait_while_the_database_fails(tmp_path, tiny_llama_dir, monkeypatch):
-    from jobs.engine_worker import engine_worker
+    from jobs.hosting.engine_worker import engine_worker
     from worker.consumer.ledger import LedgerDown
     from worker.engine.engine import Engine
 
-    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'jobs.records.db'}",
                              storage_url=f"file://{tmp_path / 'store'}", max_num_seqs=SEATS)
     lengths = [100 + 20 * i for i in range(8)]
     job = api.submit(_job(tmp_path, lengths), settings)  # the embedded queue: ingested here

@@ -22,11 +22,11 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.engine_worker import engine_worker
-from jobs.generate import generate_file
+from jobs.records.db import open_database
+from jobs.hosting.engine_worker import engine_worker
+from jobs.hosting.generate import generate_file
 from jobs.http.batches import batch_object
-from jobs.models import RequestRow, Result
+from jobs.records.models import RequestRow, Result
 from storage import open_store
 from tests.consumer_fakes import FakeBroker
 from tests.jobs_support import AMQP_URL, TINY_NAME, choices_by_custom_id, read_jsonl, tiny_settings

@@ -7,9 +7,9 @@ import time
 
 from rich.console import Console
 
-from jobs.models import JobStatus
-from jobs.progress import job_table
-from jobs.status import JobView
+from jobs.records.models import JobStatus
+from jobs.records.progress import job_table
+from jobs.records.status import JobView
 
 
 def _view(job_id: str, tenant: str) -> JobView:
@@ -27,7 +27,7 @@ def _table(views: list[JobView], width: int) -> str:
 
 
 def test_a_narrow_terminal_never_cuts_a_job_id():
-    ids = ["batch_43f1c2a9b8e7d6c5b4a39281", "batch_0123456789abcdef01234567"]  # as jobs.submit makes them
+    ids = ["batch_43f1c2a9b8e7d6c5b4a39281", "batch_0123456789abcdef01234567"]  # as jobs.pipeline.submit makes them
     views = [_view(ids[0], "a-tenant-with-a-long-name"), _view(ids[1], "t")]
     for width in (40, 60, 80, 140):
         text = _table(views, width)

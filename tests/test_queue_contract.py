@@ -10,18 +10,18 @@ import jsonschema
 import pytest
 from sqlalchemy import select, update
 
-from jobs.db import open_database
-from jobs.files import JobFiles
-from jobs.finalize import finalize
-from jobs.ingest import ingest
-from jobs.lifecycle import cancel, expire_due
-from jobs.models import Job, JobEvent, JobStatus, RequestRow, ResultStatus, Tenant
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import finalize
+from jobs.pipeline.ingest import ingest
+from jobs.records.lifecycle import cancel, expire_due
+from jobs.records.models import Job, JobEvent, JobStatus, RequestRow, ResultStatus, Tenant
 from jobs.queue_door.contract import EVENT_SCHEMA, SUBMIT_SCHEMA, SubmitRefused, read_submit, salvage, schema
 from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import job_event_body, rejection_body
 from jobs.queue_door.webhooks import sign, verify
-from jobs.results import ResultRecord, record_outcomes
-from jobs.submit import JobSpec, create_job
+from jobs.records.results import ResultRecord, record_outcomes
+from jobs.pipeline.submit import JobSpec, create_job
 from tests.jobs_support import TINY_NAME, request_line, tiny_settings, write_requests
 
 MAX = 1 << 20
@@ -157,7 +157,7 @@ def test_every_change_of_status_on_every_path_writes_one_event(tmp_path, tiny_ll
 
 
 def test_events_are_deleted_once_older_than_the_keep_time(tmp_path, tiny_llama_dir):
-    from jobs.outbox import prune_events
+    from jobs.records.outbox import prune_events
 
     settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
                              storage_url=f"file://{tmp_path / 'store'}")

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.models import Job, JobEvent, JobStatus
+from jobs.records.db import open_database
+from jobs.records.models import Job, JobEvent, JobStatus
 from jobs.queue_door.contract import EVENT_SCHEMA, schema
 from jobs.queue_door.webhooks import SIGNATURE_HEADER, verify
 from tests.jobs_support import TINY_NAME, read_jsonl, request_line, work_until_over, write_requests

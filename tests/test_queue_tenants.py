@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.models import Job, JobStatus
+from jobs.records.db import open_database
+from jobs.records.models import Job, JobStatus
 from jobs.queue_door.consumer import SET_ASIDE_TRIES, SubmitConsumer
 from tests.jobs_support import TINY_NAME, request_line, work_until_over, write_requests
 from tests.queue_support import (PIKA_URL, EventTap, dead_letters, door_settings, jobs_queue_depth, publish,
@@ -23,7 +23,7 @@ from tests.queue_support import (PIKA_URL, EventTap, dead_letters, door_settings
 from tests.queue_support import broker_users  # noqa: F401 (a fixture)
 from tests.test_queue_door import _job_of
 from worker.config import ConfigError
-from worker.consumer.queues import Topology
+from worker.messaging.topology import Topology
 
 
 def _job_status(settings, message_id: str):

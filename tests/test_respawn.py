@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.models import JobStatus, Result
-from jobs.respawn import Respawner
+from jobs.records.db import open_database
+from jobs.records.models import JobStatus, Result
+from jobs.hosting.respawn import Respawner
 from tests.jobs_support import TINY_NAME, kill_if_running, tiny_env, tiny_settings, work_in_process_until_over
 from tests.test_checkpoint_crash import _run_until, _wait_generating
 from tests.test_jobs_end_to_end import _free_port

@@ -17,9 +17,9 @@ from sqlalchemy.engine import make_url
 
 from jobs import api
 from jobs.cli import main
-from jobs.db import close_database, head_revision, open_database, upgrade
-from jobs.engine_worker import engine_worker
-from jobs.models import JobStatus
+from jobs.records.db import close_database, head_revision, open_database, upgrade
+from jobs.hosting.engine_worker import engine_worker
+from jobs.records.models import JobStatus
 from tests.jobs_support import AMQP_URL, tiny_settings, work_until_over, write_requests
 
 N = 80

@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import select, update
 
 from jobs import api
-from jobs.batch_format import LineError
-from jobs.db import open_database
-from jobs.ledger import JobsLedger
-from jobs.models import RequestRow
-from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
-from jobs.validate import LineValidator, model_info, read_lines
+from jobs.lines.batch_format import LineError
+from jobs.records.db import open_database
+from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.models import RequestRow
+from jobs.lines.structured_outputs import DEFAULT_LIMITS, StructuredLimits
+from jobs.lines.validate import LineValidator, model_info, read_lines
 from tests.jobs_support import TINY_NAME, tiny_settings
 from worker.config import Settings
 from worker.engine.grammar import CompileRules

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks.extraction import SCHEMAS, invalid, run_extractions
 from jobs import api
-from jobs.generate import generate_file
-from jobs.models import JobStatus
+from jobs.hosting.generate import generate_file
+from jobs.records.models import JobStatus
 from tests.jobs_support import TINY_NAME, read_jsonl, tiny_settings, work_until_over
 from worker.config import Settings
 from worker.engine.engine import Engine

@@ -15,10 +15,10 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.models import JobStatus, LineErrorRow
-from jobs.submit import JobSpec
-from jobs.validate import model_info
+from jobs.records.db import open_database
+from jobs.records.models import JobStatus, LineErrorRow
+from jobs.pipeline.submit import JobSpec
+from jobs.lines.validate import model_info
 from tests.jobs_support import TINY_NAME, tiny_settings, work_until_over
 from worker.engine import grammar
 from worker.engine.grammar_pool import compile_pool
@@ -142,7 +142,7 @@ def test_the_issues_schema_of_2500_optional_properties_is_refused_before_it_comp
 ])
 def test_each_bound_of_a_schemas_shape_names_its_setting(tiny_llama_dir, schema, bounds, says, monkeypatch):
     """At the door (a line error) and in the engine's compiler (the request's error), before any compile."""
-    from jobs.batch_format import LineError
+    from jobs.lines.batch_format import LineError
     from tests.test_structured_door import _check, _line
 
     for name, value in (("PROPERTIES", bounds.properties), ("OPTIONAL_PROPERTIES", bounds.optional_properties),

@@ -15,13 +15,13 @@ import jsonschema
 import pytest
 
 from jobs import api
-from jobs.batch_format import BatchLine, LineError, response_line
-from jobs.generate import generate_file
-from jobs.ledger import params_from_dict
-from jobs.messages import params_to_dict
-from jobs.models import JobStatus
-from jobs.tool_formats import FORMATS, format_of
-from jobs.validate import LineValidator, ModelInfo, read_lines
+from jobs.lines.batch_format import BatchLine, LineError, response_line
+from jobs.hosting.generate import generate_file
+from jobs.hosting.database_ledger import params_from_dict
+from jobs.pipeline.request_messages import params_to_dict
+from jobs.records.models import JobStatus
+from jobs.lines.tool_formats import FORMATS, format_of
+from jobs.lines.validate import LineValidator, ModelInfo, read_lines
 from tests.conftest import save_tiny_model
 from tests.jobs_support import read_jsonl, tiny_settings, work_until_over
 from worker.engine.engine import Engine

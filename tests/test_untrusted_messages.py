@@ -13,13 +13,13 @@ from kombu import Connection, Producer
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.db import open_database
-from jobs.models import JobStatus, RequestRow, Result
-from jobs.tasks import finalize_later, make_app
+from jobs.records.db import open_database
+from jobs.records.models import JobStatus, RequestRow, Result
+from jobs.pipeline.celery_tasks import finalize_later, make_app
 from tests.jobs_support import kill_if_running, stop_gracefully, AMQP_URL, TINY_NAME, tiny_env, tiny_settings, write_requests
 from tests.test_jobs_end_to_end import _spawn
-from worker.consumer.broker import REASON_HEADER
-from worker.consumer.queues import Topology
+from worker.messaging.topology import REASON_HEADER
+from worker.messaging.topology import Topology
 
 
 def _wait(settings, job_ids, proc, timeout=120):

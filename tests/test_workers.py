@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import workers
-from jobs.db import open_database
-from jobs.models import WorkerSample
+from jobs.records import workers
+from jobs.records.db import open_database
+from jobs.records.models import WorkerSample
 from worker.consumer.ledger import Heartbeat
 
 

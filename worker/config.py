@@ -238,7 +238,7 @@ class Settings(BaseModel):
     metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
     metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
     # berth worker as the child of a process that imported torch and the engine once and forks a new worker
-    # at once whenever one dies (jobs/respawn.py): a restart then costs the model's load, not the imports
+    # at once whenever one dies (jobs/hosting/respawn.py): a restart then costs the model's load, not the imports
     respawn: bool = False
 
     # --- interactive requests through RabbitMQ (berth serve's chat and completions routes with a broker)

@@ -1,14 +1,14 @@
 """The periodic chores of the embedded defaults, run by every engine worker on a thread of its own.
 
-With a broker, Celery beat runs reconcile, expire and checkpoint collection (``jobs.tasks``). The
+With a broker, Celery beat runs reconcile, expire and checkpoint collection (``jobs.pipeline.celery_tasks``). The
 embedded default has no Celery worker and no beat: without these chores nothing would republish
 a dead worker's requests, resume a stopped ingest, expire a job or collect checkpoints. So each
 engine worker on the embedded queue runs ``chores(settings)``: each one a (period in seconds,
 function) pair, the functions the same tasks as beat's, run in-process (``make_app(eager=True)``),
 so a reconcile runs its finalizes here too; the ingests it resumes run on threads of their own
-(``jobs.tasks.ingest_aside``), since one can take minutes and this thread's chores are every
+(``jobs.pipeline.celery_tasks.ingest_aside``), since one can take minutes and this thread's chores are every
 tenant's. Several workers on one machine all run them; each chore is safe to run side by side
-(see ``jobs.reconcile``).
+(see ``jobs.pipeline.reconcile``).
 
 The periods suit a laptop: a dead worker's requests come back within seconds. Each function catches
 and logs its own exceptions (a database outage is logged once, then once more when it ends), so the
@@ -27,9 +27,9 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from jobs.tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, EXPIRE_FILES, RECONCILE, make_app
+from jobs.pipeline.celery_tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, EXPIRE_FILES, RECONCILE, make_app
 from worker.config import Settings
-from worker.consumer.queues import broker_url, is_embedded
+from worker.messaging.topology import broker_url, is_embedded
 
 log = logging.getLogger("berth.housekeeping")
 

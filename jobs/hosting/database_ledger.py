@@ -2,7 +2,7 @@
 
 A delivery is claimed in one transaction: its attempt counted, the row's account of the previous
 delivery read (did its worker die while running it? then that death is recorded once, with how
-many requests it was running: ``jobs.workers.found_dead``), and this worker written as the holder,
+many requests it was running: ``jobs.records.workers.found_dead``), and this worker written as the holder,
 with the life of this process (a uuid: a restarted worker in a container has the same "host:pid"). The
 request's row is what the worker runs: prompt, parameters, job, tenant, priority. Outcomes become
 result rows (the OpenAI Batch response line built here, where the output format lives) and job
@@ -20,15 +20,15 @@ from dataclasses import fields
 from sqlalchemy import exc as sql_errors
 from sqlalchemy import bindparam, select, update
 
-from jobs import workers
-from jobs.batch_format import BatchLine, response_line
-from jobs.tool_formats import FORMATS
-from jobs.db import open_database
-from jobs.lifecycle import LIVE
-from jobs.models import Job, RequestRow, Result, ResultStatus, Tenant, now
-from jobs.results import ResultRecord, record_outcomes
-from jobs.tasks import finalize_later, make_app
-from jobs.tenants import live_tenants
+from jobs.records import workers
+from jobs.lines.batch_format import BatchLine, response_line
+from jobs.lines.tool_formats import FORMATS
+from jobs.records.db import open_database
+from jobs.records.lifecycle import LIVE
+from jobs.records.models import Job, RequestRow, Result, ResultStatus, Tenant, now
+from jobs.records.results import ResultRecord, record_outcomes
+from jobs.pipeline.celery_tasks import finalize_later, make_app
+from jobs.records.tenants import live_tenants
 from worker.config import Settings
 from worker.consumer.ledger import Claim, Death, Heartbeat, LedgerDown, Outcome
 from worker.engine.request import EmbeddingParams, SamplingParams, StructuredOutput
@@ -41,7 +41,7 @@ MAX_ERROR = 4000  # characters of an error kept in requests.last_error
 
 
 def params_from_dict(data: dict) -> SamplingParams:
-    """A request row's parameters (``jobs.messages.params_to_dict``); a row from before a field
+    """A request row's parameters (``jobs.pipeline.request_messages.params_to_dict``); a row from before a field
     existed gets its default (no ``structured``: unconstrained). A value of the wrong shape raises
     ``TypeError`` or ``ValueError``."""
     values = {k: v for k, v in data.items() if k in _PARAM_FIELDS}

@@ -24,7 +24,7 @@ from worker.config import Settings
 from worker.engine.engine import Engine
 
 if TYPE_CHECKING:
-    from worker.consumer.interactive import InteractiveInbox
+    from worker.consumer.interactive_inbox import InteractiveInbox
     from worker.consumer.loop import EngineWorker
 
 
@@ -61,10 +61,10 @@ def ledger_modules() -> LedgerModules:
     consumer's): ``open_database``, the ledger class, the embedded chores' factory, the worker's loop and
     its interactive door. Importing runs nothing: a ``--respawn`` parent calls it to import them once,
     before it forks."""
-    from jobs.db import open_database
-    from jobs.housekeeping import chores
-    from jobs.interactive_door import InteractiveDoor
-    from jobs.ledger import JobsLedger
+    from jobs.records.db import open_database
+    from jobs.hosting.chores import chores
+    from jobs.hosting.interactive_check import InteractiveDoor
+    from jobs.hosting.database_ledger import JobsLedger
     from worker.consumer.loop import EngineWorker
 
     return LedgerModules(open_database, JobsLedger, chores, EngineWorker, InteractiveDoor)

@@ -1,12 +1,12 @@
 """Offline generation: an OpenAI Batch request file in, an output file out, in one process.
 
-    from jobs.generate import generate_file
+    from jobs.hosting.generate import generate_file
     summary = generate_file("requests.jsonl", "results.jsonl", Settings(dtype="bfloat16"))
 
 Good lines run through the engine with continuous batching; bad lines go to the errors file with
 their line number, field and reason. Output lines come in input order, written as soon as every
 line before them is done. Lines are read and checked by the jobs' own front door
-(``jobs.validate``: ``read_lines`` and ``LineValidator``), so ``berth generate`` and ``berth run``
+(``jobs.lines.validate``: ``read_lines`` and ``LineValidator``), so ``berth generate`` and ``berth run``
 accept the same lines and report the same errors; the validator takes the model's facts from the
 engine, which loaded its tokenizer already.
 """
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.batch_format import BatchLine, LineError, response_line
-from jobs.validate import LineValidator, ModelInfo, check_file_size, read_lines
+from jobs.lines.batch_format import BatchLine, LineError, response_line
+from jobs.lines.validate import LineValidator, ModelInfo, check_file_size, read_lines
 from worker.config import Settings
 from worker.engine.engine import Engine, RequestRejected
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from jobs.batch_format import BatchLine, LineError, to_request
-from jobs.validate import ModelInfo
+from jobs.lines.batch_format import BatchLine, LineError, to_request
+from jobs.lines.validate import ModelInfo
 from worker.config import Settings
 from worker.consumer.interactive_queue import Refused
 from worker.engine.engine import Engine

@@ -29,15 +29,15 @@ from fastapi.security.utils import get_authorization_scheme_param
 
 from jobs.http import files as api_files
 
-from jobs.db import Database, open_database
-from jobs.files import JobFiles
-from jobs.finalize import finished_lines
+from jobs.records.db import Database, open_database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import finished_lines
 from jobs.http import batches
 from jobs.http.dashboard import dashboard_router
 from jobs.http.errors import ApiError, install
 from jobs.http.completions import add_completion_routes
 from jobs.http.guard import TENANT_SCOPE_KEY, RequestGuard
-from jobs.http.interactive import InteractiveChannel
+from jobs.http.interactive_channel import InteractiveChannel
 from jobs.http.idempotency import fingerprint, idempotent
 from jobs.http.keys import tenant_of_key
 from jobs.http.origin import allowed_hosts
@@ -53,13 +53,13 @@ from jobs.http.schemas import (
     Model,
     ModelList,
 )
-from jobs.http.tasks import Tasks
+from jobs.http.background import Tasks
 from jobs.http.upload import body_limit, read_upload
-from jobs.lifecycle import JobNotFound
-from jobs.models import now
-from jobs.retry import retry_job
-from jobs.tasks import FINALIZE, INGEST
-from jobs.validate import model_info
+from jobs.records.lifecycle import JobNotFound
+from jobs.records.models import now
+from jobs.pipeline.retry import retry_job
+from jobs.pipeline.celery_tasks import FINALIZE, INGEST
+from jobs.lines.validate import model_info
 from worker.config import Settings
 
 log = logging.getLogger("berth.http")

@@ -1,15 +1,15 @@
 """Where the HTTP server's ingests and finalizes run: Celery tasks with a broker; on the embedded
 queue, a thread pool of the server's process (the eager Celery app), so that no request waits for an
-ingest. A task lost with the process is run again by the reconciler (``jobs.reconcile``)."""
+ingest. A task lost with the process is run again by the reconciler (``jobs.pipeline.reconcile``)."""
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from jobs.tasks import make_app
+from jobs.pipeline.celery_tasks import make_app
 from worker.config import Settings
-from worker.consumer.queues import is_embedded
+from worker.messaging.topology import is_embedded
 
 log = logging.getLogger("berth.http")
 

@@ -1,9 +1,9 @@
 """The OpenAPI description of the bodies ``POST /v1/chat/completions`` and ``POST /v1/completions`` take.
 
 It describes, and changes nothing: the routes read the raw body and check it as a batch line is
-checked (``jobs.batch_format.to_request``), and a body this document calls valid may still be refused
+checked (``jobs.lines.batch_format.to_request``), and a body this document calls valid may still be refused
 for what a schema cannot say (a prompt too long for the context, a chat template's refusal, a grammar
-that does not compile). Every field berth knows for each endpoint (``jobs.request_fields``) is here with
+that does not compile). Every field berth knows for each endpoint (``jobs.lines.request_fields``) is here with
 the type and bounds the door checks, from the same constants; a field berth refuses by name (the
 deprecated ``functions``, vLLM's ``structural_tag``...) and any unknown field are left out, and
 ``additionalProperties: false`` says that berth refuses them. ``tests/test_http_fuzz.py`` generates
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.batch_format import (MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_REPETITION, MAX_STOP, MAX_STOP_CHARS,
+from jobs.lines.batch_format import (MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_REPETITION, MAX_STOP, MAX_STOP_CHARS,
                                MAX_STOP_TOKEN_IDS)
-from jobs.chat_messages import MAX_CALLS
-from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, IMPLEMENTED, NO_EFFECT, NO_EFFECT_ON, ONLY
-from jobs.tools import MAX_TOOLS
+from jobs.lines.chat_messages import MAX_CALLS
+from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, IMPLEMENTED, NO_EFFECT, NO_EFFECT_ON, ONLY
+from jobs.lines.tools import MAX_TOOLS
 
 REFUSED = {"guided_json_object", "guided_whitespace_pattern", "structural_tag"}
-"""Named among the implemented fields so that berth refuses them with a reason (jobs.structured_outputs)."""
+"""Named among the implemented fields so that berth refuses them with a reason (jobs.lines.structured_outputs)."""
 
 _NUMBER = {"type": "number"}
 _STRING = {"type": "string"}
@@ -111,7 +111,7 @@ _FIELDS: dict[str, Any] = {  # name -> its schema (a callable of the url where i
             "type": {"const": "function"},
             "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}}}}]},
     "parallel_tool_calls": {"type": "boolean"},
-    # no effect (jobs.request_fields.NO_EFFECT): the type the door checks
+    # no effect (jobs.lines.request_fields.NO_EFFECT): the type the door checks
     "user": _STRING, "safety_identifier": _STRING, "prompt_cache_key": _STRING, "request_id": _STRING,
     "metadata": {"type": "object"}, "store": {"type": "boolean"}, "service_tier": _STRING,
 }

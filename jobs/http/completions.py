@@ -1,15 +1,15 @@
 """OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions`` on ``berth serve``: one request, answered
 now, whole (``stream: false``) or as server-sent events (``stream: true``).
 
-The body is checked by the batch lines' own front door (``jobs.batch_format.to_request``): every field
+The body is checked by the batch lines' own front door (``jobs.lines.batch_format.to_request``): every field
 a batch line takes means the same here (structured outputs and tools included), and a bad one is a
 400 with OpenAI's error body naming it. Only ``stream`` and ``stream_options`` (``include_usage``)
 are read here, as a batch line refuses ``stream: true``. The request runs through an
-``InteractiveChannel`` (``jobs.http.interactive``: this server's engine on the embedded defaults, the
+``InteractiveChannel`` (``jobs.http.interactive_channel``: this server's engine on the embedded defaults, the
 engine workers through RabbitMQ with a broker), ahead of batch work in the engine.
 
 - ``stream: false``: the ``chat.completion`` or ``text_completion`` object a batch result line's
-  ``response.body`` holds (``jobs.batch_format.response_line`` builds both).
+  ``response.body`` holds (``jobs.lines.batch_format.response_line`` builds both).
 - ``stream: true``: ``chat.completion.chunk`` events (a first chunk per choice with ``delta.role``,
   then ``delta.content`` pieces, then one with ``finish_reason``) or ``text_completion`` chunks, and
   ``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
@@ -34,16 +34,16 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from jobs.batch_format import BatchLine, LineError, response_line, to_request
-from jobs.batch_format import _logprobs as logprobs_object
+from jobs.lines.batch_format import BatchLine, LineError, response_line, to_request
+from jobs.lines.batch_format import _logprobs as logprobs_object
 from jobs.http.completion_bodies import openapi_body
 from jobs.http.errors import ApiError, error_response
-from jobs.http.interactive import InteractiveChannel, Subscription
+from jobs.http.interactive_channel import InteractiveChannel, Subscription
 from jobs.http.schemas import ErrorBody
-from jobs.line_text import shown
-from jobs.request_fields import CHAT_URL, COMPLETIONS_URL
-from jobs.validate import ModelInfo
-from worker.consumer.interactive import Delta, Done, Failed
+from jobs.lines.line_text import shown
+from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL
+from jobs.lines.validate import ModelInfo
+from worker.consumer.interactive_inbox import Delta, Done, Failed
 
 log = logging.getLogger("berth.http")
 

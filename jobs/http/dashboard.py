@@ -28,13 +28,13 @@ from fastapi import APIRouter, Form, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from jobs import workers
-from jobs.db import Database
-from jobs.files import JobFiles
-from jobs.lifecycle import JobNotFound
-from jobs.models import now
-from jobs.progress import duration
-from jobs.status import JobView, get_job, list_jobs
+from jobs.records import workers
+from jobs.records.db import Database
+from jobs.records.job_files import JobFiles
+from jobs.records.lifecycle import JobNotFound
+from jobs.records.models import now
+from jobs.records.progress import duration
+from jobs.records.status import JobView, get_job, list_jobs
 from storage import ObjectNotFound
 
 COOKIE = "berth_key"

@@ -1,7 +1,7 @@
 """Files as the HTTP API shows them (OpenAI's File object): uploads, and each job's own files.
 
 An upload (purpose ``batch``) is stored under ``files/<file id>`` of the job store, its id and key
-made here, never from its name. A batch made from it copies it into its job (``jobs.submit``), so
+made here, never from its name. A batch made from it copies it into its job (``jobs.pipeline.submit``), so
 deleting the upload later changes nothing for the batch. A job's input, output and errors files get
 ids the first time the API shows the job (``attach_job_files``): jobs submitted by the CLI and jobs
 finished before the HTTP API existed get them the same way. Deleting a file deletes its content,
@@ -21,15 +21,15 @@ from typing import BinaryIO
 
 from sqlalchemy import insert, select, update
 
-from jobs.db import Database
-from jobs.file_removal import remove_file
-from jobs.files import input_key
+from jobs.records.db import Database
+from jobs.records.file_removal import remove_file
+from jobs.records.job_files import input_key
 from jobs.http.pagination import page_after
 from jobs.http.quota import check_room, hold_tenant
-from jobs.models import FileRow, Job, Tenant, now
-from jobs.status import JobView
-from jobs.tenants import tenant_id
-from jobs.validate import InputError, copy_checked, read_lines
+from jobs.records.models import FileRow, Job, Tenant, now
+from jobs.records.status import JobView
+from jobs.records.tenants import tenant_id
+from jobs.lines.validate import InputError, copy_checked, read_lines
 from storage import ObjectNotFound
 from storage.base import ObjectStore
 from worker.config import Settings

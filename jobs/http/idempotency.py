@@ -18,9 +18,9 @@ from typing import Callable
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
-from jobs.db import Database
-from jobs.models import IdempotencyKey, now
-from jobs.tenants import tenant_id
+from jobs.records.db import Database
+from jobs.records.models import IdempotencyKey, now
+from jobs.records.tenants import tenant_id
 
 ABANDONED_SECONDS = 600.0
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")  # printable ASCII, no spaces

@@ -2,7 +2,7 @@
 
 A channel takes a request the door accepted (an engine ``Request``, checked as a batch line is, and
 the line it was made from) and gives back a ``Subscription``: the request's events
-(``worker.consumer.interactive``: ``Delta``s of text, then ``Done`` with the ``RequestOutput`` a batch
+(``worker.consumer.interactive_inbox``: ``Delta``s of text, then ``Done`` with the ``RequestOutput`` a batch
 result is built from, or ``Failed``), read on the server's event loop, and ``abort`` for a caller that
 left. The routes (``jobs.http.completions``) know nothing else of where the request runs.
 
@@ -10,7 +10,7 @@ left. The routes (``jobs.http.completions``) know nothing else of where the requ
 runs on a thread (``jobs.http.server``), through its ``InteractiveInbox``; the engine's thread hands
 each step's events to the event loop with ``call_soon_threadsafe`` into the subscription's queue.
 
-``jobs.http.interactive_broker.BrokerChannel`` is RabbitMQ's, a second implementation of the same
+``jobs.http.interactive_channel_broker.BrokerChannel`` is RabbitMQ's, a second implementation of the same
 methods: ``open`` publishes the line's body to the model's interactive queue
 (``<prefix>.interactive.<model>``) with ``reply_to`` RabbitMQ's direct reply-to
 (``amq.rabbitmq.reply-to``) on a channel this server consumes, and a ``correlation_id`` naming the
@@ -27,10 +27,10 @@ import asyncio
 import functools
 from typing import Protocol
 
-from jobs.line_error import BatchLine
-from jobs.validate import ModelInfo
+from jobs.lines.line_error import BatchLine
+from jobs.lines.validate import ModelInfo
 from worker.config import Settings
-from worker.consumer.interactive import Done, Event, Failed, InteractiveInbox
+from worker.consumer.interactive_inbox import Done, Event, Failed, InteractiveInbox
 from worker.engine.request import Request
 
 

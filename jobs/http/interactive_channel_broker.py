@@ -1,8 +1,8 @@
 """``berth serve``'s chat and completions routes with a broker: ``BrokerChannel``, the RabbitMQ
-``InteractiveChannel`` (``jobs.http.interactive``).
+``InteractiveChannel`` (``jobs.http.interactive_channel``).
 
 The request, checked here by the batch lines' front door, is published to the model's interactive
-queue (``<prefix>.interactive.<model>``, ``worker.consumer.queues``) as JSON ``{request_id, tenant, url,
+queue (``<prefix>.interactive.<model>``, ``worker.messaging.topology``) as JSON ``{request_id, tenant, url,
 body}``: the body as the caller sent it (without ``stream`` and ``stream_options``), which the worker
 checks again (``worker.consumer.interactive_queue``), never a pickled request. The message is
 transient, with an expiration (``interactive_expiry``): nobody waits longer for an answer "now", and
@@ -46,16 +46,16 @@ from dataclasses import dataclass, field
 import kombu
 from kombu import Producer
 
-from jobs.http.interactive import Subscription
-from jobs.line_error import BatchLine
-from jobs.validate import ModelInfo
+from jobs.http.interactive_channel import Subscription
+from jobs.lines.line_error import BatchLine
+from jobs.lines.validate import ModelInfo
 from worker.config import Settings
-from worker.consumer.backoff import Backoff
-from worker.consumer.broker import RECONNECT
-from worker.consumer.interactive import Done, Event, Failed
+from worker.messaging.backoff import Backoff
+from worker.messaging.backoff import RECONNECT
+from worker.consumer.interactive_inbox import Done, Event, Failed
 from worker.consumer.interactive_queue import message_body, read_reply
-from worker.consumer.message_body import keep_bodies_raw, raw_body
-from worker.consumer.queues import Topology, connect
+from worker.messaging.message_body import keep_bodies_raw, raw_body
+from worker.messaging.topology import Topology, connect
 from worker.engine.request import Request
 
 log = logging.getLogger("berth.http")

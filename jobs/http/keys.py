@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
-from jobs.db import Database
-from jobs.models import ApiKey, Tenant, now
-from jobs.tenants import check_tenant_name, tenant_id
+from jobs.records.db import Database
+from jobs.records.models import ApiKey, Tenant, now
+from jobs.records.tenants import check_tenant_name, tenant_id
 
 KEY_PREFIX = "berth-"
 SHOWN_CHARS = 12  # of the key, kept to tell keys apart: the prefix and 6 random characters

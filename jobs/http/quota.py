@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import FileRow, Tenant
+from jobs.records.models import FileRow, Tenant
 from worker.config import Settings
 
 

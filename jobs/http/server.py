@@ -3,9 +3,9 @@
 With no broker (``BERTH_BROKER_URL`` empty) nothing else runs the queue, so the server runs an
 engine worker on a thread of its own (with the embedded housekeeping chores) and a laptop gets a
 local OpenAI Batch endpoint from one command; the same worker answers the chat and completions
-routes (``jobs.http.interactive.EmbeddedChannel``), ahead of batch work. With a broker, ``berth
+routes (``jobs.http.interactive_channel.EmbeddedChannel``), ahead of batch work. With a broker, ``berth
 serve`` only serves: engine workers and the Celery worker run elsewhere, and the chat and
-completions routes reach the engine workers through RabbitMQ (``jobs.http.interactive_broker``: the
+completions routes reach the engine workers through RabbitMQ (``jobs.http.interactive_channel_broker``: the
 model's interactive queue, replies by direct reply-to), on a thread this server starts and stops.
 
     with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
@@ -25,11 +25,11 @@ from typing import Iterator
 import uvicorn
 
 from jobs.http.app import create_app
-from jobs.http.interactive import EmbeddedChannel
-from jobs.http.interactive_broker import BrokerChannel
-from jobs.http.tasks import Tasks
+from jobs.http.interactive_channel import EmbeddedChannel
+from jobs.http.interactive_channel_broker import BrokerChannel
+from jobs.http.background import Tasks
 from worker.config import Settings
-from worker.consumer.queues import is_embedded
+from worker.messaging.topology import is_embedded
 
 log = logging.getLogger("berth.serve")
 
@@ -108,7 +108,7 @@ class Server:
             self.channel.start()
         if not self.run_worker:
             return
-        from jobs.engine_worker import engine_worker
+        from jobs.hosting.engine_worker import engine_worker
 
         # the model loads before the first request
         worker = engine_worker(self.settings, self._engine, interactive=self.channel.inbox)

@@ -1,14 +1,14 @@
 """The OpenAI Batch file format: request lines in, response and error lines out.
 
 A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
-"/v1/embeddings", "body": {...}}`` (an embeddings body is ``jobs.embeddings_format``'s). Every check says which line, which field and what is wrong, so one bad line
+"/v1/embeddings", "body": {...}}`` (an embeddings body is ``jobs.lines.embeddings_format``'s). Every check says which line, which field and what is wrong, so one bad line
 never stops the good ones.
 
 Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
 through the engine without raising, so every bound the engine needs is checked here (token ids
 inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
 of 64 bits, prompt and output inside the context, a structured-output constraint or a required
-tool call that compiles, see ``jobs.structured_outputs`` and ``jobs.tools``). Each check but that
+tool call that compiles, see ``jobs.lines.structured_outputs`` and ``jobs.lines.tools``). Each check but that
 compile (bounded by its shape and deadline) is linear in the line's size, and values are shown in
 messages through a bounded ``reprlib`` view, never a full ``repr`` (a value nested a thousand deep
 or a megabyte long costs nothing to report).
@@ -23,16 +23,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from jobs.chat_messages import template_messages
-from jobs.embeddings_format import embedding_body, embedding_request
-from jobs.line_error import (  # noqa: F401 (imported from here by the other modules)
+from jobs.lines.chat_messages import template_messages
+from jobs.lines.embeddings_format import embedding_body, embedding_request
+from jobs.lines.line_error import (  # noqa: F401 (imported from here by the other modules)
     CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError)
-from jobs.line_text import bad_text, shown
-from jobs.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
-from jobs.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
-from jobs.tool_formats import FORMATS, call_id
-from jobs.tool_prompt import for_template
-from jobs.tools import NO_TOOLS, compile_plan, tool_plan
+from jobs.lines.line_text import bad_text, shown
+from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
+from jobs.lines.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
+from jobs.lines.tool_formats import FORMATS, call_id
+from jobs.lines.tool_prompt import for_template
+from jobs.lines.tools import NO_TOOLS, compile_plan, tool_plan
 from worker.engine.request import Request, RequestOutput, SamplingParams
 
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
@@ -250,7 +250,7 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
     """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
     tokenizer's size both. A structured-output constraint is checked and compiled last, once the
-    cheaper checks passed. An embeddings line is ``jobs.embeddings_format``'s (``hidden_size``: the
+    cheaper checks passed. An embeddings line is ``jobs.lines.embeddings_format``'s (``hidden_size``: the
     model's, the most ``dimensions`` it may ask for)."""
     if line.url == EMBEDDINGS_URL:
         limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))

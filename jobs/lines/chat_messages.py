@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 
-from jobs.line_text import bad_text, shown
-from jobs.structured_outputs import SpecError
+from jobs.lines.line_text import bad_text, shown
+from jobs.lines.structured_outputs import SpecError
 
 MAX_CALLS = 128  # tool calls in one assistant message
 

@@ -3,7 +3,7 @@
 A body is OpenAI's: ``input`` (a string, a list of strings, a list of token ids or a list of such
 lists), ``encoding_format`` (``float`` or ``base64``: the float32 values little-endian, as OpenAI
 sends them), ``dimensions`` (the vector cut to its first ``dimensions`` and normalised again; at most
-the model's hidden size), ``model``, and the fields ``jobs.request_fields`` lists. A list of k inputs
+the model's hidden size), ``model``, and the fields ``jobs.lines.request_fields`` lists. A list of k inputs
 is one engine request of k sequences (``worker.engine.request.EmbeddingParams``) and one result line.
 
 Every bound the engine needs is checked here, each error naming its field (``body.input[3]``): each
@@ -16,9 +16,9 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from jobs.line_error import BatchLine, LineError
-from jobs.line_text import bad_text, shown
-from jobs.request_fields import unknown_field
+from jobs.lines.line_error import BatchLine, LineError
+from jobs.lines.line_text import bad_text, shown
+from jobs.lines.request_fields import unknown_field
 from worker.engine.request import EmbeddingParams, Request, RequestOutput, SamplingParams
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI

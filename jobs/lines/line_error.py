@@ -1,18 +1,18 @@
 """A request line as read, and what is wrong with one: ``BatchLine`` and ``LineError``.
 
-A module below the readers of every endpoint: ``jobs.batch_format`` reads chat and completions lines
-and hands embeddings lines to ``jobs.embeddings_format``, which raises the same errors.
+A module below the readers of every endpoint: ``jobs.lines.batch_format`` reads chat and completions lines
+and hands embeddings lines to ``jobs.lines.embeddings_format``, which raises the same errors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobs.line_text import UNSTORABLE
+from jobs.lines.line_text import UNSTORABLE
 
 MAX_CUSTOM_ID = 512  # characters: the size of the custom_id columns
 
-# The line_errors columns (jobs.models.LineErrorRow); a LineError's fields always fit them.
+# The line_errors columns (jobs.records.models.LineErrorRow); a LineError's fields always fit them.
 PARAM_CHARS, CODE_CHARS, MESSAGE_CHARS = 200, 64, 4000
 
 

@@ -2,10 +2,10 @@
 
 A batch file written for OpenAI's Batch API or for ``vllm run-batch`` must mean the same thing to
 berth, so no field is ignored in silence: a field berth implements is read by
-``jobs.batch_format``; a field that by its nature changes nothing here (who the caller is, a
+``jobs.lines.batch_format``; a field that by its nature changes nothing here (who the caller is, a
 storage or billing hint) is accepted when its type is right; a field that selects behaviour berth
 has only at one value is accepted at that value and refused at any other; the deprecated
-``functions`` and ``function_call`` are refused, pointing at ``tools`` (``jobs.tools``); any other
+``functions`` and ``function_call`` are refused, pointing at ``tools`` (``jobs.lines.tools``); any other
 name is refused as unknown, as OpenAI answers an unrecognised argument with a 400.
 """
 
@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from jobs.line_text import shown
+from jobs.lines.line_text import shown
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -26,17 +26,17 @@ _BOTH = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "logprobs",
     "min_tokens", "ignore_eos", "stream", "frequency_penalty", "presence_penalty", "repetition_penalty",
     "logit_bias", "min_p", "cache_salt",
-    # structured outputs (jobs.structured_outputs reads them, and refuses the last three with a reason)
+    # structured outputs (jobs.lines.structured_outputs reads them, and refuses the last three with a reason)
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "guided_json_object", "guided_whitespace_pattern", "structural_tag",
 }
 IMPLEMENTED = {
     CHAT_URL: _BOTH | {"messages", "max_completion_tokens", "top_logprobs",
-                       "tools", "tool_choice", "parallel_tool_calls"},  # jobs.tools reads the last three
+                       "tools", "tool_choice", "parallel_tool_calls"},  # jobs.lines.tools reads the last three
     COMPLETIONS_URL: _BOTH | {"prompt"},
     EMBEDDINGS_URL: {"model", "input", "encoding_format", "dimensions"},
 }
-"""What ``jobs.batch_format``, ``jobs.structured_outputs``, ``jobs.tools`` and ``jobs.embeddings_format`` read,
+"""What ``jobs.lines.batch_format``, ``jobs.lines.structured_outputs``, ``jobs.lines.tools`` and ``jobs.lines.embeddings_format`` read,
 per endpoint."""
 
 _is_str: Callable[[Any], bool] = lambda v: isinstance(v, str)

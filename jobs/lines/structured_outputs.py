@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.line_text import bad_text, shown
+from jobs.lines.line_text import bad_text, shown
 from worker.config import Settings
 from worker.engine.grammar_compile import GrammarError
 from worker.engine.grammar_pool import CompileRules

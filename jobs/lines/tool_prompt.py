@@ -3,7 +3,7 @@
 Such a template drops ``tools`` and cannot render an assistant message whose content is a call, so a
 model behind it would be asked to call functions it was never shown. Where the template never reads
 ``tools``, berth describes them in the system message, and asks for the plain JSON call that the
-grammar then holds the answer to (``jobs.tool_formats``, the ``json`` format); where it never reads
+grammar then holds the answer to (``jobs.lines.tool_formats``, the ``json`` format); where it never reads
 ``tool_calls``, a call in the history becomes that same JSON as the assistant's text. A template that
 reads them gets them as they are.
 """

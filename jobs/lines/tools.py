@@ -11,7 +11,7 @@ the output is held to, and how the answer is read.
 - ``parallel_tool_calls`` (default true): whether a constrained output may hold several calls, where
   the family writes several (Qwen's blocks, Mistral's list).
 
-Which format is whose is ``jobs.tool_formats``. A family with no call format of its own takes the
+Which format is whose is ``jobs.lines.tool_formats``. A family with no call format of its own takes the
 constrained choices only: "auto" there is refused, since no text it writes unasked reads as a call.
 """
 
@@ -21,9 +21,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from jobs.line_text import bad_text, shown
-from jobs.structured_outputs import StructuredLimits, SpecError, schema_text, within
-from jobs.tool_formats import ToolFormat, call_schema, format_of
+from jobs.lines.line_text import bad_text, shown
+from jobs.lines.structured_outputs import StructuredLimits, SpecError, schema_text, within
+from jobs.lines.tool_formats import ToolFormat, call_schema, format_of
 from worker.engine.grammar_compile import GrammarError
 from worker.engine.request import StructuredOutput
 from worker.engine.schema_bounds import over_bounds

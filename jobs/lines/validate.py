@@ -2,7 +2,7 @@
 
 ``read_lines`` streams a file and never holds more than the size limit of a line: an oversized
 line is measured and skipped. ``LineValidator`` turns each line into an engine ``Request`` or a
-``LineError`` (line number, field, reason) with ``jobs.batch_format``, and catches duplicate
+``LineError`` (line number, field, reason) with ``jobs.lines.batch_format``, and catches duplicate
 ``custom_id``s across the file. It is the one front door for request files: the ingest of a job
 and ``berth generate`` both read with it, so they accept the same lines and give the same errors.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from jobs.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
-from jobs.structured_outputs import DEFAULT_LIMITS, StructuredLimits
+from jobs.lines.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
+from jobs.lines.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from worker.config import Settings
 from worker.engine.request import Request
 from worker.model.architectures import context_length

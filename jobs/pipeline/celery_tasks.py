@@ -5,10 +5,10 @@ checkpoints nothing needs.
 With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by the same
 ``BERTH_*`` variables, with beat for the periodic ones:
 
-    celery -A jobs.tasks worker --beat --loglevel=INFO
+    celery -A jobs.pipeline.celery_tasks worker --beat --loglevel=INFO
 
 On the embedded default (no broker) they run in the calling process (``task_always_eager``), and
-the periodic ones on each engine worker's housekeeping thread (``jobs.housekeeping``). There the
+the periodic ones on each engine worker's housekeeping thread (``jobs.hosting.chores``). There the
 ingests a reconcile dispatches run on threads of their own (``ingest_aside``): an ingest can take
 minutes, and the housekeeping thread's other chores (expiry, the next reconcile) are every tenant's.
 Tasks are acked late and idempotent: one lost with its worker is simply run again. An ingest that
@@ -23,17 +23,17 @@ import threading
 
 from celery import Celery
 
-from jobs.db import open_database
-from jobs.file_removal import expire_files
-from jobs.files import JobFiles
-from jobs.finalize import finalize
-from jobs.ingest import ingest
-from jobs.lifecycle import expire_due
-from jobs.outbox import prune_events
-from jobs.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
+from jobs.records.db import open_database
+from jobs.records.file_removal import expire_files
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import finalize
+from jobs.pipeline.ingest import ingest
+from jobs.records.lifecycle import expire_due
+from jobs.records.outbox import prune_events
+from jobs.pipeline.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
 from storage import open_store
 from worker.config import Settings
-from worker.consumer.queues import Topology, is_embedded
+from worker.messaging.topology import Topology, is_embedded
 
 INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
 CHECKPOINT_GC = "berth.checkpoint_gc"
@@ -91,7 +91,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=CHECKPOINT_GC, shared=False)
     def collect_checkpoint_garbage() -> None:
-        from jobs.checkpoint_gc import collect_checkpoints  # reads checkpoints with torch: not at every `berth cancel`
+        from jobs.pipeline.checkpoint_gc import collect_checkpoints  # reads checkpoints with torch: not at every `berth cancel`
 
         collect_checkpoints(open_store(settings.storage_url), db(), settings.checkpoint_gc_min_age)
 
@@ -142,4 +142,4 @@ def dispatch(app: Celery, reconciled: Reconciled, aside: bool = False) -> None:
         ingest_later(app, reconciled.ingest)
 
 
-app = make_app(Settings())  # what `celery -A jobs.tasks` runs: configured from the environment
+app = make_app(Settings())  # what `celery -A jobs.pipeline.celery_tasks` runs: configured from the environment

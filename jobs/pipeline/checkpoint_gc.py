@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from jobs.db import Database
-from jobs.lifecycle import LIVE
-from jobs.models import Job, RequestRow, Result
+from jobs.records.db import Database
+from jobs.records.lifecycle import LIVE
+from jobs.records.models import Job, RequestRow, Result
 from storage import ObjectNotFound, ObjectStore
 from worker.checkpoint.format import (
     KV_PREFIX,

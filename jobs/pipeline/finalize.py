@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from sqlalchemy import insert, literal, select, update
 from sqlalchemy.types import JSON
 
-from jobs import files as keys
-from jobs.batch_format import LineError
-from jobs.db import Database
-from jobs.files import JobFiles
-from jobs.models import (
+from jobs.records import job_files as keys
+from jobs.lines.batch_format import LineError
+from jobs.records.db import Database
+from jobs.records.job_files import JobFiles
+from jobs.records.models import (
     Job,
     JobStatus,
     LineErrorRow,
@@ -34,8 +34,8 @@ from jobs.models import (
     ResultStatus,
     now,
 )
-from jobs.stored_lines import last_stored_line, line_custom_id
-from jobs.validate import InputError, read_lines
+from jobs.records.stored_lines import last_stored_line, line_custom_id
+from jobs.lines.validate import InputError, read_lines
 from storage import ObjectNotFound
 
 log = logging.getLogger("berth.finalize")

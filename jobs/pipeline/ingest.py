@@ -24,7 +24,7 @@ transaction begins by writing the job row (``ingest_seen_at``, only while the jo
 stored one at a time and each rechecks the last line stored before inserting; neither ingest
 stores a line twice or skips one. The same condition stops the ingest of a job cancelled or
 expired meanwhile: no chunk is stored once the job left ``validating``, and its finalize puts the
-lines never stored into the errors file (``jobs.finalize``).
+lines never stored into the errors file (``jobs.pipeline.finalize``).
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
-from jobs.batch_format import LineError
-from jobs.db import Database
-from jobs.files import JobFiles
-from jobs.finalize import write_outputs
-from jobs.lifecycle import mark_finalizing
-from jobs.messages import RequestMessage, params_to_dict
-from jobs.models import Job, JobStatus, LineErrorRow, RequestRow, Tenant, now
-from jobs.queue import Publisher
-from jobs.stored_lines import last_stored_line, line_custom_id
-from jobs.validate import InputError, LineValidator, RawLine, model_info, read_lines
+from jobs.lines.batch_format import LineError
+from jobs.records.db import Database
+from jobs.records.job_files import JobFiles
+from jobs.pipeline.finalize import write_outputs
+from jobs.records.lifecycle import mark_finalizing
+from jobs.pipeline.request_messages import RequestMessage, params_to_dict
+from jobs.records.models import Job, JobStatus, LineErrorRow, RequestRow, Tenant, now
+from jobs.pipeline.publish import Publisher
+from jobs.records.stored_lines import last_stored_line, line_custom_id
+from jobs.lines.validate import InputError, LineValidator, RawLine, model_info, read_lines
 from storage import ObjectNotFound
 from worker.config import Settings
 

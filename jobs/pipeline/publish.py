@@ -1,5 +1,5 @@
 """Publishing with confirms: request messages (the topology, the connection and the message
-contract are ``worker.consumer.queues``, shared with the engine workers that consume them), and any other
+contract are ``worker.messaging.topology``, shared with the engine workers that consume them), and any other
 persistent message berth publishes (job events, dead letters) as an ``Outgoing``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Iterable
 
 from kombu import Exchange, Producer, Queue
 
-from jobs.messages import RequestMessage
+from jobs.pipeline.request_messages import RequestMessage
 from worker.config import Settings
-from worker.consumer.queues import MAX_PRIORITY, Topology, connect, is_embedded
+from worker.messaging.topology import MAX_PRIORITY, Topology, connect, is_embedded
 
 
 class PublishError(RuntimeError):

@@ -1,6 +1,6 @@
 """Putting back what a crash can leave behind, from the database (the source of truth). Run
 periodically: by Celery beat with a broker, by the engine workers' housekeeping on the embedded
-queue (``jobs.housekeeping``).
+queue (``jobs.hosting.chores``).
 
 - A request committed but never confirmed by the broker (``published_at`` empty: the submitter
   died between commit and publish, or the broker refused it) is published.
@@ -31,17 +31,17 @@ from dataclasses import dataclass
 
 from sqlalchemy import and_, func, or_, select, update
 
-from jobs.db import Database
-from jobs.ingest import publish
-from jobs.lifecycle import LIVE
-from jobs.messages import RequestMessage
-from jobs.models import Job, JobStatus, RequestRow, Result, Tenant, now
-from jobs.queue import Publisher
+from jobs.records.db import Database
+from jobs.pipeline.ingest import publish
+from jobs.records.lifecycle import LIVE
+from jobs.pipeline.request_messages import RequestMessage
+from jobs.records.models import Job, JobStatus, RequestRow, Result, Tenant, now
+from jobs.pipeline.publish import Publisher
 from worker.config import Settings
-from worker.consumer.queues import is_embedded
+from worker.messaging.topology import is_embedded
 
 STALE_DELIVERY_SECONDS = 1800.0
-INGEST_SILENCE_SECONDS = 120.0  # eight of a running ingest's heartbeats (jobs.ingest.HEARTBEAT_SECONDS)
+INGEST_SILENCE_SECONDS = 120.0  # eight of a running ingest's heartbeats (jobs.pipeline.ingest.HEARTBEAT_SECONDS)
 
 
 @dataclass(frozen=True)

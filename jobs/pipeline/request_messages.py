@@ -1,4 +1,4 @@
-"""The message jobs/ publishes for each request: it names the request (``worker.consumer.queues`` holds the
+"""The message jobs/ publishes for each request: it names the request (``worker.messaging.topology`` holds the
 contract), and carries where it goes: the model and tenant of its queue and the job's priority.
 An engine worker reads everything else from the request's database row, the source of truth, so a
 message can be rebuilt from its row at any time (``from_row``)."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from worker.consumer.queues import request_body
+from worker.messaging.topology import request_body
 from worker.engine.request import SamplingParams
 
 
 def params_to_dict(params: SamplingParams) -> dict:
-    """The parameters as the JSON a request row holds; ``jobs.ledger.params_from_dict`` reads it back."""
+    """The parameters as the JSON a request row holds; ``jobs.hosting.database_ledger.params_from_dict`` reads it back."""
     values = {f.name: getattr(params, f.name) for f in fields(params)}  # its fields are immutable: no deep copy
     values["structured"] = asdict(params.structured) if params.structured is not None else None
     if params.embedding is None:

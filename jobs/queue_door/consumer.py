@@ -14,7 +14,7 @@ Each message is handled alone, in order, and acked only once what it made is com
   berth serves, its input read from the tenant's own part of a store named in
   ``BERTH_SUBMIT_INPUT_STORES`` (``jobs.queue_door.inputs``; or taken inline) and copied into the job
   store under the file limits, as ``berth submit`` copies a file; then the job is made in
-  ``validating`` and its ingest dispatched (``jobs.tasks``), as for ``berth submit``.
+  ``validating`` and its ingest dispatched (``jobs.pipeline.celery_tasks``), as for ``berth submit``.
 
 A message that cannot run becomes, where there is enough to make one (a tenant and a
 ``message_id``), a job in ``failed`` whose ``error`` is the reason, with a ``job.failed`` event;
@@ -25,7 +25,7 @@ message is put back and tried again with backoff; a failure of berth's own (a bu
 the message with the error: the consumer never dies on a message.
 
 No message can hold the door for the tenants behind it: the body is read by the function the
-engine workers read theirs with (``worker.consumer.message_body``: any ``content_encoding``, a body
+engine workers read theirs with (``worker.messaging.message_body``: any ``content_encoding``, a body
 the client library handed over as a ``str``), and a message whose dead letter fails too is put
 back and tried again ``SET_ASIDE_TRIES`` times in all, then acked and dropped with an error in the
 log, never redelivered forever.
@@ -48,24 +48,24 @@ from kombu import Connection, Consumer
 from sqlalchemy import exc as sql_errors
 from sqlalchemy import select
 
-from jobs.db import open_database
-from jobs.files import JobFiles
-from jobs.models import Job, JobStatus
-from jobs.queue import Outgoing, Publisher
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.records.models import Job, JobStatus
+from jobs.pipeline.publish import Outgoing, Publisher
 from jobs.queue_door.contract import SubmitMessage, SubmitRefused, read_submit, salvage
 from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import EventRelay, outgoing, rejection_body
 from jobs.queue_door.inputs import parse_input_stores
 from jobs.queue_door.webhooks import WebhookSender
-from jobs.submit import DuplicateSubmit, JobRefused, JobSpec, create_failed_job, create_job_from, submitted_job
-from jobs.tasks import INGEST, make_app
-from jobs.tenants import tenant_of_broker_user
-from jobs.validate import InputError
+from jobs.pipeline.submit import DuplicateSubmit, JobRefused, JobSpec, create_failed_job, create_job_from, submitted_job
+from jobs.pipeline.celery_tasks import INGEST, make_app
+from jobs.records.tenants import tenant_of_broker_user
+from jobs.lines.validate import InputError
 from storage import ObjectNotFound, StorageError, check_key
 from worker.config import ConfigError, Settings
-from worker.consumer.broker import REASON_HEADER
-from worker.consumer.message_body import keep_bodies_raw, raw_body
-from worker.consumer.queues import Topology, connect, is_embedded
+from worker.messaging.topology import REASON_HEADER
+from worker.messaging.message_body import keep_bodies_raw, raw_body
+from worker.messaging.topology import Topology, connect, is_embedded
 
 log = logging.getLogger("berth.submit")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobs.lifecycle import window_seconds
+from jobs.records.lifecycle import window_seconds
 from jobs.queue_door.destinations import PUBLIC_ONLY, Allowed, DestinationRefused, check_url
-from worker.consumer.message_body import BodyTooLarge, UnreadableBody, read_json
+from worker.messaging.message_body import BodyTooLarge, UnreadableBody, read_json
 
 if TYPE_CHECKING:  # jsonschema is imported where a message is checked: an engine worker never does
     from jsonschema import Draft202012Validator
@@ -110,7 +110,7 @@ def read_submit(body: bytes | str, content_type: str | None, max_bytes: int,
 
 def decode(body: bytes | str, content_type: str | None, max_bytes: int, content_encoding: str | None = None) -> object:
     """The JSON a body holds (UTF-8, at most ``max_bytes``); ``SubmitRefused`` otherwise. The body is
-    read as the engine worker reads its messages (``worker.consumer.message_body``): never anything
+    read as the engine worker reads its messages (``worker.messaging.message_body``): never anything
     but JSON, whatever ``content_encoding`` says, a ``str`` body taken back to its bytes."""
     try:
         return read_json(body, content_type, content_encoding, max_bytes)

@@ -18,7 +18,7 @@ again: delivery is at least once, and consumers deduplicate by ``event_id`` (als
 ``message_id``). On PostgreSQL one relay drains at a time (an advisory lock), so a job's events go
 out in the order they happened even with several relays running; on SQLite run one.
 
-Rows are deleted ``Settings.event_keep_seconds`` after they happened (``jobs.outbox.prune_events``,
+Rows are deleted ``Settings.event_keep_seconds`` after they happened (``jobs.records.outbox.prune_events``,
 with the reconcile task), published or not.
 """
 
@@ -34,13 +34,13 @@ from typing import Iterator
 from sqlalchemy import exists, func, select, text, update
 from sqlalchemy.orm import Session, aliased
 
-from jobs.db import Database, open_database
-from jobs.models import Job, JobEvent, Tenant, now
-from jobs.queue import Outgoing, Publisher
+from jobs.records.db import Database, open_database
+from jobs.records.models import Job, JobEvent, Tenant, now
+from jobs.pipeline.publish import Outgoing, Publisher
 from jobs.queue_door.contract import CONTRACT_VERSION, event_routing_key
 from storage import open_store
 from worker.config import Settings
-from worker.consumer.queues import Topology, is_embedded
+from worker.messaging.topology import Topology, is_embedded
 
 log = logging.getLogger("berth.events")
 

@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass
 
 from jobs.queue_door.contract import event_routing_key
-from worker.consumer.queues import Topology
+from worker.messaging.topology import Topology
 
 
 @dataclass(frozen=True)

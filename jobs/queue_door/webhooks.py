@@ -49,12 +49,12 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy import update
 
-from jobs.db import Database, open_database
-from jobs.models import JobEvent, now
+from jobs.records.db import Database, open_database
+from jobs.records.models import JobEvent, now
 from jobs.queue_door.destinations import Allowed, DestinationRefused, parse_url
 from jobs.queue_door.events import POLL_SECONDS, due_webhooks, encode, job_event_body
 from jobs.queue_door.webhook_post import post
-from jobs.tenants import webhook_secret
+from jobs.records.tenants import webhook_secret
 from storage import open_store
 from worker.config import ConfigError, Settings
 

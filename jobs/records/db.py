@@ -9,7 +9,7 @@ Checking that a database is at the newest migration reads Alembic's version tabl
 migrations' ``revision`` lines without Alembic: importing it and loading every migration module cost
 `berth status` more than the rest of the command did. Alembic itself runs only to migrate. Likewise
 SQLAlchemy's ORM is imported when a session is first asked for: the commands that only read jobs
-(``jobs.status``) query with SQLAlchemy's core alone.
+(``jobs.records.status``) query with SQLAlchemy's core alone.
 """
 
 from __future__ import annotations

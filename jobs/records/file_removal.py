@@ -20,10 +20,10 @@ import logging
 
 from sqlalchemy import delete, func, or_, select, update
 
-from jobs.db import Database
-from jobs.files import input_key
-from jobs.job_status import JobStatus
-from jobs.models import FileRow, Job, now
+from jobs.records.db import Database
+from jobs.records.job_files import input_key
+from jobs.records.job_status import JobStatus
+from jobs.records.models import FileRow, Job, now
 from storage.base import ObjectStore
 
 log = logging.getLogger("berth.files")

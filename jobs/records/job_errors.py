@@ -1,6 +1,6 @@
 """A job asked for that does not exist, or is in a state that does not allow what was asked.
 
-Apart from ``jobs.lifecycle`` (which raises them and re-exports them) so that the commands that only
+Apart from ``jobs.records.lifecycle`` (which raises them and re-exports them) so that the commands that only
 read a job (``berth status``, ``list``, ``results``) can raise and name them without importing
 SQLAlchemy's ORM and the models, which they do not use.
 """

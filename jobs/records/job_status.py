@@ -1,6 +1,6 @@
-"""A job's states, as the OpenAI Batch object names them (``jobs.lifecycle`` draws their diagram).
+"""A job's states, as the OpenAI Batch object names them (``jobs.records.lifecycle`` draws their diagram).
 
-Apart from ``jobs.models`` so that the command line can list them without importing SQLAlchemy,
+Apart from ``jobs.records.models`` so that the command line can list them without importing SQLAlchemy,
 which ``berth generate`` never needs.
 """
 

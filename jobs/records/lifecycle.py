@@ -7,12 +7,12 @@ workers, tasks and users cannot move a job twice:
         ├── no valid line ──▶ failed
         └── cancel or past its window while the ingest runs: as from in_progress
 
-``finalizing``, ``cancelling`` and a passed window are finished by ``jobs.finalize``; the functions
+``finalizing``, ``cancelling`` and a passed window are finished by ``jobs.pipeline.finalize``; the functions
 here return the jobs that need it, and the caller dispatches the finalize task.
 
 A job can be cancelled or expire while its ingest is still reading the file. The ingest stores a
 chunk only while the job is ``validating``, checked under the job's lock in the transaction that
-stores it (``jobs.ingest``), and these moves take the same lock; so once one commits, no line is
+stores it (``jobs.pipeline.ingest``), and these moves take the same lock; so once one commits, no line is
 stored any more, and finalize puts each line never stored into the errors file.
 """
 
@@ -23,9 +23,9 @@ import re
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from jobs.db import Database
-from jobs.job_errors import JobNotFound, JobStateError
-from jobs.models import Job, JobStatus, now
+from jobs.records.db import Database
+from jobs.records.job_errors import JobNotFound, JobStateError
+from jobs.records.models import Job, JobStatus, now
 
 LIVE = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS)
 _WINDOW = re.compile(r"\s*(\d+)\s*([smhd])\s*")

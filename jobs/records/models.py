@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from jobs.job_status import JobStatus
+from jobs.records.job_status import JobStatus
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -58,7 +58,7 @@ class Tenant(Base):
     created_at: Mapped[float] = mapped_column(Float, default=now)
     webhook_secret: Mapped[str | None] = mapped_column(String(128))  # signs its webhooks; made on first use
     # Tenants with the same group share cached prompt prefixes (the engine's and the fleet's prefix store);
-    # None: its prefixes are its own (``jobs.tenants.set_cache_group``)
+    # None: its prefixes are its own (``jobs.records.tenants.set_cache_group``)
     cache_group: Mapped[str | None] = mapped_column(String(64))
 
 
@@ -206,7 +206,7 @@ class FileRow(Base):
     key: Mapped[str] = mapped_column(Text)  # where the content is in the store
     job_id: Mapped[str | None] = mapped_column(String(40))  # the job it belongs to, for a job's own files
     created_at: Mapped[float] = mapped_column(Float, default=now)
-    expires_at: Mapped[float | None] = mapped_column(Float, index=True)  # deleted then (jobs.file_removal)
+    expires_at: Mapped[float | None] = mapped_column(Float, index=True)  # deleted then (jobs.records.file_removal)
 
 
 class IdempotencyKey(Base):
@@ -226,7 +226,7 @@ class IdempotencyKey(Base):
 
 
 class WorkerRow(Base):
-    """An engine worker's last heartbeat; one not seen for ``jobs.workers.GONE_AFTER`` seconds is gone."""
+    """An engine worker's last heartbeat; one not seen for ``jobs.records.workers.GONE_AFTER`` seconds is gone."""
 
     __tablename__ = "workers"
     __table_args__ = (Index("ix_workers_seen_at", "seen_at"),)

@@ -8,8 +8,8 @@ import time
 
 from sqlalchemy import delete
 
-from jobs.db import Database
-from jobs.models import JobEvent
+from jobs.records.db import Database
+from jobs.records.models import JobEvent
 
 
 def prune_events(db: Database, keep_seconds: float) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
-from jobs.status import JobView
+from jobs.records.status import JobView
 
 if TYPE_CHECKING:
     from rich.console import Console

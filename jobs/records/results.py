@@ -1,4 +1,4 @@
-"""Each request's one outcome, as the jobs database keeps it (``jobs.ledger`` writes it for the workers).
+"""Each request's one outcome, as the jobs database keeps it (``jobs.hosting.database_ledger`` writes it for the workers).
 
 An outcome is a result row and the job's counters, in one transaction. ``results.request_id`` is
 unique and the insert skips a conflict, so a second outcome for a request (a redelivered message,
@@ -14,9 +14,9 @@ from sqlalchemy import update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from jobs.db import Database
-from jobs.lifecycle import mark_finalizing
-from jobs.models import Job, Result, ResultStatus, now
+from jobs.records.db import Database
+from jobs.records.lifecycle import mark_finalizing
+from jobs.records.models import Job, Result, ResultStatus, now
 
 
 @dataclass

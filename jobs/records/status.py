@@ -2,7 +2,7 @@
 
 ``get_job`` and ``list_jobs`` read the rows with SQLAlchemy's core and plain SQL, not through the ORM
 models: the commands that only show jobs (``berth status``, ``list``, ``results``) then import neither
-SQLAlchemy's ORM nor ``jobs.models``, a third of what they cost to start. ``COLUMNS`` names the job's
+SQLAlchemy's ORM nor ``jobs.records.models``, a third of what they cost to start. ``COLUMNS`` names the job's
 columns once, for these queries and for a view of an ORM ``Job`` (``JobView.of``) alike.
 """
 
@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from sqlalchemy import text
 
-from jobs.db import Database
-from jobs.job_errors import JobNotFound
-from jobs.job_status import JobStatus
+from jobs.records.db import Database
+from jobs.records.job_errors import JobNotFound
+from jobs.records.job_status import JobStatus
 
 if TYPE_CHECKING:
-    from jobs.models import Job
+    from jobs.records.models import Job
 
 # JobView's fields (all but the tenant's name) and the columns of the ``jobs`` table they are read from.
 COLUMNS = {

@@ -7,9 +7,9 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.batch_format import parse_line
-from jobs.models import LineErrorRow, RequestRow
-from jobs.validate import MAX_CUSTOM_ID, RawLine
+from jobs.lines.batch_format import parse_line
+from jobs.records.models import LineErrorRow, RequestRow
+from jobs.lines.validate import MAX_CUSTOM_ID, RawLine
 
 
 def last_stored_line(session: Session, job_id: str) -> int:

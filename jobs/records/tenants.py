@@ -19,9 +19,9 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from jobs.db import Database
-from jobs.lifecycle import LIVE
-from jobs.models import BrokerUser, Job, Tenant, now
+from jobs.records.db import Database
+from jobs.records.lifecycle import LIVE
+from jobs.records.models import BrokerUser, Job, Tenant, now
 
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")
 

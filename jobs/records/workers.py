@@ -6,7 +6,7 @@ ledger); one not seen for ``GONE_AFTER`` seconds is shown as gone. Samples older
 are deleted by the worker that wrote them, with its next heartbeat, so the table stays small.
 
 Deaths: a delivery whose row says an engine step of another worker process ran it, and no outcome,
-tells the worker claiming it that that process died (``jobs.ledger``). The first claim to find a
+tells the worker claiming it that that process died (``jobs.hosting.database_ledger``). The first claim to find a
 death records it once (keyed by the dead process's life, ``requests.holder_life``) with how many
 requests it was running, counted before any of them is claimed again: the size of the group that a
 crash is charged to (``worker.consumer.admission.standing_after``). Deaths are kept for
@@ -21,8 +21,8 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from jobs.db import Database
-from jobs.models import RequestRow, Result, WorkerDeath, WorkerRow, WorkerSample, now
+from jobs.records.db import Database
+from jobs.records.models import RequestRow, Result, WorkerDeath, WorkerRow, WorkerSample, now
 from worker.consumer.ledger import Death, Heartbeat
 
 GONE_AFTER = 30.0  # seconds without a heartbeat

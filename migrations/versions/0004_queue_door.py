@@ -107,7 +107,7 @@ def _create_triggers() -> None:
 
 def view_sql(dialect: str) -> str:
     """``berth_jobs``: a job per row as a person reads it (docs/queue.md lists the columns). Progress
-    and ETA are computed as ``berth status`` computes them (``jobs.status.JobView``)."""
+    and ETA are computed as ``berth status`` computes them (``jobs.records.status.JobView``)."""
     if dialect == "postgresql":
         now, ts, fraction = "extract(epoch FROM now())", "to_timestamp({})", "CAST({} AS double precision)"
     else:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from worker.consumer.ledger import Claim
-from worker.consumer.queues import RequestRef
+from worker.messaging.topology import RequestRef
 
 
 class Action(Enum):

@@ -5,7 +5,7 @@ instead of raising into the loop, and ``maintain`` reconnects with the worker's 
 the engine keeps stepping (kombu's own retries would sleep in the loop). Deliveries are taken raw
 (``on_message``), never decoded by kombu inside ``drain_events``: a body berth cannot read is the
 admission's to refuse, not an exception that would end the worker on every redelivery. A body is
-read by ``worker.consumer.message_body``, the function the queue door reads its messages with too.
+read by ``worker.messaging.message_body``, the function the queue door reads its messages with too.
 
 A delivery is valid only on the channel it came on: after a reconnection the broker has requeued
 it, and ``is_current`` says so (its redelivery is then adopted by the request still running here).
@@ -34,15 +34,13 @@ from kombu import Producer
 from kombu.exceptions import OperationalError
 
 from worker.config import Settings
-from worker.consumer.backoff import Backoff
-from worker.consumer.message_body import UnreadableBody, keep_bodies_raw, raw_body, read_json
-from worker.consumer.queues import Topology, connect, is_embedded, queue_depth
+from worker.messaging.backoff import RECONNECT, Backoff
+from worker.messaging.message_body import UnreadableBody, keep_bodies_raw, raw_body, read_json
+from worker.messaging.topology import REASON_HEADER, Topology, connect, is_embedded, queue_depth
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("berth.worker")
 
-RECONNECT = (1.0, 5.0)  # seconds between tries to reach a broker that went away: first, most
-REASON_HEADER = "x-berth-reason"
 
 
 @dataclass(eq=False)

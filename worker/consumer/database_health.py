@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
-from worker.consumer.backoff import Backoff
+from worker.messaging.backoff import Backoff
 from worker.consumer.ledger import LedgerDown
 from worker.metrics import WorkerMetrics
 

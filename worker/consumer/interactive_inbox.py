@@ -1,6 +1,6 @@
 """Interactive requests in the engine worker's loop: a live caller's request in, its text out a step at a time.
 
-The worker side of the seam ``jobs.http.interactive.InteractiveChannel``: whoever accepted a request
+The worker side of the seam ``jobs.http.interactive_channel.InteractiveChannel``: whoever accepted a request
 (the HTTP door, having checked it as a batch line is checked) hands it to ``InteractiveInbox.submit``
 with a ``sink``, and the loop (``worker.consumer.loop``) does the rest on its own thread:
 
@@ -58,7 +58,7 @@ class Delta:
 
 @dataclass(frozen=True)
 class Done:
-    """The request finished: what a batch result's body is built from (``jobs.batch_format``)."""
+    """The request finished: what a batch result's body is built from (``jobs.lines.batch_format``)."""
 
     output: RequestOutput
 

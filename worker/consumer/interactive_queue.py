@@ -1,8 +1,8 @@
 """Interactive requests through RabbitMQ, the worker's side: the model's interactive queue into the
 ``InteractiveInbox``, each request's events out to its caller's direct reply-to address.
 
-``berth serve`` with a broker (``jobs.http.interactive_broker``) publishes each chat or completions
-request it accepted to ``<prefix>.interactive.<model>`` (``worker.consumer.queues``): a transient
+``berth serve`` with a broker (``jobs.http.interactive_channel_broker``) publishes each chat or completions
+request it accepted to ``<prefix>.interactive.<model>`` (``worker.messaging.topology``): a transient
 message with an expiration, ``reply_to`` RabbitMQ's direct reply-to and ``correlation_id`` the
 request's id, whose body is JSON ``{request_id, tenant, url, body}`` (``message_body``), the OpenAI
 body as the caller sent it. Never a pickled request: any producer with broker access can publish,
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from worker.consumer.broker import BrokerLink, Delivery
-from worker.consumer.interactive import Delta, Done, Event, Failed, InteractiveInbox
-from worker.consumer.message_body import UnreadableBody, read_json
-from worker.consumer.queues import BadMessage
+from worker.consumer.interactive_inbox import Delta, Done, Event, Failed, InteractiveInbox
+from worker.messaging.message_body import UnreadableBody, read_json
+from worker.messaging.topology import BadMessage
 from worker.engine.request import Completion, Request, RequestOutput
 from worker.metrics import WorkerMetrics
 
@@ -54,7 +54,7 @@ log = logging.getLogger("berth.worker")
 KEEPALIVE = 1.0  # seconds a live request may go without a reply before it gets an empty one
 MAX_ABORTED = 10_000  # aborted request ids remembered
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
-URLS = ("/v1/chat/completions", "/v1/completions")  # jobs.request_fields's CHAT_URL and COMPLETIONS_URL
+URLS = ("/v1/chat/completions", "/v1/completions")  # jobs.lines.request_fields's CHAT_URL and COMPLETIONS_URL
 REQUEST_ID = re.compile(r"i-[A-Za-z0-9_-]{1,64}")  # the HTTP door's ids: never a batch request's (digits)
 TENANT = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 MESSAGE_OVERHEAD = 4096  # bytes of a message besides the body (whose size the HTTP door bounded)

@@ -1,6 +1,6 @@
 """What an engine worker needs of the jobs database, as one narrow interface.
 
-The worker reaches the database only through a ``Ledger``: ``jobs.ledger`` implements it on the
+The worker reaches the database only through a ``Ledger``: ``jobs.hosting.database_ledger`` implements it on the
 jobs schema and is handed to the worker where the ``berth worker`` command is built, and the tests
 hand it an in-memory fake. So ``worker/`` imports nothing of ``jobs/``, and the consumer's logic
 (admission, poison, outcomes, outages) is testable without servers.

@@ -4,7 +4,7 @@ tenants, results out. This module is the loop; its parts each have a module of t
 - ``worker.consumer.broker``: the broker link (deliveries, acks, dead letters, reconnecting);
 - ``worker.consumer.admission``: what to do with a delivery, from its message and its row (pure);
 - ``worker.consumer.outcomes``: commit outcomes, then ack; buffered while the database is down;
-- ``worker.consumer.ledger``: the one narrow interface to the jobs database (``jobs.ledger`` implements it);
+- ``worker.consumer.ledger``: the one narrow interface to the jobs database (``jobs.hosting.database_ledger`` implements it);
 - ``worker.consumer.housekeeper``: periodic chores on a thread (the embedded defaults' reconcile, expiry, GC).
 
 One loop, never blocked while the engine has work:
@@ -18,7 +18,7 @@ One loop, never blocked while the engine has work:
 4. about every second: abort the requests of closed jobs, follow the tenants with live jobs
    (consume their queues, give the engine their weights), resize the prefetch window, metrics.
 
-Tenants: each tenant has its own queue for the model (``worker.consumer.queues``), consumed with its own
+Tenants: each tenant has its own queue for the model (``worker.messaging.topology``), consumed with its own
 prefetch window, so the engine sees every tenant's waiting requests and its scheduler shares each
 step's tokens and the seats by the tenants' weights; priorities order the requests within a tenant's queue.
 
@@ -64,7 +64,7 @@ than computing them). A new request is first looked up in the fleet's prefix sto
 (``PrefixStore``, ``Settings.prefix_store``: the blocks of its prompt that other workers published)
 the same way, and a prefix that requests shared here is published after the step.
 
-Interactive requests (``worker.consumer.interactive``, ``berth serve``'s chat and completions routes):
+Interactive requests (``worker.consumer.interactive_inbox``, ``berth serve``'s chat and completions routes):
 an ``InteractiveInbox`` is drained each iteration (requests in, aborts of callers that left), and
 after each step its requests' new text goes to their callers. On the embedded defaults the server
 hands them over in its process; with RabbitMQ they come from the model's interactive queue
@@ -95,12 +95,12 @@ from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.housekeeper import Chore, Housekeeper
-from worker.consumer.interactive import InteractiveInbox
+from worker.consumer.interactive_inbox import InteractiveInbox
 from worker.consumer.interactive_queue import Door, RemoteRequests
 from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
-from worker.consumer.message_body import UnreadableBody
+from worker.messaging.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
-from worker.consumer.queues import BadMessage, RequestRef, parse_request_body
+from worker.messaging.topology import BadMessage, RequestRef, parse_request_body
 from worker.consumer.suspects import CLEAR_TOKENS, Suspects
 from worker.engine.engine import Engine, RequestRejected
 from worker.engine.request import Request

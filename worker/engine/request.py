@@ -26,7 +26,7 @@ class StructuredOutput:
     kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar" | "structural_tag"
     value: str = ""  # json_schema: the schema as canonical JSON text; regex: the pattern;
     # choice: a JSON list of the strings; grammar: EBNF (GBNF) text; json_object: "";
-    # structural_tag: xgrammar's structural tag as JSON text (jobs/tool_formats.py writes them)
+    # structural_tag: xgrammar's structural tag as JSON text (jobs/lines/tool_formats.py writes them)
 
     KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -79,7 +79,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM / transformers: logits of prompt and output tokens divided (or, < 0, multiplied)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias) pairs added to the logits
     min_p: float = 0.0  # vLLM / transformers: drop tokens less likely than min_p times the top token
-    # How the answer is read back, not how tokens are drawn: the tool-call format (jobs/tool_formats.py) whose
+    # How the answer is read back, not how tokens are drawn: the tool-call format (jobs/lines/tool_formats.py) whose
     # calls the text is parsed for; None for plain text. Kept here so the request row and its checkpoint carry it.
     tool_calls: str | None = None
     embedding: EmbeddingParams | None = None  # set: pool the prompt's inputs, sample nothing (the rest unread)

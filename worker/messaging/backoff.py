@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+RECONNECT = (1.0, 5.0)  # seconds between tries to reach a broker that went away: first, most
+
 
 class Backoff:
     def __init__(self, first: float, most: float):

@@ -1,5 +1,5 @@
 """The request queue as both sides see it: its topology, the broker connection, the embedded
-transport and the request message contract. Publishing with confirms is ``jobs.queue``.
+transport and the request message contract. Publishing with confirms is ``jobs.pipeline.publish``.
 
 Topology (names start with ``Settings.queue_prefix``):
 
@@ -14,7 +14,7 @@ Topology (names start with ``Settings.queue_prefix``):
   through the queue and job events, the public contract of ``docs/queue.md``
   (``jobs.queue_door.consumer``, ``jobs.queue_door.events``).
 - ``<prefix>.interactive.<model>`` — the model's interactive queue: ``berth serve``'s chat and
-  completions requests, answered now (``worker.consumer.interactive_queue``, ``jobs.http.interactive_broker``).
+  completions requests, answered now (``worker.consumer.interactive_queue``, ``jobs.http.interactive_channel_broker``).
   A durable classic queue of transient messages, each with an expiration (``interactive_expiry``): an
   interactive request is never persisted, never in the jobs database, never checkpointed (its caller
   holds the only claim to it), and one nobody waits for any more is dropped, not run. The queue is
@@ -47,7 +47,7 @@ The dead-lettering is explicit (publish to ``<prefix>.dead``, then ack) rather t
 An empty ``Settings.broker_url`` means the embedded queue: kombu's SQLAlchemy transport on a SQLite
 file beside the jobs database, no server. It keeps messages across restarts but has no priorities
 and holds a delivered message invisible until acked: if a worker dies, the reconciler's stale-
-delivery rule (``jobs.reconcile``) brings its requests back.
+delivery rule (``jobs.pipeline.reconcile``) brings its requests back.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from worker.config import ConfigError, Settings
 
 MAX_PRIORITY = 9  # job priorities 0..9 become message priorities 0..9
 DEAD_ROUTING_KEY = "dead"
+REASON_HEADER = "x-berth-reason"  # a dead letter's reason, on every message published to <prefix>.dead
 
 
 def is_embedded(settings: Settings) -> bool:

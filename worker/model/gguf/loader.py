@@ -1,4 +1,4 @@
-"""Read a model from a GGUF file: its config (``worker.model.config``, the fields the transformers
+"""Read a model from a GGUF file: its config (``worker.model.model_config``, the fields the transformers
 config class of its family would hold), its weights under the names and shapes of that family's Hugging Face checkpoint in the compute dtype,
 and its tokenizer.
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from worker.model.base import LoadedModel, ModelLoadError, check_complete
-from worker.model.config import ModelConfig
+from worker.model.model_config import ModelConfig
 from worker.model.gguf import weights_cache
 from worker.model.gguf.index import GGUFIndex, read_index
 from worker.model.gguf.tensors import open_data, read_tensor
