@@ -1,4 +1,4 @@
-"""Extraction prompts for structured outputs (tests/test_structured_outputs.py, and the contrast
+"""Extraction prompts for structured outputs (tests/jobs/lines/test_structured_outputs.py, and the contrast
 with unconstrained output, ``python benchmarks/extraction.py``): five JSON schemas (a person, a product, an
 invoice, a support ticket, an event) and twelve short documents for each, as a user would send
 them: a chat message asking for the JSON of a document.

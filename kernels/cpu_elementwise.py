@@ -7,7 +7,7 @@ queries rotated into a tensor of their own, the keys rotated and the values copi
 slots, from the fused Q/K/V projection's output). Their references are ``worker.model.decoder``'s
 ``rms_norm``, ``apply_rotary`` and ``kernels.reference.write_kv``: the same products and sums per
 element, each rounded to bfloat16 where PyTorch's operation rounds it, but for the order in which a row's
-squares are summed (tests/test_cpu_elementwise.py). Built
+squares are summed (tests/kernels/test_cpu_elementwise.py). Built
 like the decode-attention kernel (``kernels.c_build``); ``load(folder)`` gives None where no compiler
 works, and the decoder keeps PyTorch's operations.
 """

@@ -171,7 +171,7 @@ def test_commands_that_change_rows_import_no_engine(jobs_db):
 def test_submit_to_a_broker_imports_no_engine(jobs_db, queue_prefix):
     """With a broker the ingest (which reads the model's config and tokenizer) runs on a Celery
     worker: `berth submit` stores the file, makes the job and sends the task, all without torch."""
-    from tests.jobs_support import AMQP_URL
+    from tests.support.jobs_env import AMQP_URL
 
     result = berth(jobs_db, "submit", str(jobs_db["dir"] / "bad.jsonl"), "--broker-url", AMQP_URL,
                    "--queue-prefix", queue_prefix)

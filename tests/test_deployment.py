@@ -14,15 +14,11 @@ import yaml
 
 from worker.config import Settings
 from worker.metrics import WorkerMetrics
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _VARIABLE = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::\?([^}]*))?\}")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compose() -> dict:
@@ -87,7 +83,7 @@ def test_metrics_listen_on_loopback_unless_told_otherwise(monkeypatch):
     monkeypatch.setenv("BERTH_METRICS_HOST", "0.0.0.0")
     assert Settings().metrics_host == "0.0.0.0"
     metrics = WorkerMetrics()
-    port = _free_port()
+    port = free_port()
     metrics.serve(port)
     assert b"berth_output_tokens_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     listening = [c for c in _listening_sockets() if c[1] == port]

@@ -88,3 +88,20 @@ def test_no_installed_distribution_but_berth_ships_our_top_level_packages():
                 clashes.append(f"{name} {dist.version} installs a top-level `{package}`")
     assert not clashes, ("; ".join(clashes) + ": it shadows berth's folder of that name (or is shadowed by it). "
                          "Cap the dependency that requires it in pyproject.toml")
+
+
+def test_tests_share_code_through_support_and_conftest_only():
+    """A test module imports nothing of another test module (helpers live in tests/support/, fixtures in
+    conftest.py), and no private name of a support module."""
+    import ast
+
+    offences = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."):
+                last = node.module.rsplit(".", 1)[-1]
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if last.startswith("test_") or last == "conftest" or private:
+                    offences.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import "
+                                    + ", ".join(a.name for a in node.names))
+    assert not offences, "\n".join(offences)

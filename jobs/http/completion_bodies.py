@@ -6,7 +6,7 @@ for what a schema cannot say (a prompt too long for the context, a chat template
 that does not compile). Every field berth knows for each endpoint (``jobs.lines.request_fields``) is here with
 the type and bounds the door checks, from the same constants; a field berth refuses by name (the
 deprecated ``functions``, vLLM's ``structural_tag``...) and any unknown field are left out, and
-``additionalProperties: false`` says that berth refuses them. ``tests/test_http_fuzz.py`` generates
+``additionalProperties: false`` says that berth refuses them. ``tests/jobs/http/test_http_fuzz.py`` generates
 bodies from it, valid and not, against a live engine.
 """
 

@@ -15,7 +15,7 @@ Two things here live outside the tables, so a later migration must keep them in 
 - The view ``berth_jobs`` reads ``jobs`` and ``tenants``. On SQLite, recreating either of them under
   the view fails ("error in view berth_jobs"): drop the view first and create it again after.
 
-``tests/test_status_view.py`` checks at head that both triggers exist and the view reads every job.
+``tests/jobs/records/test_status_view.py`` checks at head that both triggers exist and the view reads every job.
 """
 from typing import Sequence, Union
 

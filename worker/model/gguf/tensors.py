@@ -24,7 +24,7 @@ _FLOATS = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.int
 QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = (*_FLOATS, *QUANTISED)
 # GGML type id -> (name, values per block, bytes per block) of the types above, as GGUF files number and
-# size them (tests/test_gguf_dequant.py holds it equal to the gguf package's GGML_QUANT_SIZES). Written
+# size them (tests/model/test_gguf_dequant.py holds it equal to the gguf package's GGML_QUANT_SIZES). Written
 # here so that reading the common files needs no `import gguf` (its metadata module brings PyYAML).
 GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18),
               3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84),

@@ -1,0 +1,169 @@
+"""Crashes charged to their cause, with no server: the decisions of admission (pure), and the engine
+worker over fakes of the ledger, the broker link and the engine (``tests/support/consumer_fakes.py``). A
+request that was running when its worker died is a suspect: it runs again only in a group of
+suspects alone in the engine, half the size of what died, and only a death while it runs alone is a
+strike against it. At every step the ledger names exactly what the engine runs, so a death is
+charged to what was running."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+from tests.support.consumer_fakes import FakeBroker, FakeEngine, FakeLedger, Row, WorkerKilled
+from tests.support.consumer_fakes import make_worker, run_until_done
+from worker.config import Settings
+from worker.consumer import admission
+from worker.consumer.admission import Standing
+from worker.consumer.ledger import Claim, Death
+from worker.engine.request import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("fast_loop")
+
+KILLER = 666  # a prompt holding this token kills the fake worker whenever a step runs it
+
+
+def _claim(*, crashed=True, running=8, progress=0, strikes=0, suspect=0) -> Claim:
+    death = Death(1, "node-a:7", running, 0.0) if crashed else None
+    return Claim(1, "batch_a", "m", "default", 0, [1], SamplingParams(), True, 2, crashed, progress, strikes, None,
+                 suspect=suspect, death=death)
+
+
+# ---- admission's decisions (pure)
+def test_a_request_running_when_its_worker_died_is_a_suspect_of_half_the_batch_not_guilty():
+    assert admission.standing_after(_claim(running=8), 0) == Standing(suspect=4, strikes=0)
+    assert admission.standing_after(_claim(running=5, strikes=1), 0) == Standing(3, 1)  # strikes kept, not added
+    assert admission.standing_after(_claim(running=4, suspect=4), 0) == Standing(2, 0)  # its group died: halves
+    assert admission.standing_after(_claim(running=2, suspect=2), 0) == Standing(1, 0)
+
+
+def test_only_a_death_while_it_ran_alone_is_a_strike_and_progress_clears_everything():
+    assert admission.standing_after(_claim(running=1, suspect=1, strikes=1), 0) == Standing(1, 2)
+    assert admission.standing_after(_claim(running=1), 0) == Standing(1, 1)  # alone in its worker's batch
+    assert admission.standing_after(_claim(running=8, suspect=1, strikes=2, progress=16), 32) == Standing(0, 0)
+    # not crashed (handed back, or only waiting in a dead worker's window): it stands where it stood
+    assert admission.standing_after(_claim(crashed=False, suspect=3, strikes=1), 0) == Standing(3, 1)
+
+
+def test_poison_only_after_the_configured_deaths_alone():
+    claim = _claim(running=1, suspect=1)
+    assert admission.poison_reason(claim, Standing(1, 2), 3) is None
+    assert admission.poison_reason(claim, Standing(4, 9), 10) is None
+    reason = admission.poison_reason(claim, Standing(1, 3), 3)
+    assert "killed its worker 3 times running alone" in reason and "max_delivery_attempts 3" in reason
+
+
+def test_a_group_is_as_large_as_its_smallest_class_allows_and_the_smallest_classes_go_first():
+    assert admission.suspect_group([]) == []
+    assert admission.suspect_group([4, 4, 4, 4, 4, 4]) == [0, 1, 2, 3]  # the oldest first
+    assert admission.suspect_group([4, 1, 4, 1]) == [1]  # one that must run alone, alone
+    assert admission.suspect_group([8, 2, 8, 2, 2]) == [1, 3]
+    assert admission.suspect_group([3, 8, 5]) == [0, 1, 2]  # each member's class is at least the group's size
+
+
+# ---- the worker
+def _rows(ledger: FakeLedger, broker: FakeBroker, ids, max_tokens=20, killer=None):
+    for i in ids:
+        prompt = [1, KILLER, 3] if i == killer else [1, 2, i]
+        ledger.rows[i] = Row("batch_a", prompt=prompt, params=SamplingParams(max_tokens=max_tokens, temperature=0))
+        broker.publish_request(i, "batch_a")
+
+
+def test_suspects_run_apart_in_groups_while_the_innocent_run_at_full_batch(ledger, broker):
+    suspects, innocent = list(range(1, 9)), list(range(9, 13))
+    _rows(ledger, broker, suspects + innocent)
+    for i in suspects:
+        ledger.crash(i)  # all eight were running when that worker died, none had checkpointed progress
+    steps = []  # (what the engine runs, what a death now would be charged to)
+
+    def on_batch(ids):
+        steps.append(({int(i) for i in ids}, ledger.running(worker.name)))
+
+    s = Settings(checkpoint_interval=0)
+    worker = make_worker(ledger, broker, FakeEngine(s, on_batch=on_batch))
+    run_until_done(worker, ledger, suspects + innocent)
+
+    assert all(ledger.rows[i].outcome.completed for i in suspects + innocent)
+    assert all(ledger.rows[i].strikes == 0 and ledger.rows[i].suspect == 0 for i in suspects)  # cleared
+    for ran, charged in steps:  # a death at any step would have been charged to what that step ran
+        assert ran == charged, (ran, charged)
+    for i in suspects:  # each suspect first ran in a group of suspects alone, at most half of the eight
+        first = next(ran for ran, _ in steps if i in ran)
+        assert first <= set(suspects) and len(first) <= 4, first
+    first_innocent = next(ran for ran, _ in steps if ran & set(innocent))
+    assert set(innocent) <= first_innocent  # the innocent ran together, at once
+    assert worker.metrics.registry.get_sample_value("berth_suspect_groups_total") == 2
+
+
+def _run_until_it_dies(ledger, broker, ids, s) -> bool:
+    """One worker life; True if it finished the job, False if a step killed it (its deliveries requeued)."""
+    worker = make_worker(ledger, broker, FakeEngine(s, kill_token=KILLER))
+    try:
+        run_until_done(worker, ledger, ids)
+        return True
+    except WorkerKilled:
+        ledger.died(worker.name)
+        broker.ready += [(body, "application/json", "default") for body in broker.requeued]  # as RabbitMQ does
+        broker.requeued.clear()
+        return False
+
+
+def test_a_request_that_kills_its_worker_is_narrowed_to_and_failed_alone(ledger, broker):
+    ids = list(range(1, 9))
+    _rows(ledger, broker, ids, max_tokens=3, killer=5)
+    s = Settings(checkpoint_interval=0)
+    assert s.max_delivery_attempts == 3
+    deaths = 0
+    while not _run_until_it_dies(ledger, broker, ids, s):
+        deaths += 1
+        assert deaths < 20, "never narrowed down"
+    # 8 together, then 4, then 2, then alone until max_delivery_attempts deaths alone: 1 + 2 + 3
+    assert deaths == 6
+    poison = ledger.rows[5].outcome
+    assert poison.error_code == "delivery_limit" and "killed its worker 3 times running alone" in poison.error
+    assert all(ledger.rows[i].outcome.completed for i in ids if i != 5)
+    assert all(ledger.rows[i].strikes == 0 for i in ids if i != 5)
+
+
+def test_worker_deaths_are_logged_and_measured_with_their_rate_per_host(ledger, broker, caplog):
+    _rows(ledger, broker, [1, 2, 3, 4], max_tokens=2)
+    for i, holder in ((1, "bad-node:11"), (2, "bad-node:12"), (3, "bad-node:13"), (4, "good-node:5")):
+        ledger.crash(i, holder)
+    worker = make_worker(ledger, broker)
+    with caplog.at_level(logging.WARNING, logger="berth.worker"):
+        run_until_done(worker, ledger, [1, 2, 3, 4])
+    metric = worker.metrics.registry.get_sample_value
+    assert metric("berth_worker_deaths_last_hour", {"host": "bad-node"}) == 3
+    assert metric("berth_worker_deaths_last_hour", {"host": "good-node"}) == 1
+    died = [r for r in caplog.records if "died while running" in r.getMessage()]
+    assert len(died) == 4  # each death once
+    looping = [r for r in died if "crash-looping" in r.getMessage()]
+    assert looping and all(r.levelno == logging.ERROR and "bad-node" in r.getMessage() for r in looping)
+    assert "3 on host bad-node, 4 in all" in looping[0].getMessage()
+    assert all(ledger.rows[i].outcome.completed and ledger.rows[i].strikes == 1 for i in (1, 2, 3, 4))
+
+
+def test_with_the_real_engine_a_death_at_any_step_is_charged_to_what_that_step_ran(ledger, broker, tiny_loaded):
+    from worker.engine.engine import Engine
+
+    suspects, innocent = list(range(1, 7)), list(range(7, 11))
+    _rows(ledger, broker, suspects + innocent, max_tokens=40)
+    for i in suspects:
+        ledger.crash(i)
+    engine = Engine(loaded=tiny_loaded, kv_memory="64MiB", max_num_seqs=8)
+    steps, prepare = [], engine.runner.prepare
+
+    def watched(scheduled):
+        steps.append(({int(seq.request.request_id) for seq, _ in scheduled}, ledger.running(worker.name)))
+        return prepare(scheduled)
+
+    engine.runner.prepare = watched
+    engine.model_name = "m"
+    worker = make_worker(ledger, broker, engine)
+    run_until_done(worker, ledger, suspects + innocent, limit=20000)
+    assert all(ledger.rows[i].outcome.completed for i in suspects + innocent)
+    for ran, charged in steps:
+        assert ran == charged, (ran, charged)
+    assert any(ran <= set(suspects) and len(ran) <= 3 for ran, _ in steps)

@@ -1,0 +1,64 @@
+"""The dashboard in a real browser (Debian's headless Chromium through Selenium): while a job runs,
+its progress bar advances between two reads and the worker's charts have points. The test saves a
+screenshot (``dashboard.png``) of what a person sees."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from selenium.webdriver.common.by import By
+
+from tests.support.browser import chromium, until
+from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
+from tests.support.jobs_env import TINY_NAME
+import worker.consumer.loop as consumer
+
+@pytest.fixture
+def browser():
+    driver = chromium("--window-size=1400,1000")
+    yield driver
+    driver.quit()
+
+
+def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_path, tiny_llama_dir, browser,
+                                                                           monkeypatch):
+    monkeypatch.setattr(consumer, "HEARTBEAT_INTERVAL", 1.0)  # points on the charts within seconds
+    settings = embedded_settings(tiny_llama_dir, tmp_path, max_num_seqs=4)
+    lines = [{"custom_id": f"story-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": TINY_NAME, "prompt": f"Story {i}:", "max_tokens": 300, "ignore_eos": True}}
+             for i in range(60)]
+    path = tmp_path / "stories.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    key = key_for(settings, "alice")
+    with serving(settings) as server:
+        c = client(server, key)
+        batch = c.batches.create(input_file_id=upload(c, path).id, endpoint="/v1/completions",
+                                 completion_window="24h")
+        browser.get(f"{server.url}/")  # not signed in: the sign-in page
+        assert browser.current_url.endswith("/dashboard/login")
+        browser.find_element(By.NAME, "key").send_keys(key)
+        browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        until("the job's row", lambda: browser.find_elements(By.ID, f"job-{batch.id}"))
+
+        def progress() -> float:
+            bar = browser.find_element(By.CSS_SELECTOR, f"#job-{batch.id} progress")
+            return float(bar.get_attribute("value") or 0)
+
+        first = until("the first finished requests", progress)
+        second = until("the bar moving on", lambda: (p := progress()) > first and p)
+        assert first < second < 60
+        points = until("two points on each chart", lambda: (n := [int(svg.get_attribute("data-points")) for svg in
+                                                                   browser.find_elements(By.CSS_SELECTOR, "#charts svg")])
+                        and min(n) >= 2 and n)
+        assert len(points) == 2  # one worker: tokens/s and KV use
+        worker_row = browser.find_element(By.CSS_SELECTOR, "#workers tbody tr").text
+        assert TINY_NAME in worker_row and "cpu" in worker_row
+        browser.save_screenshot(str(tmp_path / "dashboard.png"))
+        shutil.copy(tmp_path / "dashboard.png", tmp_path.parent / "dashboard.png")  # easy to find after the run
+
+        browser.get(f"{server.url}/dashboard/jobs/{batch.id}")
+        assert batch.id in browser.find_element(By.TAG_NAME, "h1").text
+        c.batches.cancel(batch.id)
+        wait_for(c, batch.id)
