@@ -3,7 +3,7 @@
 PyTorch's own weight-only int8 multiply (``aten._weight_int8pack_mm``) is vectorised for AVX-512 only;
 on an AVX2 CPU it runs scalar loops, tens of times slower than float32. Its dynamic-quantization
 multiplies (FBGEMM, oneDNN's qlinear) quantize the activations too, a scale per batch, which costs the
-default model most of its accuracy (benchmarks/README.md). This kernel reads the int8 weights and
+default model most of its accuracy (benchmarks/HISTORY.md). This kernel reads the int8 weights and
 widens them in registers, with float32 activations and sums. It is built like the decode-attention
 kernel (``kernels.cpu_attention``): once per source, compiler and CPU, ``-march=native``, into the
 folder its caller names; ``load(folder)`` gives None where no compiler works.

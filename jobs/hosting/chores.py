@@ -1,22 +1,7 @@
-"""The periodic chores of the embedded defaults, run by every engine worker on a thread of its own.
-
-With a broker, Celery beat runs reconcile, expire and checkpoint collection (``jobs.pipeline.celery_tasks``). The
-embedded default has no Celery worker and no beat: without these chores nothing would republish
-a dead worker's requests, resume a stopped ingest, expire a job or collect checkpoints. So each
-engine worker on the embedded queue runs ``chores(settings)``: each one a (period in seconds,
-function) pair, the functions the same tasks as beat's, run in-process (``make_app(eager=True)``),
-so a reconcile runs its finalizes here too; the ingests it resumes run on threads of their own
-(``jobs.pipeline.celery_tasks.ingest_aside``), since one can take minutes and this thread's chores are every
-tenant's. Several workers on one machine all run them; each chore is safe to run side by side
-(see ``jobs.pipeline.reconcile``).
-
-The periods suit a laptop: a dead worker's requests come back within seconds. Each function catches
-and logs its own exceptions (a database outage is logged once, then once more when it ends), so the
-thread that calls them never dies.
-
-One chore is the embedded queue's own: kombu's SQLAlchemy transport marks a message invisible when
-it hands it out and never deletes the row, even once acked; nothing delivers such a row again, so
-the rows handed out more than ``HANDED_OUT_KEEP_SECONDS`` ago are deleted.
+"""The periodic chores of the embedded defaults (reconcile, expire, checkpoint collection, and the
+embedded queue's own clean-up), run on a thread of every engine worker where no Celery beat runs.
+``chores(settings)`` gives (period in seconds, function) pairs; each function logs its own errors
+and is safe to run beside the same chore of another worker. Why and how: docs/operations.md.
 """
 
 from __future__ import annotations

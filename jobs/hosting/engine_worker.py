@@ -1,18 +1,7 @@
-"""Building an engine worker: the engine, the jobs database as its ledger, the door of its interactive
-queue, and on the embedded defaults the chores Celery beat would otherwise run. What ``berth worker``
-and ``berth run`` start.
-
-Where the engine is built here (``berth worker``), everything else a worker needs is imported and the
-database opened on a thread meanwhile (``LedgerSide``): SQLAlchemy, Celery, kombu, the jobs modules and
-the consumer's, about 0.7 CPU seconds. They hold the GIL, as the model's load does for much of its time
-(the tokenizer, jinja2, building the decoder's layers), so the two overlap only where the load lets go
-of it (mapping the weights, oneDNN's reorder) and the thread is on the other core. What matters more is
-that none of it runs before the load starts: this module imports the engine (torch) and nothing of the
-ledger's side (the consumer's modules once brought kombu and SQLAlchemy in before the model's load
-began). The thread starts once the engine's modules are imported, and from then on the two import
-disjoint modules (the model's loaders, tokenizer and jinja2 against the database's, the broker's and
-the consumer's), so neither waits on the other's import locks. The worker is ready, as before, only
-once both are done.
+"""Building an engine worker: the engine, the jobs database as its ledger, its interactive queue's
+consumer, and on the embedded defaults the chores Celery beat would otherwise run. What ``berth worker``
+and ``berth run`` start. The ledger's side is imported and opened on a thread while the model loads;
+the worker is ready once both are done (docs/operations.md).
 """
 
 from __future__ import annotations

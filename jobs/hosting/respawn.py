@@ -1,20 +1,8 @@
-"""``berth worker --respawn``: a parent process that has imported torch and the engine's modules once,
-and forks the worker proper as a child; when a child dies (a crash, SIGKILL, the kernel's OOM killer)
-it forks another at once. A fork starts with every module already imported, so the new worker pays only
-its model's load (the weights cache mapped), the database and the broker: well under the cold start,
-most of which is importing torch.
-
-Fork safety: the parent imports modules and nothing more. It runs no torch operation (torch's OpenMP
-threads start at the first parallel one, and a forked child would lack them), opens no database
-connection, no broker link, no thread of its own. Each child builds its engine and worker from nothing.
-
-Signals: SIGTERM and SIGINT to the parent are passed on to the child (which drains as a worker does)
-and the parent then exits with the child's status; it spawns no other. Each child asks the kernel for
-SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), so a parent killed with SIGKILL leaves no worker
-behind. A child that exits with status 0 ends the parent too (a worker stopped on its own); a child that
-dies before it was ready (a bad setting, a missing model, a database at another migration) is not
-respawned: its error is the command's. More than ``CRASH_LOOP_DEATHS`` deaths within
-``CRASH_LOOP_SECONDS`` end the parent with status 1: a worker that keeps dying is not helped by more.
+"""``berth worker --respawn``: a parent that has imported torch and the engine once forks the worker
+as a child, and forks a new one at once when it dies, so a restart pays only the model's load. The
+parent runs no torch operation, connection or thread (fork safety), passes SIGTERM and SIGINT on,
+and exits with status 1 after ``CRASH_LOOP_DEATHS`` deaths within ``CRASH_LOOP_SECONDS``
+(docs/operations.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""``berth serve``'s HTTP API: OpenAI's Files and Batches API over berth's jobs, and its chat and
-completions routes for one request answered now (``jobs.http.completions``), for the unmodified
-openai client (``base_url="http://HOST:PORT/v1"``).
+"""``berth serve``'s HTTP API: OpenAI's Files and Batches API over berth's jobs, and chat and
+completions answered now (``jobs.http.completions``), for the unmodified openai client.
 
     app = create_app(settings)              # uvicorn jobs.http.app:app serves one from the environment
 
-Every route but the OpenAPI document needs ``Authorization: Bearer <key>`` (``berth key create``),
-checked before a body is read (``jobs.http.guard``, with the body limits, the Host check of an open
-server and the refusal of cross-site requests); the key's tenant sees only its own files and
-batches, and another tenant's id is a 404. An app made ``open_access`` serves requests without a
-valid key as tenant ``default`` (``berth serve --open``, on this machine only). The routes are thin:
-the work is in ``jobs.http.batches``, ``jobs.http.files``, ``jobs.http.idempotency`` and the rest
-of ``jobs``. Extensions beyond OpenAI: ``GET
-/v1/batches/{id}/results`` (the lines finished so far) and ``POST /v1/batches/{id}/retry``.
+Every route but the OpenAPI document needs a key, checked before the body is read (``jobs.http.guard``).
+The routes are thin; the work is in the modules beside this one (docs/http-api.md).
 """
 
 

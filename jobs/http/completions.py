@@ -1,25 +1,7 @@
-"""OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions`` on ``berth serve``: one request, answered
-now, whole (``stream: false``) or as server-sent events (``stream: true``).
-
-The body is checked by the batch lines' own front door (``jobs.lines.batch_format.to_request``): every field
-a batch line takes means the same here (structured outputs and tools included), and a bad one is a
-400 with OpenAI's error body naming it. Only ``stream`` and ``stream_options`` (``include_usage``)
-are read here, as a batch line refuses ``stream: true``. The request runs through an
-``InteractiveChannel`` (``jobs.http.interactive_channel``: this server's engine on the embedded defaults, the
-engine workers through RabbitMQ with a broker), ahead of batch work in the engine.
-
-- ``stream: false``: the ``chat.completion`` or ``text_completion`` object a batch result line's
-  ``response.body`` holds (``jobs.lines.batch_format.response_line`` builds both).
-- ``stream: true``: ``chat.completion.chunk`` events (a first chunk per choice with ``delta.role``,
-  then ``delta.content`` pieces, then one with ``finish_reason``) or ``text_completion`` chunks, and
-  ``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
-  last chunk with no choices carries the usage. The pieces add up to the batch result's text
-  (``worker.engine.text_delta``). A request with ``tools`` sends its answer in one chunk at the end,
-  as content or as ``delta.tool_calls``, once the text can be read for calls. An error before the
-  first token is an HTTP error; one after it, a last event ``{"error": {...}}``.
-
-A caller that disconnects, mid-stream or while waiting for a whole answer, aborts its request: the
-engine drops it, and frees its KV blocks, before its next step.
+"""OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions`` on ``berth serve``: one request
+answered now, whole (``stream: false``) or as server-sent events (``stream: true``). The body is checked
+as a batch line is (``jobs.lines.batch_format.to_request``); the request runs through an
+``InteractiveChannel``, ahead of batch work; a caller that disconnects aborts it (docs/http-api.md).
 """
 
 import json

@@ -1,20 +1,7 @@
-"""The dashboard at ``/``: jobs with live progress, each job's page with its errors, and the engine
-workers with an hour of output tokens/s and KV use as charts.
-
-Server-rendered HTML (``jobs/templates``) and a little JavaScript that polls ``/dashboard/data.json``
-every two seconds to move the bars and redraw the charts (inline SVG): no front-end build step.
-A tenant sees its own jobs: the browser signs in once with an API key (``/dashboard/login``, kept
-in an HTTP-only cookie, ``Secure`` over HTTPS or with ``BERTH_HTTP_SECURE_COOKIES``; ``POST
-/dashboard/logout`` drops it); an open server (``berth serve --open``, this machine only) shows
-every tenant's.
-
-What a page shows comes from tenants (a job's model, its errors): it is text, never markup. The
-templates escape every value (Jinja's autoescape); the page's data reaches the script as JSON in a
-``<script type="application/json">`` element (``tojson``, which escapes ``<``, ``>``, ``&`` and
-``'``), read with ``JSON.parse``; the script writes values into the page as text or escaped. And
-the pages say so to the browser: a Content-Security-Policy without inline scripts or styles (the
-script and the style sheet are files of their own, ``static/``), so a value that got through as
-markup still could not run.
+"""The dashboard at ``/``: jobs with live progress, each job's errors, and the engine workers with an
+hour of tokens/s and KV use. Server-rendered, polled every two seconds; a browser signs in with an API
+key and sees its tenant's jobs. Every value is text, never markup: escaped templates, data as JSON, a
+Content-Security-Policy without inline scripts (docs/http-api.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""Files as the HTTP API shows them (OpenAI's File object): uploads, and each job's own files.
-
-An upload (purpose ``batch``) is stored under ``files/<file id>`` of the job store, its id and key
-made here, never from its name. A batch made from it copies it into its job (``jobs.pipeline.submit``), so
-deleting the upload later changes nothing for the batch. A job's input, output and errors files get
-ids the first time the API shows the job (``attach_job_files``): jobs submitted by the CLI and jobs
-finished before the HTTP API existed get them the same way. Deleting a file deletes its content,
-except a job's own copy of its input, which the job keeps (retry reads it).
-
-An upload is refused whole only when it is not a JSONL file at all: empty, UTF-16 or UTF-32, or its
-first request line is not a JSON object (or not UTF-8). Any other bad line is that line's error when
-a batch runs it, as for ``berth submit``.
+"""Files as the HTTP API shows them (OpenAI's File object): uploads, and each job's own files. An
+upload is stored under an id made here; a batch copies its input, so deleting the upload changes
+nothing for the batch. Only a file that is not JSONL at all is refused whole (docs/http-api.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""What ``berth serve`` checks of a request before any byte of its body is read, in this order:
-
-1. on an ``--open`` server, the ``Host`` (``jobs.http.origin``: DNS rebinding);
-2. a state-changing request sent by a page elsewhere is refused (``jobs.http.origin``);
-3. every ``/v1/`` route: the API key (401 otherwise). FastAPI reads a route's body before it
-   resolves its dependencies, so a key checked there would come after a 200 MB body was read into
-   memory; here it comes first, and the tenant it names is left in the scope for the routes;
-4. the body's size against its route's limit: ``http_max_body_bytes``, or for ``POST /v1/files``
-   the largest file and the slack an upload's 413 is drained with (``jobs.http.upload``). A body
-   whose ``Content-Length`` says it is over is refused at once; one sent in chunks is counted as it
-   is read (Starlette's ``RequestBodyLimitMiddleware``) and refused when it passes the limit.
-
-A refusal before reading closes the connection: the body is never read. (uvicorn itself holds at
-most 64 KiB of a body the application has not asked for.)
+"""What ``berth serve`` checks of a request before any byte of its body is read: the ``Host`` of an
+``--open`` server, cross-site requests (``jobs.http.origin``), the API key (401), and the body's size
+against its route's limit (413). A refusal closes the connection without reading the body
+(docs/http-api.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""The seam between ``berth serve``'s chat and completions routes and an engine: ``InteractiveChannel``.
-
-A channel takes a request the door accepted (an engine ``Request``, checked as a batch line is, and
-the line it was made from) and gives back a ``Subscription``: the request's events
-(``worker.consumer.interactive_inbox``: ``Delta``s of text, then ``Done`` with the ``RequestOutput`` a batch
-result is built from, or ``Failed``), read on the server's event loop, and ``abort`` for a caller that
-left. The routes (``jobs.http.completions``) know nothing else of where the request runs.
-
-``EmbeddedChannel`` is the embedded defaults': the request goes to the engine worker this server
-runs on a thread (``jobs.http.server``), through its ``InteractiveInbox``; the engine's thread hands
-each step's events to the event loop with ``call_soon_threadsafe`` into the subscription's queue.
-
-``jobs.http.interactive_channel_broker.BrokerChannel`` is RabbitMQ's, a second implementation of the same
-methods: ``open`` publishes the line's body to the model's interactive queue
-(``<prefix>.interactive.<model>``) with ``reply_to`` RabbitMQ's direct reply-to
-(``amq.rabbitmq.reply-to``) on a channel this server consumes, and a ``correlation_id`` naming the
-subscription; the worker checks the body again, feeds it to its ``InteractiveInbox``
-(``worker.consumer.interactive_queue``) and publishes each step's events back; ``abort`` publishes an
-abort naming the request, which the worker running it acts on. A worker that dies before the first
-event is replaced by the broker's redelivery to another; after it, the subscription ends with
-``Failed`` (the server notices the worker's silence by a deadline), never with text given twice.
+"""``InteractiveChannel``: the seam between ``berth serve``'s chat and completions routes and an engine.
+``open`` takes a validated request and returns a ``Subscription`` of its events (text deltas, then
+``Done`` or ``Failed``) on the server's event loop, with ``abort`` for a caller that left.
+``EmbeddedChannel`` runs it in this server's engine worker; ``BrokerChannel``
+(``jobs.http.interactive_channel_broker``) through RabbitMQ (docs/http-api.md).
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
-"""``berth serve``'s chat and completions routes with a broker: ``BrokerChannel``, the RabbitMQ
-``InteractiveChannel`` (``jobs.http.interactive_channel``).
-
-The request, checked here by the batch lines' front door, is published to the model's interactive
-queue (``<prefix>.interactive.<model>``, ``worker.messaging.topology``) as JSON ``{request_id, tenant, url,
-body}``: the body as the caller sent it (without ``stream`` and ``stream_options``), which the worker
-checks again (``worker.consumer.interactive_queue``), never a pickled request. The message is
-transient, with an expiration (``interactive_expiry``): nobody waits longer for an answer "now", and
-a request nobody waits for is not run. Its ``reply_to`` is RabbitMQ's direct reply-to and its
-``correlation_id`` the request's id; each reply holds one step's events and a sequence number, and
-goes to the subscription's asyncio queue with ``call_soon_threadsafe``.
-
-kombu is synchronous, so one thread owns the connection: it consumes the direct reply-to (no-ack),
-publishes the requests on that same channel (direct reply-to answers only the channel that
-consumes it) and the aborts of callers that left (the fanout ``<prefix>.interactive.abort``, which
-every mixed worker hears: the one running the request drops it and frees its KV blocks before its
-next step), and watches the deadlines:
-
-- a worker sends a reply with no events for each request that said nothing for a second, so a
-  silence of ``interactive_deadline`` seconds means its worker died (or lost the broker): the
-  subscription ends with ``Failed`` (an error event, mid-stream), and an abort is published in case
-  it is alive after all. Text is never given twice: a worker acks the message once its first event
-  went out, so only a worker dying before any text lets the broker give the request to another;
-- before its first event a request may wait in the queue until its message expires (a worker that
-  dies before any text hands it back to the queue), so it fails then, or later while a worker that
-  holds it keeps saying it is alive;
-- a reply whose sequence number skips one ends the stream with an error (a lost piece of text);
-  one already seen (a worker publishing again after a failed try) is dropped.
-
-``ready`` is whether the thread is connected and some worker consumes the queue (counted every
-``COUNT_INTERVAL`` seconds): with none, the routes answer 503 at once rather than after the expiry.
-Losing the connection ends every open subscription with ``Failed``: their reply-to address died with it.
+"""``BrokerChannel``: the RabbitMQ ``InteractiveChannel``. A request is published as JSON to the
+model's interactive queue (transient, expiring), answers come back by direct reply-to with sequence
+numbers, aborts go on the fanout ``<prefix>.interactive.abort``. A worker silent for
+``interactive_deadline`` ends the stream with ``Failed``; text is never given twice. ``ready`` is
+false while no worker consumes the queue (the routes then answer 503) (docs/http-api.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Where a request comes from, as far as a browser tells: the two checks that keep web pages from using
-``berth serve`` through a visitor's browser.
-
-- Host (``--open`` only): an open server answers anyone who reaches it, and a web page can reach
-  127.0.0.1 by DNS rebinding (its own name, resolved to 127.0.0.1 after the page loaded): the
-  browser then sends that name as ``Host``. An open server answers only the names it listens on
-  (its loopback address, ``localhost``) and those ``BERTH_HTTP_ALLOWED_HOSTS`` adds. A server with
-  keys needs no such check: a rebound page has no key and no cookie of this server.
-- Cross-site (every state-changing request, every server): a page elsewhere can POST a form, with
-  the visitor's cookie and with no preflight, to any address. The browser says where it comes from:
-  ``Sec-Fetch-Site`` (every current browser) must be ``same-origin`` or ``none`` (typed by the user);
-  without it, ``Origin``, when sent, must be this server (its ``Host``, or an allowed name). Neither
-  header: not a browser (the openai client, curl), which no web page can drive.
-
-The check is by headers rather than a CSRF token: the API's clients (the openai client among them)
-could not send a token, and the headers cover every route, the dashboard's and the API's, with no
-state kept. ``same-site`` is refused too: another port of localhost is the same site.
+"""The two checks that keep web pages from using ``berth serve`` through a visitor's browser: on an
+``--open`` server, the ``Host`` must be a name it listens on (DNS rebinding); on every server, a
+state-changing request a browser marks as cross-site (``Sec-Fetch-Site``, else ``Origin``) is refused.
+Requests with neither header (programs) go through (docs/http-api.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""``berth serve``: the HTTP API under uvicorn, and on the embedded defaults an engine worker too.
-
-With no broker (``BERTH_BROKER_URL`` empty) nothing else runs the queue, so the server runs an
-engine worker on a thread of its own (with the embedded housekeeping chores) and a laptop gets a
-local OpenAI Batch endpoint from one command; the same worker answers the chat and completions
-routes (``jobs.http.interactive_channel.EmbeddedChannel``), ahead of batch work. With a broker, ``berth
-serve`` only serves: engine workers and the Celery worker run elsewhere, and the chat and
-completions routes reach the engine workers through RabbitMQ (``jobs.http.interactive_channel_broker``: the
-model's interactive queue, replies by direct reply-to), on a thread this server starts and stops.
+"""``berth serve``: the HTTP API under uvicorn. With no broker it also runs an engine worker (and the
+housekeeping chores) on a thread, which answers chat and completions too; with a broker it only
+serves, and reaches the engine workers through RabbitMQ.
 
     with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)

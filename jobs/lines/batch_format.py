@@ -1,17 +1,7 @@
-"""The OpenAI Batch file format: request lines in, response and error lines out.
-
-A request line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
-"/v1/embeddings", "body": {...}}`` (an embeddings body is ``jobs.lines.embeddings_format``'s). Every check says which line, which field and what is wrong, so one bad line
-never stops the good ones.
-
-Validation is the engine's contract: a line that passes ``parse_line`` and ``to_request`` runs
-through the engine without raising, so every bound the engine needs is checked here (token ids
-inside the vocabulary, ``top_k`` at most its size, stop lists and strings of bounded size, seeds
-of 64 bits, prompt and output inside the context, a structured-output constraint or a required
-tool call that compiles, see ``jobs.lines.structured_outputs`` and ``jobs.lines.tools``). Each check but that
-compile (bounded by its shape and deadline) is linear in the line's size, and values are shown in
-messages through a bounded ``reprlib`` view, never a full ``repr`` (a value nested a thousand deep
-or a megabyte long costs nothing to report).
+"""The OpenAI Batch file format: request lines in, response and error lines out. A line that passes
+``parse_line`` and ``to_request`` runs through the engine without raising: every bound the engine needs
+is checked here, each error names its line, field and reason, and each check but a grammar compile is
+linear in the line's size (docs/cli.md).
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""The body's structured-output fields: which one constraint a request puts on its output.
-
-Three spellings reach the door, and all become one ``StructuredOutput``:
-
-- OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``,
-  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``;
-- vLLM's older request fields ``guided_json`` (a schema, as an object or as JSON text),
-  ``guided_regex``, ``guided_choice`` (a list of strings) and ``guided_grammar`` (EBNF/GBNF);
-- vLLM's newer ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}``.
-
-A request takes at most one constraint: two are an error, not a merge, because no rule for
-combining them is obvious to the person who wrote both. Fields that would change the output in
-ways berth does not implement (``structural_tag``, a whitespace pattern, vLLM's ``disable_*``
-switches) are refused rather than ignored, so nobody trusts a constraint that was never applied.
-
-Every check that the engine relies on happens here, before a row is stored: sizes against the
-``Settings.structured_max_*`` limits (compiling a grammar costs time and memory that grow with
-its text), a schema against the JSON Schema metaschema (``jsonschema``) and against the bounds of
-its shape (``worker.engine.schema_bounds``: properties, optional properties of one object, depth,
-enum values), and the compile itself (``worker.engine.grammar.check``, in the tenant's turn, stopped
-at its deadline; it caches what it compiled for the engine to reuse).
-
-A schema is kept as compact JSON text with its keys in the order the user wrote them: a grammar
-emits an object's properties in the schema's order (OpenAI documents the same), so sorting them
-would reorder every output. Equal schemas written alike share one compiled grammar.
+"""The body's structured-output fields (OpenAI's ``response_format``, vLLM's ``guided_*`` and
+``structured_outputs``) read into one ``StructuredOutput``: at most one constraint a request, fields
+berth does not implement refused, sizes, schema and compile checked before a row is stored
+(docs/structured-outputs.md).
 """
 
 from __future__ import annotations

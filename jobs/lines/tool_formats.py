@@ -1,23 +1,6 @@
-"""Tool calls in a model family's own words: how it writes a call, the grammar that holds the output
-to one, and how calls are read back out of the text.
-
-A model calls tools in the format its training taught it, and its chat template says which (the
-tools' prompt there is written for it). So the family is read from the template:
-
-- ``hermes`` (Qwen2.5, Qwen3, Hermes): one ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-  block per call, after any text;
-- ``llama3_json`` (Llama 3.1 and later): the message is one JSON object ``{"name": ..., "parameters": {...}}``,
-  perhaps after ``<|python_tag|>``;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` objects (``[TOOL_CALLS]``
-  is a special token, which berth's text leaves out, so the list alone is read as well);
-- ``json``, a family with no call format of its own (the default SmolLM2): a plain JSON object
-  ``{"name": ..., "arguments": {...}}``. Nothing such a model writes unasked can be read as a call, so it
-  takes only the constrained choices ("required", a named function), never "auto".
-
-The constraint is one of xgrammar's structural tags: the family's fixed text around a JSON value whose
-schema is the call's (the name as a ``const``, the arguments as the function's ``parameters``; an
-``anyOf`` over the functions where any may be called). Whitespace between JSON tokens is bounded to one
-character, for the reason ``worker/engine/grammar.py`` gives for JSON schemas.
+"""Tool calls in a model family's own format (``hermes``, ``llama3_json``, ``mistral``, or plain ``json``
+for a family without one), read from its chat template: the structural-tag grammar that holds the
+output to a call, and how calls are read back out of the text (docs/request-fields.md, "Tool calls").
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""A chat line's ``tools``, ``tool_choice`` and ``parallel_tool_calls``: what the prompt shows, what
-the output is held to, and how the answer is read.
-
-- ``tools``: OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]``.
-  Names follow OpenAI's rule and are unique; ``parameters`` is a JSON Schema checked as a structured
-  output's schema is (size, metaschema, the bounds of its shape); absent, the function takes no arguments.
-- ``tool_choice``: ``"none"`` (the default without tools: the tools are left out of the prompt and the
-  answer is text), ``"auto"`` (the default with tools: the model may call, and calls are read from
-  the text in the family's format), ``"required"`` (the output is held by a grammar to one or more
-  calls of any of the tools) or ``{"type": "function", "function": {"name": ...}}`` (to a call of that one).
-- ``parallel_tool_calls`` (default true): whether a constrained output may hold several calls, where
-  the family writes several (Qwen's blocks, Mistral's list).
-
-Which format is whose is ``jobs.lines.tool_formats``. A family with no call format of its own takes the
-constrained choices only: "auto" there is refused, since no text it writes unasked reads as a call.
+"""A chat line's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, as OpenAI defines them: what the
+prompt shows, what the output is held to, how the answer is read. A family with no call format of its
+own takes only the constrained choices; "auto" there is refused (docs/request-fields.md, "Tool calls").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Checking a request file line by line against the model that will run it, without its weights.
-
-``read_lines`` streams a file and never holds more than the size limit of a line: an oversized
-line is measured and skipped. ``LineValidator`` turns each line into an engine ``Request`` or a
-``LineError`` (line number, field, reason) with ``jobs.lines.batch_format``, and catches duplicate
-``custom_id``s across the file. It is the one front door for request files: the ingest of a job
-and ``berth generate`` both read with it, so they accept the same lines and give the same errors.
-
-Whole-file limits (``Settings.max_file_bytes``, ``max_file_lines``) refuse a file with an
-``InputError``. ``berth submit`` checks both before it stores the file (``copy_checked``); the
-ingest checks the line limit again, because settings can change between submit and ingest and a
-file can reach the store another way. There a request on a line past the limit fails the whole
-file rather than becoming one more line error: the limit exists to bound what a file costs, and a
-line error per extra line would store rows without bound. Lines the ingest queued before it met
-that line belong to a failed job, which engine workers skip.
+``read_lines`` streams a file, skipping oversized lines; ``LineValidator`` turns each line into an
+engine ``Request`` or a ``LineError`` and catches duplicate ``custom_id``s. The one validator for request
+files: ``berth generate`` and a job's ingest both use it. Whole-file limits raise ``InputError``
+(docs/cli.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""The work around the engine, as Celery tasks: ingesting a job, finalizing a job, reconciling
-(and deleting job events past ``event_keep_seconds``), expiring jobs past their window, collecting
-checkpoints nothing needs.
-
-With a broker (``BERTH_BROKER_URL``) they run on a Celery worker, configured by the same
-``BERTH_*`` variables, with beat for the periodic ones:
+"""The work around the engine as Celery tasks: ingest, finalize, reconcile, expire, checkpoint
+collection. With a broker they run on a Celery worker with beat:
 
     celery -A jobs.pipeline.celery_tasks worker --beat --loglevel=INFO
 
-On the embedded default (no broker) they run in the calling process (``task_always_eager``), and
-the periodic ones on each engine worker's housekeeping thread (``jobs.hosting.chores``). There the
-ingests a reconcile dispatches run on threads of their own (``ingest_aside``): an ingest can take
-minutes, and the housekeeping thread's other chores (expiry, the next reconcile) are every tenant's.
-Tasks are acked late and idempotent: one lost with its worker is simply run again. An ingest that
-stops on an error is logged, not raised (``berth submit`` has created the job by then): the
-reconciler runs it again once it has been silent for ``INGEST_SILENCE_SECONDS``.
+On the embedded defaults they run in the calling process, the periodic ones on the engine workers'
+housekeeping thread. Tasks are acked late and idempotent (docs/jobs.md).
 """
 
 from __future__ import annotations

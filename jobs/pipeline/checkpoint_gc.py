@@ -1,21 +1,7 @@
-"""Collecting checkpoints nothing needs any more: a mark-and-sweep over the checkpoint store.
-
-A request's latest state is where its row's ``checkpoint`` ref points (a segment and a range in it);
-nothing else ever reads a state. So:
-
-1. mark: the refs of the requests still open (no outcome, job live) name the live segments; the
-   states they point at name the live KV runs (each live segment is read once);
-2. sweep: delete each segment and each KV run not marked, unless it is younger than ``min_age``: a
-   worker writes a segment before the rows point at it (and, while the database is down, may point
-   at it much later), and a run before any state naming it;
-3. what berth wrote before segments (``checkpoints/v1/``: a state object per request, an object per
-   block) is deleted once older than ``min_age``: a worker of that version rewrites its states every
-   few seconds, and this one reads none of them;
-4. on a store that keeps temporary files (the local folder: ``sweep_temporaries``), delete those
-   older than ``min_age``, left by writers killed half-way (of checkpoints and job files alike).
-
-A run written long ago, named by no live state and named again by a new one while the sweep runs
-can be deleted under it; the request then recomputes those blocks when it resumes.
+"""Collecting checkpoints nothing needs any more: a mark-and-sweep over the checkpoint store. Mark the
+segments open requests' rows point into and the KV runs their states name; delete the rest once
+older than ``min_age``, with the pre-segment ``checkpoints/v1/`` objects and stale temporary files
+(docs/checkpoints.md).
 """
 
 from __future__ import annotations

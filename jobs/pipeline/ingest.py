@@ -1,30 +1,7 @@
-"""Turning a submitted file into request rows and queue messages, a chunk of lines at a time.
-
-Each chunk's rows (good lines as requests, bad lines as line errors) are committed in one
-transaction with bulk inserts, and only then published; ``published_at`` is set once the broker
-confirmed. A crash between the two leaves rows without ``published_at``, which the reconciler
-publishes. An ingest run again (a retried task, or the reconciler's, see below) resumes after the
-last line stored.
-
-The ingest always finishes, whatever one line holds:
-
-- an exception out of the validator other than ``LineError`` is that line's error
-  (``invalid_request``, with the exception's type and message), never the job's;
-- a chunk the database refuses (a ``DataError`` or ``IntegrityError``: a NUL byte PostgreSQL cannot
-  store, say) is stored again a line at a time, and each line it refuses becomes a line error;
-- the ingest writes ``jobs.ingest_seen_at`` when it starts, with every chunk, and every
-  ``HEARTBEAT_SECONDS`` while it runs (a thread of its own, so a chunk slow to validate, its lines
-  waiting for grammar compiles, say, still shows a sign of life), and the reconciler runs the
-  ingest again of a job still ``validating`` whose ingest fell silent (it died, or a database or
-  broker error stopped it).
-
-So two ingests of one job can run at once (a slow one and its resumption). Each chunk's
-transaction begins by writing the job row (``ingest_seen_at``, only while the job is
-``validating``): that locks the row on PostgreSQL and takes SQLite's one write lock, so chunks are
-stored one at a time and each rechecks the last line stored before inserting; neither ingest
-stores a line twice or skips one. The same condition stops the ingest of a job cancelled or
-expired meanwhile: no chunk is stored once the job left ``validating``, and its finalize puts the
-lines never stored into the errors file (``jobs.pipeline.finalize``).
+"""Turning a submitted file into request rows and queue messages, a chunk of lines at a time: each
+chunk committed, then published with confirms. An ingest always finishes (a line that breaks the
+validator or the database is that line's error), resumes after the last line stored when run again,
+and never stores a line twice or once its job has left ``validating`` (docs/jobs.md).
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-"""Putting back what a crash can leave behind, from the database (the source of truth). Run
-periodically: by Celery beat with a broker, by the engine workers' housekeeping on the embedded
-queue (``jobs.hosting.chores``).
-
-- A request committed but never confirmed by the broker (``published_at`` empty: the submitter
-  died between commit and publish, or the broker refused it) is published.
-- On the embedded queue only, since that transport keeps a dead worker's delivery hidden forever
-  (RabbitMQ requeues it itself): a request without an outcome whose ``holder`` is a process of this
-  host that no longer exists is published again at once, once per delivery (only while it was
-  delivered after it was last published; publishing sets ``published_at``). Any other request
-  delivered long ago without an outcome is published again too: its holder may be on another host,
-  or gone without a trace. If its worker is in fact still running it, that worker acks the copy and
-  carries on.
-- A job left in ``finalizing`` or ``cancelling`` (its finalize task lost) is finalized.
-- A job still ``validating`` whose ingest shows no sign of life for ``INGEST_SILENCE_SECONDS``
-  (``ingest_seen_at``, which a running ingest stamps every ``HEARTBEAT_SECONDS`` however slow its
-  chunk, or its creation when the ingest never started: the submitter died before dispatching it,
-  the task was lost, or an error stopped it) is ingested again; the ingest resumes after its last
-  stored line. The reconciler stamps ``ingest_seen_at`` as it hands a job out, so
-  reconcilers running side by side (every embedded worker runs one) hand it out once.
-
-Everything here is safe to repeat: a request published twice still gets one result, and two ingests
-of one job store each line once.
+"""Putting back what a crash can leave behind, from the database: requests never confirmed by the
+broker, dead or stale deliveries of the embedded queue, jobs stuck in ``finalizing`` or
+``cancelling``, and ingests that fell silent. Run periodically (Celery beat, or the embedded
+housekeeping); safe to repeat and to run side by side (docs/jobs.md).
 """
 
 from __future__ import annotations

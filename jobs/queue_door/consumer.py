@@ -1,34 +1,11 @@
-"""The queue's door: jobs submitted by any producer as job-submit messages on ``<prefix>.jobs``,
-published to the exchange ``<prefix>.submit`` (``docs/queue.md``, ``jobs/queue_door/schemas/job-submit.v1.json``).
+"""The queue's entry point for jobs: job-submit messages on ``<prefix>.jobs`` (published to
+``<prefix>.submit``) become jobs, as ``berth submit`` makes them. The tenant comes from the broker-checked
+``user_id``, idempotency from ``message_id``; each message is acked once what it made is committed, and
+a message that cannot run becomes a failed job or a dead letter, never a stuck consumer.
 
     berth submit-consumer          # this consumer, the event relay and the webhook sender
 
-Each message is handled alone, in order, and acked only once what it made is committed:
-
-- Who: the AMQP ``user_id`` property, which RabbitMQ checks against the connection's user, mapped
-  to a tenant (``berth broker-user USER --tenant T``). The body never names the tenant.
-- Which: the AMQP ``message_id`` is the idempotency key, unique per tenant in the jobs table: the
-  same message published twice, or delivered again after a crash, makes one job (a second copy is
-  acked and dropped; if the first copy's ingest was never dispatched, it is dispatched now).
-- What: the body is checked against the schema (``jobs.queue_door.contract``), its model against the one this
-  berth serves, its input read from the tenant's own part of a store named in
-  ``BERTH_SUBMIT_INPUT_STORES`` (``jobs.queue_door.inputs``; or taken inline) and copied into the job
-  store under the file limits, as ``berth submit`` copies a file; then the job is made in
-  ``validating`` and its ingest dispatched (``jobs.pipeline.celery_tasks``), as for ``berth submit``.
-
-A message that cannot run becomes, where there is enough to make one (a tenant and a
-``message_id``), a job in ``failed`` whose ``error`` is the reason, with a ``job.failed`` event;
-otherwise (no ``user_id``, a user with no tenant, no ``message_id``) it goes to ``<prefix>.dead``
-with the reason in its ``x-berth-reason`` header and a ``submit.rejected`` event says so. Either
-way it is acked and the consumer goes on to the next. When the database does not answer, the
-message is put back and tried again with backoff; a failure of berth's own (a bug) dead-letters
-the message with the error: the consumer never dies on a message.
-
-No message can hold the door for the tenants behind it: the body is read by the function the
-engine workers read theirs with (``worker.messaging.message_body``: any ``content_encoding``, a body
-the client library handed over as a ``str``), and a message whose dead letter fails too is put
-back and tried again ``SET_ASIDE_TRIES`` times in all, then acked and dropped with an error in the
-log, never redelivered forever.
+The contract: docs/queue.md.
 """
 
 from __future__ import annotations

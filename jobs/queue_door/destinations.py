@@ -1,23 +1,7 @@
-"""Where a webhook may go. A submitter names the URL and berth POSTs to it from inside the
-operator's network, so without a rule a tenant could make berth reach what only berth can reach:
-the cloud's metadata service (169.254.169.254, its credentials), a database on 10.0.0.1:6379, a
-port on loopback. The rule: a webhook goes to public unicast addresses only, unless the operator's
-allow-list (``BERTH_WEBHOOK_ALLOW``: CIDRs, addresses, host names) names the destination.
-
-It is checked twice, because a name means nothing until it is resolved and may resolve differently
-later (DNS rebinding):
-
-- when the job is made (``check_url``, from ``jobs.queue_door.contract``): the URL's form (http or
-  https, a host, no ``user:password@``) and, when the host is an address, the address. A name is not
-  resolved there (a slow name server must not stall the door for every tenant); only the names that
-  are loopback by definition (``localhost``, ``*.localhost``) are refused at once.
-- when it is sent (``resolve``, from ``jobs.queue_door.webhooks``): the name resolved once, every
-  address it gave checked, and the POST connects to one of those addresses, never resolving again.
-
-An address is read the way the C library would (``inet_aton``: ``0x7f000001``, ``2130706433``,
-``017700000001``, ``127.1`` are all 127.0.0.1) and an IPv6 address that carries an IPv4 one
-(``::ffff:127.0.0.1``, NAT64, 6to4) is checked as that one too, so no spelling gets through that
-the check did not see. A host name is IDNA-encoded first (``①②⑦.0.0.1`` is 127.0.0.1 to a resolver).
+"""Where a webhook may go: public unicast addresses only, unless ``BERTH_WEBHOOK_ALLOW`` names the
+destination. Checked when the job is made (``check_url``: the URL's form and a literal address) and
+when it is sent (``resolve``: every address the name resolves to, connected to without resolving
+again), reading addresses as the C library does (docs/queue.md, "Where a webhook may go").
 """
 
 from __future__ import annotations

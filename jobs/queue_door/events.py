@@ -1,25 +1,7 @@
-"""Job events: every change of a job's status, published on the topic exchange ``<prefix>.events``
-(routing key ``<tenant>.job.<status>``, the tenant in the ``tenant`` header too, persistent) and POSTed to the
-job's webhook (``jobs.queue_door.webhooks``). The body is ``jobs/queue_door/schemas/job-event.v1.json``.
-
-Why an outbox written by triggers. A job changes state in seven places (submit, ingest's close,
-cancel, expiry, a worker's last outcome, finalize, a refused submit), in processes that may not
-reach the broker when it happens, and an engine worker must never wait on anything but its own
-rows. So the database writes the event: triggers on ``jobs`` (migration 0004) add a ``job_events``
-row for each inserted job and each update that changes ``status``, in the same transaction, with
-the job's counts, usage and files as they were then. A change that commits has its event; one that
-rolls back has none; no code path can forget it, and an engine worker's counter updates, which
-leave ``status`` alone, do not fire the trigger at all.
-
-The relay (``EventRelay``, run by ``berth submit-consumer`` or ``berth events``) publishes the rows
-not yet published, in id order, with publisher confirms, and then marks them. When the broker is
-down the rows wait; nothing is lost. A crash between the confirm and the mark publishes an event
-again: delivery is at least once, and consumers deduplicate by ``event_id`` (also the AMQP
-``message_id``). On PostgreSQL one relay drains at a time (an advisory lock), so a job's events go
-out in the order they happened even with several relays running; on SQLite run one.
-
-Rows are deleted ``Settings.event_keep_seconds`` after they happened (``jobs.records.outbox.prune_events``,
-with the reconcile task), published or not.
+"""Job events: every change of a job's status, written by database triggers into the ``job_events``
+outbox in the same transaction, then published on ``<prefix>.events`` (routing key
+``<tenant>.job.<status>``) by ``EventRelay`` with confirms, and POSTed to the job's webhook. Delivery is
+at least once; consumers deduplicate by ``event_id`` (docs/queue.md, "Events").
 """
 
 from __future__ import annotations

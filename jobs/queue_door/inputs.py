@@ -1,19 +1,6 @@
-"""Where a submit message's ``input_url`` may point: each tenant at its own inputs only.
-
-``BERTH_SUBMIT_INPUT_STORES`` lists store URLs with ``{tenant}`` in their path; the tenant of a
-message (its broker user's, never the body's word) fills it in, and the input must be an object
-under that:
-
-    file:///srv/berth-inbox/{tenant}        team-a reads file:///srv/berth-inbox/team-a/...
-    s3://berth-inbox/{tenant}/incoming      team-a reads s3://berth-inbox/team-a/incoming/...
-
-Why a placeholder, and why every entry must have one: a store all tenants may name is a store
-each tenant can make berth read another's files from (``inbox/team-a/secret.jsonl`` named by
-team-b was copied into team-b's job). Per entry, the store is the part of the URL before the
-segment that holds ``{tenant}``, and the rest is a key prefix inside it: the tenant's folder is
-walked like any key (``storage.local`` follows no link, a name starting with a dot is no key), so
-a tenant's folder that is a link to another's is refused as well, and a tenant whose name cannot
-be a key part (``..``, ``a@b``) has no inputs in a store.
+"""Where a submit message's ``input_url`` may point: each tenant at its own inputs only. Every entry of
+``BERTH_SUBMIT_INPUT_STORES`` holds ``{tenant}``, filled in from the message's broker user, and the input
+must be an object under it (docs/queue.md).
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
-"""Webhooks: each event of a job that has a ``webhook_url`` (a submit message's field) is POSTed
-there, the same JSON as on the events exchange, signed with its tenant's secret:
-
-    X-Berth-Timestamp: 1796112003            (when this POST was made, Unix seconds)
-    X-Berth-Signature-V2: sha256=<hex of HMAC-SHA256(secret, b"1796112003." + the body's bytes)>
-    X-Berth-Signature: sha256=<hex of HMAC-SHA256(secret, the body's bytes)>   (v1, no timestamp)
-    X-Berth-Event: job.completed          X-Berth-Event-Id: evt_42
-
-``berth webhook-secret TENANT`` shows the secret (made on first use). A receiver checks the v2
-signature over the timestamp and the raw body before parsing it, refuses a timestamp outside its
-window (``verify_v2``: a POST recorded and played again later is refused), and deduplicates by the
-event id: a POST whose answer was lost is sent again. The v1 header, the body alone, is still sent
-for receivers written before the timestamp: it cannot tell a replay.
-
-A job never waits for its webhook: the sender reads the outbox (``jobs.queue_door.events``) on a
-thread of its own, running the POSTs as asyncio tasks, ``webhook_senders`` at once. Fair across
-tenants, because a tenant decides how many events it makes (a refused message makes one too) and
-how slowly its receiver answers:
-
-- only events due now are read (``due_webhooks``), taken from the tenants in turn, and at most
-  ``webhook_tenant_in_flight`` of one tenant's POSTs run at once: a tenant's flood or its slow
-  receiver holds its own slots, never the others';
-- each POST has one deadline, ``webhook_timeout``, for all of it (``webhook_post``): a receiver
-  that trickles its answer is cut off there;
-- an event is claimed before it is sent (its ``webhook_due_at`` moved past the deadline, by a
-  conditional update: two senders never take the same one); a sender that dies leaves it to come
-  due again.
-
-A POST that fails (no answer in time, a refused connection, any status but 2xx) is tried again
-after ``webhook_backoff`` seconds, doubling up to ``webhook_backoff_max``, at most
-``webhook_max_attempts`` times; then it is given up (``job_events.webhook_error`` says why). A
-destination that resolves to an address berth does not POST to (``destinations``) is given up at
-once. A job's events go out in order: while one waits for a retry, the later ones wait behind it.
-Redirects are not followed.
+"""Webhooks: each event of a job with a ``webhook_url`` is POSTed there, signed with its tenant's
+secret (``X-Berth-Signature-V2`` over timestamp and body). A sender thread reads the outbox, fair across
+tenants (``webhook_tenant_in_flight``), with one deadline a POST, retries with backoff up to
+``webhook_max_attempts``, and a job's events in order (docs/queue.md, "Webhooks").
 """
 
 from __future__ import annotations

@@ -4,12 +4,7 @@
     with db.session() as s, s.begin():
         ...
 
-The schema comes only from ``migrations/``; ``upgrade(url)`` (``berth db upgrade``) applies them.
-Checking that a database is at the newest migration reads Alembic's version table and the
-migrations' ``revision`` lines without Alembic: importing it and loading every migration module cost
-`berth status` more than the rest of the command did. Alembic itself runs only to migrate. Likewise
-SQLAlchemy's ORM is imported when a session is first asked for: the commands that only read jobs
-(``jobs.records.status``) query with SQLAlchemy's core alone.
+The schema comes only from ``migrations/`` (``upgrade(url)``, ``berth db upgrade``).
 """
 
 from __future__ import annotations

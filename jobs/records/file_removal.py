@@ -1,17 +1,6 @@
-"""Removing a file of the Files API: deleted by its tenant (``DELETE /v1/files/{id}``), or expired.
-
-A file expires at its ``expires_at``: an upload's OpenAI ``expires_after``, a batch output's
-``output_expires_after`` counted from when the batch ended (when its output and errors files were
-written). ``expire_files`` runs periodically (the ``berth.expire_files`` task: Celery beat, or the
-embedded housekeeping thread) and also removes the outputs of a batch with ``output_expires_after``
-that the HTTP API never showed (they have no file row yet), so a batch's outputs go on time whether
-or not anyone looked at them.
-
-Removing a file deletes its content, then its row (a crash between the two leaves the row, which the
-next pass removes); a job's own copy of its input stays (retry reads it). A job's output or errors
-file removed leaves the job without it (``output_key``/``errors_key`` cleared): its batch keeps
-showing the file's id, which is then a 404, as OpenAI shows an expired file, and no reader of the
-job opens a file that is gone.
+"""Removing a file of the Files API: deleted by its tenant, or expired at its ``expires_at``
+(``expire_files``, periodic). Content first, then the row; a job's own copy of its input stays, and a
+removed output leaves its batch showing an id that is then a 404 (docs/http-api.md).
 """
 
 from __future__ import annotations

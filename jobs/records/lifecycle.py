@@ -1,19 +1,6 @@
-"""A job's moves between states, each one conditional on the state it leaves, so that racing
-workers, tasks and users cannot move a job twice:
-
-    validating ──▶ in_progress ──▶ finalizing ──▶ completed
-        │               │   └── past its window ──▶ finalizing (expired_at set) ──▶ expired
-        │               └── cancel ──▶ cancelling ──▶ cancelled
-        ├── no valid line ──▶ failed
-        └── cancel or past its window while the ingest runs: as from in_progress
-
-``finalizing``, ``cancelling`` and a passed window are finished by ``jobs.pipeline.finalize``; the functions
-here return the jobs that need it, and the caller dispatches the finalize task.
-
-A job can be cancelled or expire while its ingest is still reading the file. The ingest stores a
-chunk only while the job is ``validating``, checked under the job's lock in the transaction that
-stores it (``jobs.pipeline.ingest``), and these moves take the same lock; so once one commits, no line is
-stored any more, and finalize puts each line never stored into the errors file.
+"""A job's moves between states (OpenAI's Batch states), each conditional on the state it leaves, so
+racing workers, tasks and users cannot move a job twice. The functions return the jobs whose
+finalize the caller must dispatch (docs/jobs.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Engine workers as the jobs database knows them: each one's last heartbeat, and an hour of them;
-and the workers found dead while running requests.
-
-A worker writes a heartbeat every ``worker.consumer.loop.HEARTBEAT_INTERVAL`` seconds (through its
-ledger); one not seen for ``GONE_AFTER`` seconds is shown as gone. Samples older than ``HISTORY``
-are deleted by the worker that wrote them, with its next heartbeat, so the table stays small.
-
-Deaths: a delivery whose row says an engine step of another worker process ran it, and no outcome,
-tells the worker claiming it that that process died (``jobs.hosting.database_ledger``). The first claim to find a
-death records it once (keyed by the dead process's life, ``requests.holder_life``) with how many
-requests it was running, counted before any of them is claimed again: the size of the group that a
-crash is charged to (``worker.consumer.admission.standing_after``). Deaths are kept for
-``DEATHS_KEPT`` seconds; their rate per host is how an operator sees a crash loop.
+"""Engine workers as the jobs database knows them: each one's last heartbeat and an hour of them (the
+dashboard's workers), and the worker deaths found while claiming requests, recorded once each with how
+many requests the dead worker was running (docs/operations.md).
 """
 
 from __future__ import annotations

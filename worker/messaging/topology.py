@@ -1,53 +1,7 @@
-"""The request queue as both sides see it: its topology, the broker connection, the embedded
-transport and the request message contract. Publishing with confirms is ``jobs.pipeline.publish``.
-
-Topology (names start with ``Settings.queue_prefix``):
-
-- ``<prefix>.requests`` — a durable direct exchange; the routing key is ``<model>.<tenant>``.
-- ``<prefix>.requests.<model>.<tenant>`` — one durable queue per model and tenant, every message
-  persistent, published with confirms, its priority the job's priority. An engine worker consumes
-  the queues of every tenant with live jobs for its model, each with its own prefetch window, so
-  its engine always sees every tenant's waiting work and shares its seats between them (a queue
-  per model alone would be first-come first-served: a tenant's 100,000-line job would hold the
-  head of the queue and every other tenant would wait behind it, whatever its share).
-- ``<prefix>.submit`` (bound to the queue ``<prefix>.jobs``) and ``<prefix>.events`` — jobs submitted
-  through the queue and job events, the public contract of ``docs/queue.md``
-  (``jobs.queue_door.consumer``, ``jobs.queue_door.events``).
-- ``<prefix>.interactive.<model>`` — the model's interactive queue: ``berth serve``'s chat and
-  completions requests, answered now (``worker.consumer.interactive_queue``, ``jobs.http.interactive_channel_broker``).
-  A durable classic queue of transient messages, each with an expiration (``interactive_expiry``): an
-  interactive request is never persisted, never in the jobs database, never checkpointed (its caller
-  holds the only claim to it), and one nobody waits for any more is dropped, not run. The queue is
-  durable only because transient non-exclusive queues are deprecated in RabbitMQ 3.13+; it is published
-  to through the default exchange by its name. Each mixed worker consumes it with a prefetch of its own
-  (``interactive_prefetch``, its interactive capacity), on a channel apart from the request queues';
-  a batch-only worker (prefetch 0) does not consume it. Replies go by RabbitMQ's direct reply-to.
-- ``<prefix>.interactive.abort`` — a fanout exchange: "the caller of this interactive request left".
-  Every mixed worker binds a server-named exclusive queue to it, so the one running the request drops it.
-- ``<prefix>.dead`` — the dead-letter exchange and queue: a request that was delivered
-  ``max_delivery_attempts`` times without finishing, or a message berth cannot read, is published
-  there (with an ``x-berth-reason`` header) and its delivery acked.
-
-Why a classic queue with ``x-max-priority`` and not a quorum queue: jobs carry a priority and the
-broker must hand higher-priority work out first, across jobs, before it reaches any engine. Quorum
-queues had no priorities before RabbitMQ 4.0 (3.x is still what most installations run; this
-machine has 3.10), and 4.x gives them only two levels; a classic queue has up to 255 and we use
-10 (0-9; each level costs the broker memory and CPU). What a quorum queue would have given us
-instead, and how we make up for it:
-
-- the delivery count (``x-delivery-count``, ``x-delivery-limit``): the worker counts deliveries in
-  the database (``requests.attempts``) and dead-letters past the limit itself — which also works on
-  the embedded transport, where no broker counts anything;
-- replication across nodes: the database holds every request, and the reconciler republishes any
-  that lost its message, so a lost broker node loses queue contents, not work.
-
-The dead-lettering is explicit (publish to ``<prefix>.dead``, then ack) rather than a queue's
-``x-dead-letter-exchange``, so that it carries its reason and works the same on both transports.
-
-An empty ``Settings.broker_url`` means the embedded queue: kombu's SQLAlchemy transport on a SQLite
-file beside the jobs database, no server. It keeps messages across restarts but has no priorities
-and holds a delivered message invisible until acked: if a worker dies, the reconciler's stale-
-delivery rule (``jobs.pipeline.reconcile``) brings its requests back.
+"""The request queue as both sides see it: its topology (exchanges and queues named from
+``Settings.queue_prefix``), the broker connection, the embedded transport and the request message
+contract. Publishing with confirms is ``jobs.pipeline.publish``. Why classic queues with priorities
+rather than quorum queues, and every queue and exchange: docs/queue.md, "Queues and exchanges".
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ stay float: quantizing them too, as PyTorch's FBGEMM and oneDNN int8 multiplies 
 batch, cost the default model most of its accuracy. On a CPU, decode-sized batches go through berth's
 C kernel (``kernels/int8_linear.c``), which streams a quarter of float32's bytes, and large ones through
 oneDNN with the same int8 weights widened once (``FLOAT_FROM_ROWS``); the choice and its reason are
-logged once, as for float. benchmarks/README.md has what each multiply costs per batch size and what
+logged once, as for float. benchmarks/HISTORY.md has what each multiply costs per batch size and what
 int8 does to perplexity and greedy output.
 """
 
@@ -94,7 +94,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 FLOAT_FROM_ROWS: int | None = 64
 """With the int8 kernel, batches of this many rows or more multiply in float32 through oneDNN by the same
 int8 weights widened once at load; smaller ones (decode) stream the int8 weights. The kernel wins below
-about 64 rows and loses above (benchmarks/README.md), so both forms are kept: five bytes a weight, a quarter
+about 64 rows and loses above (benchmarks/HISTORY.md), so both forms are kept: five bytes a weight, a quarter
 more than float32 alone. None keeps the int8 form only (a quarter of float32's bytes, slower prefill)."""
 
 

@@ -3,7 +3,7 @@
 Loading a model is a few thousand short operations (dequantising GGUF blocks, reordering each
 weight for oneDNN and probing it): on two threads each operation waits at its end for the other
 thread, and where another process holds that core, the wait is that process's time slice. On the
-2-core machines (benchmarks/README.md, start-up) two threads were a third faster when the machine was
+2-core machines (benchmarks/HISTORY.md, start-up) two threads were a third faster when the machine was
 quiet and several times slower beside one busy process; a worker restarted after a crash usually
 starts beside busy ones, so loading runs on one thread and the engine's steps on ``--threads``.
 """

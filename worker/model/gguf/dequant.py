@@ -38,7 +38,7 @@ import torch
 # A chunk of this many values is computed at a time: float32 output is written in place (no
 # temporary bigger than the chunk's packed integers), other dtypes go through one float32 scratch
 # chunk (2 MiB) that stays in cache. Whole tensors were slowest (most of all in bfloat16, with a
-# full-size float32 temporary); much smaller chunks pay per-operation overhead (benchmarks/README.md).
+# full-size float32 temporary); much smaller chunks pay per-operation overhead (benchmarks/HISTORY.md).
 CHUNK_VALUES = 1 << 19
 _M4_32, _M4_16 = 0x0F0F0F0F, 0x0F0F
 _BIT_32 = 0x01010101

@@ -4,7 +4,7 @@ Float data that already is the compute dtype is not copied: it is a view of the 
 (copy-on-write, so the file is never written and torch gets the writable array it asks for).
 Quantised data of the common types (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) is dequantised with
 torch by ``worker.model.gguf.dequant``, straight from the memory map and bit for bit what ``gguf.quants``
-gives, several times faster (benchmarks/README.md). The other types (Q2_K, Q3_K) keep
+gives, several times faster (benchmarks/HISTORY.md). The other types (Q2_K, Q3_K) keep
 ``gguf.quants`` (the reference numpy code that llama.cpp's Python tools use), driven a few thousand
 blocks at a time: the working arrays then stay in the CPU cache, which is several times faster than
 both one pass over a whole tensor and ``gguf.quants.dequantize``'s own grouping of 16 rows.

@@ -2,7 +2,7 @@
 kept in a file under ``cache_dir("weights")`` so that a restart maps them instead of computing them.
 
 Dequantising the default model's Q4_1 file costs about half a CPU second at every start
-(benchmarks/README.md, start-up); a worker restarted after a crash pays it again before it can
+(benchmarks/HISTORY.md, start-up); a worker restarted after a crash pays it again before it can
 continue. The first load writes the weights it computed; later loads map that file copy-on-write,
 which costs almost nothing until the pages are read (they are in the page cache when the same host
 started the model before), and the mapped pages of weights used as they lie (the embeddings, the
