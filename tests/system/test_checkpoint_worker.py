@@ -25,8 +25,10 @@ from worker.engine.engine import Engine
 def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_dir, pg_url, queue_prefix, s3_url):
     settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
                              storage_url=s3_url, drain_timeout=0.2)
+    # 1,000 tokens: more than the 0.2 s drain can finish on a fast CPU (at 400, a Zen 5 finished all four in the
+    # drain, and nothing was handed back to resume)
     lines = [{"custom_id": f"long-{i}", "url": "/v1/completions",
-              "body": {"model": TINY_NAME, "prompt": f"story {i}", "max_tokens": 400, "ignore_eos": True,
+              "body": {"model": TINY_NAME, "prompt": f"story {i}", "max_tokens": 1000, "ignore_eos": True,
                        "temperature": 0}} for i in range(4)]
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -40,7 +42,7 @@ def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_
     with db.session() as s:
         refs = dict(s.execute(select(RequestRow.id, RequestRow.checkpoint).where(RequestRow.job_id == job.id)).all())
     states = [read_state(store, ref) for ref in refs.values()]
-    assert len(states) == 4 and all(40 <= s.output_tokens < 400 for s in states)
+    assert len(states) == 4 and all(40 <= s.output_tokens < 1000 for s in states)
     assert len({ref.split("@")[0] for ref in refs.values()}) == 1, "the handed-back states went in one segment"
     segments = first.metrics.registry.get_sample_value("berth_checkpoint_segments_total")
     assert segments <= first.engine.stats.steps // 16 + 2, "more than a state object a round"
