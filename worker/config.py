@@ -112,6 +112,7 @@ class Settings(BaseModel):
         """The environment's ``BERTH_*`` values, overridden by ``values`` (a command line's flags)."""
         super().__init__(**{**environment(type(self).model_fields), **values})
 
+    # The headings below are those of SECTIONS (after the class), which titles docs/settings.md's sections.
     # --- model and device
     model: str = setting(
         "", "The model: a GGUF file or a Hugging Face safetensors folder (sharded or not; float32, bfloat16 or "
