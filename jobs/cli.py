@@ -9,53 +9,56 @@ import json
 import logging
 import sys
 from contextlib import contextmanager
+from typing import Literal, get_args, get_origin
 from urllib.parse import unquote, urlsplit
 
 import click
 from pydantic import ValidationError
 
 from jobs.records.job_status import JobStatus
-from worker.config import ConfigError, Settings
+from worker.config import ConfigError, Settings, default_text, flag_group, flag_names, flag_takes_text
 
 
-def engine_options(command):
-    """The engine's flags, shared by every command that runs an engine."""
-    options = [
-        click.option("--model", help="GGUF file or Hugging Face safetensors folder [default: SmolLM2-135M-Instruct]"),
-        click.option("--model-name", help="the name requests give in body.model [default: from the model]"),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"])),
-        click.option("--device", help="auto, cpu, cuda or cuda:N"),
-        click.option("--threads", type=int, help="CPU threads [default: all cores]"),
-        click.option("--kv-memory", help="KV cache size: auto, bytes (2GiB, 512MB) or a fraction of free memory (0.25) "
-                     "[auto: room for --max-num-seqs requests of the model's length, at most a quarter of free memory]"),
-        click.option("--block-size", type=int, help="tokens per KV block [16]"),
-        click.option("--max-num-batched-tokens", "--token-budget", "max_num_batched_tokens", type=int,
-                     help="tokens computed per step [2048]"),
-        click.option("--max-num-seqs", type=int, help="cap on running sequences [256]"),
-        click.option("--interactive-seats", type=float,
-                     help="share of --max-num-seqs held for chat and completions requests; batch work runs in the "
-                     "rest [0: none held, they preempt batch work for a seat]"),
-        click.option("--interactive-kv-blocks", type=float,
-                     help="share of the KV cache's blocks held for chat and completions requests; batch work "
-                     "holds at most the rest [0: none held, they preempt batch work for blocks]"),
-        click.option("--interactive-step-seconds", type=float,
-                     help="seconds a step (the time between a stream's tokens) should take while chat and "
-                     "completions requests run: they go first, batch work fills the step only to the tokens that "
-                     "keep it that long [0.15; 0: no bound but --max-num-batched-tokens]"),
-        click.option("--attention-backend", type=click.Choice(["auto", "torch", "cpu", "triton"])),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "int8", "fp8_e4m3"]),
-                     help="KV cache values: auto (the model's dtype, exact), int8 (a scale per token and head: "
-                     "3.8x the tokens of float32 in the same memory, not bit-exact) or fp8_e4m3 (the same, in "
-                     "float8; CUDA of compute capability 8.9+ only) [auto]"),
-        click.option("--weight-dtype", type=click.Choice(["auto", "int8"]),
-                     help="linear layers' weights: auto (the model's dtype, exact) or int8 (a scale per output row; "
-                     "decode streams a quarter of float32's bytes; not bit-exact) [auto]"),
-        click.option("--no-prefix-cache", "enable_prefix_cache", flag_value=False, default=None,
-                     help="turn the prefix cache off"),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+# The flags of settings: each is made from its field in worker.config (names, type, help, the default it
+# shows), where the setting is described; only which commands take which group of them is said here.
+# tests/test_settings_docs.py fails on a flag for a setting made any other way.
+OPTION_TYPES = {"interactive_prefetch": click.IntRange(0, 65535)}  # refused by click, before pydantic
+
+
+def setting_option(name: str):
+    """The flag of setting ``name``. Its own default is None: a flag not given leaves the environment's value."""
+    field = Settings.model_fields[name]
+    flags = flag_names(name)
+    if field.annotation is bool:  # a switch: --respawn turns it on, --no-prefix-cache off
+        return click.option(*flags, name, flag_value=not flags[0].startswith("--no-"), default=None,
+                            help=field.description)
+    shown = default_text(name)
+    if name in OPTION_TYPES:
+        kind = OPTION_TYPES[name]
+    elif get_origin(field.annotation) is Literal:
+        kind = click.Choice(get_args(field.annotation))
+    else:
+        kind = str if flag_takes_text(name) else field.annotation
+    return click.option(*flags, name, type=kind, help=f"{field.description}  [default: {shown}]" if shown
+                        else field.description)
+
+
+def setting_options(group: str):
+    """A decorator adding the flags of the settings of ``group`` (``setting(cli=group)``), in the fields' order."""
+    options = [setting_option(name) for name in Settings.model_fields if flag_group(name) == group]
+
+    def add(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return add
+
+
+engine_options = setting_options("engine")  # the engine's, on every command that runs one
+service_options = setting_options("service")  # where the database, the queue and the job files are
+worker_options = setting_options("worker")  # berth worker's own
+serve_options = setting_options("serve")  # berth serve's own
 
 
 def configure_logging(quiet: bool = False) -> None:
@@ -120,20 +123,6 @@ def generate(input_file, output, errors, quiet, **flags):
                f"({summary.output_tokens_per_second:.1f} tok/s) -> {summary.output_path}", err=True)
     if summary.errors_path:
         click.echo(f"errors: {summary.errors_path}", err=True)
-
-
-def service_options(command):
-    """Where the database, the queue and the job files are."""
-    options = [
-        click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]"),
-        click.option("--broker-url", help="amqp://... for RabbitMQ [empty: the embedded SQLite queue]"),
-        click.option("--storage-url", help="file://FOLDER or s3://BUCKET/PREFIX for job files and checkpoints "
-                                          "[file://./berth-store]"),
-        click.option("--queue-prefix", help="prefix of the queue and exchange names [berth]"),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
 
 
 def job_options(command):
@@ -307,17 +296,7 @@ def tenant(name, weight, cache_group, **flags):
 
 
 @main.command()
-@click.option("--metrics-port", type=int, help="serve Prometheus metrics on this port [0: off]")
-@click.option("--metrics-host", help="address to serve them on [127.0.0.1: this machine only]")
-@click.option("--prefetch", type=int, help="deliveries held at once [0: sized from the engine]")
-@click.option("--max-delivery-attempts", type=int, help="deliveries before a request is dead-lettered [3]")
-@click.option("--drain-timeout", type=float, help="seconds to finish running requests on SIGTERM [60]")
-@click.option("--interactive-prefetch", type=click.IntRange(0, 65535),
-              help="chat and completions requests held at once from the model's interactive queue (RabbitMQ); "
-              "0: a batch-only worker, which does not take them [8]")
-@click.option("--respawn", "respawn", flag_value=True, default=None,
-              help="run the worker as a child of a process that has imported torch and the engine once, and "
-              "start a new child at once whenever one dies (SIGKILL, OOM); SIGTERM to this process stops both")
+@worker_options
 @service_options
 @engine_options
 def worker(**flags):
@@ -466,9 +445,7 @@ def retry(job_id, as_json, **flags):
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--open", "open_access", is_flag=True,
               help="serve requests without a valid API key as tenant 'default' (only on 127.0.0.1)")
-@click.option("--max-file-bytes", help="the largest upload (200MB)")
-@click.option("--allowed-hosts", "http_allowed_hosts",
-              help="Host names --open answers besides its loopback address and localhost (comma-separated)")
+@serve_options
 @service_options
 @engine_options
 def serve(host, port, open_access, **flags):
@@ -505,7 +482,7 @@ def key():
 
 @key.command(name="create")
 @click.option("--tenant", required=True, help="the tenant the key acts for")
-@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+@setting_option("database_url")
 def key_create(tenant, database_url):
     """Make a key and print it: it is shown this once (the database keeps only its hash)."""
     from jobs.records.db import open_database
@@ -519,7 +496,7 @@ def key_create(tenant, database_url):
 
 @key.command(name="list")
 @click.option("--tenant", help="only this tenant's keys")
-@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+@setting_option("database_url")
 def key_list(tenant, database_url):
     """The keys by their first characters, with their tenants."""
     import datetime
@@ -537,7 +514,7 @@ def key_list(tenant, database_url):
 
 @key.command(name="revoke")
 @click.argument("key_or_prefix")
-@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+@setting_option("database_url")
 def key_revoke(key_or_prefix, database_url):
     """Revoke a key: give it whole, or its 12 first characters as `berth key list` shows them."""
     from jobs.records.db import open_database
@@ -556,7 +533,7 @@ def db():
 
 
 @db.command()
-@click.option("--database-url", help="SQLAlchemy URL of the jobs database [sqlite:///./berth.db]")
+@setting_option("database_url")
 def upgrade(database_url):
     """Apply the migrations (creates the schema in an empty database)."""
     from jobs import api

