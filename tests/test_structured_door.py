@@ -20,9 +20,9 @@ from jobs.lines.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from jobs.lines.validate import LineValidator, model_info, read_lines
 from tests.jobs_support import TINY_NAME, tiny_settings
 from worker.config import Settings
-from worker.engine.grammar import CompileRules
+from worker.engine.structured.grammar import CompileRules
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import SchemaBounds
+from worker.engine.structured.schema_bounds import SchemaBounds
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
           "required": ["name", "age"]}

@@ -16,8 +16,8 @@ switches) are refused rather than ignored, so nobody trusts a constraint that wa
 Every check that the engine relies on happens here, before a row is stored: sizes against the
 ``Settings.structured_max_*`` limits (compiling a grammar costs time and memory that grow with
 its text), a schema against the JSON Schema metaschema (``jsonschema``) and against the bounds of
-its shape (``worker.engine.schema_bounds``: properties, optional properties of one object, depth,
-enum values), and the compile itself (``worker.engine.grammar.check``, in the tenant's turn, stopped
+its shape (``worker.engine.structured.schema_bounds``: properties, optional properties of one object, depth,
+enum values), and the compile itself (``worker.engine.structured.grammar.check``, in the tenant's turn, stopped
 at its deadline; it caches what it compiled for the engine to reuse).
 
 A schema is kept as compact JSON text with its keys in the order the user wrote them: a grammar
@@ -34,10 +34,10 @@ from typing import Any
 
 from jobs.lines.line_text import bad_text, shown
 from worker.config import Settings
-from worker.engine.grammar_compile import GrammarError
-from worker.engine.grammar_pool import CompileRules
+from worker.engine.structured.grammar_compile import GrammarError
+from worker.engine.structured.grammar_pool import CompileRules
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import over_bounds
+from worker.engine.structured.schema_bounds import over_bounds
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name
 _NEW_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -97,7 +97,7 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
         return None
     param, kind, value = asked[0]
     spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
-    from worker.engine.grammar import check  # torch: paid by the first constraint, not by every door's import
+    from worker.engine.structured.grammar import check  # torch: paid by the first constraint, not by every door's import
 
     try:
         check(spec, tokenizer, limits.compile, tenant)

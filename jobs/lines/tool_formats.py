@@ -17,7 +17,7 @@ tools' prompt there is written for it). So the family is read from the template:
 The constraint is one of xgrammar's structural tags: the family's fixed text around a JSON value whose
 schema is the call's (the name as a ``const``, the arguments as the function's ``parameters``; an
 ``anyOf`` over the functions where any may be called). Whitespace between JSON tokens is bounded to one
-character, for the reason ``worker/engine/grammar.py`` gives for JSON schemas.
+character, for the reason ``worker/engine/structured/grammar.py`` gives for JSON schemas.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ the requests whose every sample has finished. ``abort`` drops a request at once.
 
 A request with a structured output (``SamplingParams.structured``) first waits, outside the
 scheduler (no running slot, no KV blocks), for its grammar to compile in its tenant's turn in the
-compile pool (worker/engine/grammar_pool.py, which stops a compile at its deadline); then each of its samples gets a matcher, the step masks the constrained rows' logits, and a
+compile pool (worker/engine/structured/grammar_pool.py, which stops a compile at its deadline); then each of its samples gets a matcher, the step masks the constrained rows' logits, and a
 sample whose grammar is complete finishes with "stop". A spec that does not compile, or resumed
 tokens its grammar refuses, fails that request alone.
 """
@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 
 from worker.config import Settings
-from worker.engine import grammar, pooling
+from worker.engine import pooling
+from worker.engine.structured import grammar
 from worker.engine.block_manager import BlockManager
 from worker.engine.penalties import TokenCounts
 from worker.engine.model_runner import ModelRunner

@@ -13,8 +13,8 @@ GIL while compiling (measured: the engine's thread is never stalled for the comp
 run beside the engine loop, never inside it.
 
 What a compile may cost is bounded twice: a JSON schema's shape before it compiles
-(``worker/engine/schema_bounds.py``), and the compile itself by a deadline in a compile process
-that is killed when it passes it (``worker/engine/grammar_pool.py``, which also says why the
+(``worker/engine/structured/schema_bounds.py``), and the compile itself by a deadline in a compile process
+that is killed when it passes it (``worker/engine/structured/grammar_pool.py``, which also says why the
 grammar is then compiled again here, and how tenants share the compile processes).
 
 JSON schemas compile without free whitespace (``any_whitespace=False``: xgrammar's default
@@ -53,11 +53,11 @@ import numpy as np
 import torch
 
 from worker.config import Settings
-from worker.engine.grammar_compile import (COMPILE_THREADS, CompileTimeout, GrammarDeadEnd, GrammarError,
+from worker.engine.structured.grammar_compile import (COMPILE_THREADS, CompileTimeout, GrammarDeadEnd, GrammarError,
                                            allows_nothing, choice_grammar, compile_spec)
-from worker.engine.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
+from worker.engine.structured.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import over_bounds
+from worker.engine.structured.schema_bounds import over_bounds
 from worker.model.tokenizer import as_transformers
 
 if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import

@@ -9,7 +9,7 @@ the properties of the whole schema, the optional ones of any one object, how dee
 and how many enum and const values there are. Within these bounds the costliest shape tried,
 seven objects of 256 optional properties each, compiled in 8 s, well inside the default deadline;
 what is costly in another way (a ``pattern`` of nested counted repetitions compiled for
-minutes in 49 bytes) is stopped at the compile deadline instead (``worker/engine/grammar_pool.py``).
+minutes in 49 bytes) is stopped at the compile deadline instead (``worker/engine/structured/grammar_pool.py``).
 
 Only the keywords that hold schemas are walked, so a ``const``, ``enum``, ``default`` or
 ``examples`` value is never mistaken for one. A definition in ``$defs`` counts once, however many

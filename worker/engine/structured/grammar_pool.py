@@ -15,9 +15,9 @@ compile in 0.4 s; then about a third of that again to read. So the compile proce
 deadline: a spec that compiles in time there is compiled again here (the same library, tokenizer
 and threads: about as long again), and one that does not is stopped with its process. The price
 is a second compile per distinct spec and process, tens of milliseconds for common schemas, once:
-compiled grammars are cached (``worker/engine/grammar.py``) and a bulk job's requests share one schema.
+compiled grammars are cached (``worker/engine/structured/grammar.py``) and a bulk job's requests share one schema.
 
-The processes (``worker/engine/grammar_server.py``): one compile server per process that compiles,
+The processes (``worker/engine/structured/grammar_server.py``): one compile server per process that compiles,
 started once (it imports xgrammar, 3 s), forks a slot server per slot, and each slot server forks a
 compile process per compile, killed at the deadline. A fork costs about 20 ms and shares the
 server's memory, where a fresh interpreter would cost the 3 s of importing xgrammar and torch and
@@ -51,9 +51,9 @@ from multiprocessing.reduction import send_handle
 from pathlib import Path
 from typing import Callable
 
-from worker.engine.grammar_compile import COMPILE_THREADS, WHAT, CompileTimeout, GrammarError
+from worker.engine.structured.grammar_compile import COMPILE_THREADS, WHAT, CompileTimeout, GrammarError
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import SchemaBounds
+from worker.engine.structured.schema_bounds import SchemaBounds
 
 log = logging.getLogger("berth.grammar")
 
@@ -229,13 +229,13 @@ def _reply(conn: Connection, seconds: float):
 
 
 class CompileServer:
-    """The compile server of this process (``worker/engine/grammar_server.py``)."""
+    """The compile server of this process (``worker/engine/structured/grammar_server.py``)."""
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        root = str(Path(__file__).resolve().parents[2])  # the folder holding worker/: this very code runs there
+        root = str(Path(__file__).resolve().parents[3])  # the folder holding worker/: this very code runs there
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.engine.grammar_server", str(theirs.fileno()),
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.engine.structured.grammar_server", str(theirs.fileno()),
                                       str(COMPILE_THREADS)], pass_fds=[theirs.fileno()], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()

@@ -1,7 +1,7 @@
 """The compile server: the process a compile process is forked from, so that a compile past its
-deadline can be killed (``worker/engine/grammar_pool.py`` says why, and drives it).
+deadline can be killed (``worker/engine/structured/grammar_pool.py`` says why, and drives it).
 
-Run as ``python -m worker.engine.grammar_server FD``, FD one end of a socket pair to the process that
+Run as ``python -m worker.engine.structured.grammar_server FD``, FD one end of a socket pair to the process that
 started it. It imports xgrammar once (3 s with torch, which xgrammar imports) and then, for each
 slot of the pool, forks a slot server on a socket of its own. A slot server keeps the tokenizer
 infos it was sent and, for each compile, forks a compile process that inherits them, compiles the
@@ -22,7 +22,7 @@ import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
-from worker.engine.grammar_compile import COMPILE_THREADS, GrammarError, compile_spec
+from worker.engine.structured.grammar_compile import COMPILE_THREADS, GrammarError, compile_spec
 from worker.engine.request import StructuredOutput
 
 
