@@ -134,6 +134,34 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def set_back(self, seq: Sequence) -> None:
+        """Out of this scheduler, blocks freed, as if preempted for recompute (a failed step's sequence):
+        blocks the failed step was to fill are no longer findable in the prefix cache."""
+        self.bm.forget_uncomputed(seq)
+        self.remove(seq)
+        seq.status = SeqStatus.WAITING
+
+    def hand_over(self, seq: Sequence, to: Scheduler) -> None:
+        """Move ``seq`` to the scheduler ``to`` as it is: a running one keeps its blocks and runs there,
+        a waiting one waits there; one in neither stays where it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+            to.add_running(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            to.add(seq)
+
+    def preempt_newest(self) -> Sequence | None:
+        """Preempt the lowest-priority, most recently admitted running sequence for recompute (room for
+        requests stepped apart); None when none runs."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=lambda seq: (-seq.priority, seq.admitted_order))
+        self.running.remove(victim)
+        self.bm.free_sequence(victim)
+        self.add(victim)
+        return victim
+
     # ---- the step
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
