@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from worker.engine.engine import EngineStats
+from worker.engine.stats import EngineStats
 
 DEFAULT_PREFILL_TOKENS_PER_SECOND = 2_000.0  # until a step measures it
 DEFAULT_STORAGE_BYTES_PER_SECOND = 100e6  # reading, until a read measures it

@@ -27,7 +27,8 @@ import torch
 from storage import ObjectNotFound, ObjectStore, StorageError
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.costs import TransferRates
-from worker.checkpoint.format import CorruptCheckpoint, EngineLimits, RequestCheckpoint, StateRef, decode_run, kv_key
+from worker.checkpoint.format import CorruptCheckpoint, EngineLimits, RequestCheckpoint, StateRef
+from worker.checkpoint.kv_runs import KvRunReader, reads_faster
 from worker.engine.engine import Engine
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
@@ -58,7 +59,7 @@ class Restorer:
         self.fingerprint = checkpointer.fingerprint
         self.block_bytes = checkpointer.block_bytes
         self.block_size = checkpointer.block_size
-        self.block_shape = tuple(engine.read_kv_blocks([0])[:, :, 0].shape)
+        self.runs = KvRunReader(engine.kv, store, self.fingerprint)
         self.limits = EngineLimits(engine.model_config.vocab_size, engine.max_model_len, self.block_size,
                                    engine.long_rope_from)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="berth-restore")
@@ -89,7 +90,7 @@ class Restorer:
             checkpoint = fetched.checkpoint
             if checkpoint is not None:
                 if fetched.data is not None:
-                    self.engine.load_kv_blocks(fetched.block_hashes, fetched.data)
+                    self.engine.kv.load_blocks(fetched.block_hashes, fetched.data)
                 samples = sorted(checkpoint.samples, key=lambda s: s.index)
                 fetched.request.resume_output_ids = [list(s.output_token_ids) for s in samples]
                 self.checkpointer.resumed(checkpoint, fetched.bad_runs)
@@ -110,8 +111,7 @@ class Restorer:
     def reads_blocks(self, num_blocks: int) -> bool:
         """Whether a request resuming with ``num_blocks`` KV blocks on the store gets them read back (True)
         or recomputed by prefill (False): the choice ``submit`` makes, asked without side effects."""
-        load, recompute = self.estimate(num_blocks)
-        return num_blocks > 0 and load < recompute
+        return reads_faster(self.rates, num_blocks, self.block_bytes, self.block_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -152,18 +152,15 @@ class Restorer:
             if all(h in found for h in hashes):
                 break
             try:
-                raw = self.store.get(kv_key(self.fingerprint, last))
-                run_hashes, data = decode_run(raw)
-                if tuple(data[:, :, 0].shape) != self.block_shape:
-                    raise CorruptCheckpoint(f"KV blocks of shape {tuple(data[:, :, 0].shape)}, not {self.block_shape}")
+                run = self.runs.read(last)
             except (ObjectNotFound, StorageError, CorruptCheckpoint) as exc:
                 log.warning("request %s: the KV run %s cannot be read back (%s); the engine recomputes what it held",
                             rid, last.hex(), exc)
                 bad.add(last)
                 break
-            nbytes += len(raw)
-            for i, h in enumerate(run_hashes):
-                found.setdefault(h, data[:, :, i])
+            nbytes += run.nbytes
+            for i, h in enumerate(run.hashes):
+                found.setdefault(h, run.data[:, :, i])
         self.rates.observe_read(nbytes, time.perf_counter() - t0)
         n = next((i for i, h in enumerate(hashes) if h not in found), len(hashes))
         if n < len(hashes) and n and runs:

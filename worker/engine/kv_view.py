@@ -59,6 +59,20 @@ class KVView:
         self.watch_shared_prefixes = False  # keep ``SharedPrefix``es for ``take_shared_prefixes``
         self._shared: list[SharedPrefix] = []
 
+    @property
+    def block_size(self) -> int:
+        return self.bm.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's keys and values, over all layers."""
+        return self.runner.kv_bytes // self.bm.num_blocks
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """A block's shape in ``read_blocks``'s copies: ``[layers, 2, block_size, kv_heads, head_dim]``."""
+        return tuple(self.read_blocks([0])[:, :, 0].shape)
+
     def request_state(self, request_id: str) -> RequestState | None:
         """What a checkpoint of a request holds: its tokens so far and its computed full blocks."""
         request = self.requests.get(request_id)
