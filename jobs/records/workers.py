@@ -9,7 +9,7 @@ Deaths: a delivery whose row says an engine step of another worker process ran i
 tells the worker claiming it that that process died (``jobs.hosting.database_ledger``). The first claim to find a
 death records it once (keyed by the dead process's life, ``requests.holder_life``) with how many
 requests it was running, counted before any of them is claimed again: the size of the group that a
-crash is charged to (``worker.consumer.admission.standing_after``). Deaths are kept for
+crash is charged to (``worker.consumer.suspects.standing_after``). Deaths are kept for
 ``DEATHS_KEPT`` seconds; their rate per host is how an operator sees a crash loop.
 """
 

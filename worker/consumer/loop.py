@@ -101,7 +101,8 @@ from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.messaging.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
 from worker.messaging.topology import BadMessage, RequestRef, parse_request_body
-from worker.consumer.suspects import CLEAR_TOKENS, Suspects
+from worker.consumer import suspects
+from worker.consumer.suspects import CLEAR_TOKENS, CrashSuspects
 from worker.engine.engine import Engine, RequestRejected
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
@@ -115,9 +116,6 @@ CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoi
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
-DEATHS_INTERVAL = 30.0  # seconds between readings of the rate of worker deaths
-DEATHS_WINDOW = 3600.0  # ... over this many seconds
-CRASH_LOOP_DEATHS = 3  # deaths of a host's workers in DEATHS_WINDOW that make the log line an error
 
 
 def worker_name() -> str:
@@ -130,7 +128,7 @@ class Inflight:
     claim: Claim
     request: Request  # as the engine runs it
     delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
-    suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``Suspects``)
+    suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``worker.consumer.suspects``)
 
     @property
     def started(self) -> bool:
@@ -180,11 +178,9 @@ class EngineWorker:
         self.stop_requested = 0  # signals received
         self.started_at = time.time()
         self._next_beat = 0.0
-        self.suspects = Suspects(settings.checkpoint_interval or CLEAR_TOKENS)
-        self._deaths_seen: dict[int, None] = {}  # ids of the deaths logged, the latest last
-        self._pause_at_start: list[int] | None = None  # the others, paused when a group's first step starts
-        self._next_deaths = 0.0
-        engine.on_start = self._on_start
+        self.suspects = CrashSuspects(self.name, settings.checkpoint_interval or CLEAR_TOKENS, engine, ledger,
+                                      self._ledger, self.database, self.metrics, self.inflight)
+        engine.on_start = self.suspects.on_start
 
     @property
     def window(self) -> int:
@@ -222,7 +218,7 @@ class EngineWorker:
                 if self.interactive is not None:
                     self.interactive.admit()
                 self._add_restored()
-                self._start_suspects()
+                self.suspects.start_next(bool(self.stop_requested), self._add, self._record)
                 if self.engine.has_unfinished():
                     self._step()
                 if self.remote is not None:
@@ -314,7 +310,7 @@ class EngineWorker:
         if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
-        self._note_deaths(claims.values())
+        self.suspects.note_deaths(claims.values())
         failures: list[Pending] = []
         starting: list[Inflight] = []
         for ref, delivery in fresh:
@@ -366,8 +362,8 @@ class EngineWorker:
         for item in items:
             claim = item.claim
             tokens = sum(len(out) for out in item.request.resume_output_ids)
-            standing = admission.standing_after(claim, tokens)
-            reason = admission.poison_reason(claim, standing, self.settings.max_delivery_attempts)
+            standing = suspects.standing_after(claim, tokens)
+            reason = suspects.poison_reason(claim, standing, self.settings.max_delivery_attempts)
             if reason is not None:
                 del self.inflight[item.request.request_id]
                 failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "delivery_limit", reason),
@@ -384,7 +380,7 @@ class EngineWorker:
             self._ledger(self.ledger.suspect, classes)
         for item in runnable:
             if item.suspect:
-                self.suspects.wait(item)  # runs apart, in a group of its own (``_start_suspects``)
+                self.suspects.wait(item)  # runs apart, in a group of its own
             else:
                 self._add(item, failures)
         self._record(failures)
@@ -412,105 +408,6 @@ class EngineWorker:
         (``LedgerDown`` propagates: the writer tries again later). Never called by the engine loop."""
         self.ledger.checkpointed({int(r): ref for r, ref in refs.items() if r.isdigit()}, self.name)
 
-    def _on_start(self, request_ids: list[str]) -> None:
-        """Before the engine's step that first runs these: say so, so that a crash in it counts. Before
-        the first step of a group of suspects, the others stop running in the same transaction: a death
-        is charged to the others until then, to the group from then on, never to nobody."""
-        ids = [int(r) for r in request_ids if r in self.inflight]
-        pause, self._pause_at_start = self._pause_at_start, None
-        if ids and self.database.ready():
-            if pause:
-                self._ledger(self.ledger.paused, pause, ids)
-            else:
-                self._ledger(self.ledger.started, ids)
-
-    # ---- suspects: run apart from other work (``worker.consumer.suspects``)
-    def _start_suspects(self) -> None:
-        """Start the next group of suspects alone in the engine, when one is due and the database can
-        be told that the others are paused meanwhile (as its first step starts: ``_on_start``)."""
-        s = self.suspects
-        s.waiting = [item for item in s.waiting if self.inflight.get(item.request.request_id) is item]
-        self._end_group_if_over()
-        if self.stop_requested or not s.due(self.engine.has_unfinished()) or not self.database.ready():
-            return
-        others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
-        self._pause_at_start = others
-        group = s.take_group()
-        log.info("worker %s: running %d suspect(s) of size class %d alone (they were running when a worker died); "
-                 "%d other requests wait meanwhile", self.name, len(group), min(i.suspect for i in group),
-                 len(others))
-        self.metrics.suspect_groups.inc()
-        failures: list[Pending] = []
-        for item in group:
-            item.request.isolated = True
-            self._add(item, failures)
-        s.begin([item for item in group if item.request.request_id in self.inflight])
-        self._record(failures)
-        self._end_group_if_over()
-
-    def _watch_suspects(self) -> None:
-        """After each step: clear the members that ran long enough alone; end the group when none is left."""
-        s = self.suspects
-        s.stepped()
-        if s.group is None:
-            return
-        cleared = s.cleared(self.engine.requests)
-        last = set(cleared) >= {rid for rid in s.group.members if rid in self.engine.requests}
-        # the last ones keep running as the others resume (``_end_group_if_over``): only their class changes
-        write = (lambda ids: self.ledger.suspect(dict.fromkeys(ids, 0))) if last else self.ledger.cleared
-        if cleared and self._ledger(write, [int(rid) for rid in cleared]) is not DOWN:
-            for rid in cleared:
-                self.engine.release(rid)
-                if rid in self.inflight:
-                    self.inflight[rid].suspect = 0
-        else:
-            cleared = []
-        self._end_group_if_over(cleared)
-
-    def _end_group_if_over(self, cleared: list[str] = ()) -> None:
-        """Members cleared, finished, failed or dropped leave the group; when none is left, the others run
-        again: said before their next step (without the database they run all the same, and a death then
-        is charged to none of them)."""
-        s = self.suspects
-        if s.group is not None:
-            gone = [rid for rid in s.group.members if rid not in self.inflight or rid not in self.engine.requests]
-            if s.leave([*cleared, *gone]):
-                self._pause_at_start = None  # a group that never ran (its members refused) paused nothing
-                others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
-                if others:
-                    self._ledger(self.ledger.started, others)
-        self.metrics.suspects.set(s.held)
-
-    def _note_deaths(self, claims) -> None:
-        """Log each death of a worker found in these claims once, with the rate of deaths (the gauge too)."""
-        deaths = {c.death.id: c.death for c in claims if c.crashed and c.death is not None
-                  and c.death.id not in self._deaths_seen}
-        if not deaths:
-            return
-        rates = self._read_death_rates()
-        total = sum(rates.values()) if rates is not None else None
-        for death in deaths.values():
-            self._deaths_seen[death.id] = None
-            host = death.worker.rpartition(":")[0] or death.worker
-            on_host = rates.get(host, 0) if rates is not None else None
-            crash_loop = on_host is not None and on_host >= CRASH_LOOP_DEATHS
-            log.log(logging.ERROR if crash_loop else logging.WARNING,
-                    "worker %s died while running %d request(s)%s: worker deaths in the last hour: %s on host %s, "
-                    "%s in all; its requests that made no progress run again as suspects, apart from other work",
-                    death.worker, death.running, " (crash-looping)" if crash_loop else "",
-                    "?" if on_host is None else on_host, host, "?" if total is None else total)
-        while len(self._deaths_seen) > 1000:
-            self._deaths_seen.pop(next(iter(self._deaths_seen)))
-
-    def _read_death_rates(self) -> dict[str, int] | None:
-        """host -> deaths of its workers in the last hour, read now, and set as the gauge."""
-        self._next_deaths = time.monotonic() + DEATHS_INTERVAL
-        rates = self._ledger(self.ledger.worker_deaths, DEATHS_WINDOW)
-        if rates is DOWN:
-            return None
-        self.metrics.set_worker_deaths(rates)
-        return rates
-
     # ---- results out
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -529,7 +426,7 @@ class EngineWorker:
             self.restorer.observe_step()
         if self.prefixes is not None:
             self.prefixes.after_step()
-        self._watch_suspects()
+        self.suspects.after_step()
         if self.interactive is not None:
             self.interactive.after_step(outputs)
         done = []
@@ -572,8 +469,8 @@ class EngineWorker:
         if time.monotonic() >= self._next_beat and self.database.ready():
             self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
             self._ledger(self.ledger.heartbeat, self._heartbeat())
-        if time.monotonic() >= self._next_deaths and self.database.ready():
-            self._read_death_rates()
+        if self.suspects.death_rates_due() and self.database.ready():
+            self.suspects.read_death_rates()
         if measure_queue:
             depth = self.broker.depth()
             if depth is not None:
