@@ -297,16 +297,9 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 (whatever a request made the step raise: find it, fail it alone)
             return self._step_failed(scheduled, scheduler, exc)
         self.stats.steps += 1
-        by_class = [0, 0, 0, 0]  # batch prompt, batch output, interactive prompt, interactive output
+        self.stats.count_computed(scheduled)
         for seq, n in scheduled:  # their keys and values are in the cache now
-            prompt = self._count_computed(seq, n)
-            k = 2 * seq.request.interactive
-            by_class[k] += prompt
-            by_class[k + 1] += n - prompt
             seq.num_computed_tokens += n
-        for k, n in enumerate(by_class):
-            if n:
-                self.stats.computed_tokens[CLASSES[k >> 1], ("prompt", "output")[k & 1]] += n
         self.kv.note_prefix_hits(plan)
         if self.stats.steps % 8 == 1:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
@@ -460,14 +453,6 @@ class Engine:
                        for seq in request.sequences]
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
                              num_cached_prompt_tokens=request.cached_prompt_tokens or 0)
-
-    def _count_computed(self, seq: Sequence, n: int) -> int:
-        """Count ``n`` tokens of ``seq`` computed; how many of them were its prompt's."""
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        prompt = max(0, min(end, seq.num_prompt_tokens) - start)
-        self.stats.prompt_tokens_computed += prompt
-        self.stats.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
-        return prompt
 
     # ---- whole batches
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine.request import Sequence
 
 CLASSES = ("batch", "interactive")  # a request's class, by ``Request.interactive``
 
@@ -25,6 +29,22 @@ class EngineStats:
     forward_seconds: float = 0.0
     slot_utilization_sum: float = 0.0  # of the samples taken every 8 steps (a sum: a worker runs for months)
     slot_utilization_count: int = 0
+
+    def count_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Count a step's computed tokens, before their sequences advance: prompt tokens, generated ones
+        computed again, and both by class."""
+        by_class = [0, 0, 0, 0]  # batch prompt, batch output, interactive prompt, interactive output
+        for seq, n in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            prompt = max(0, min(end, seq.num_prompt_tokens) - start)
+            self.prompt_tokens_computed += prompt
+            self.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
+            k = 2 * seq.request.interactive
+            by_class[k] += prompt
+            by_class[k + 1] += n - prompt
+        for k, n in enumerate(by_class):
+            if n:
+                self.computed_tokens[CLASSES[k >> 1], ("prompt", "output")[k & 1]] += n
 
     def observe_slot_utilization(self, value: float) -> None:
         self.slot_utilization_sum += value
