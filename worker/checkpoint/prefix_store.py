@@ -1,32 +1,7 @@
 """One prefix cache for the whole fleet: prompt prefixes' KV blocks shared through the object store.
-
-A job whose lines share a long system prompt would have every worker compute it again. Instead:
-
-- **Publish.** When a request finds leading blocks of its prompt in the engine's prefix cache, that
-  prefix is shared by at least two requests: the likely case of a system prompt. Its aligned windows
-  of ``RUN_BLOCKS`` blocks go to the store as KV runs named by their last block's hash
-  (``format.kv_key``, the checkpoints' own runs), and so does the window where the shared part ends
-  (a run named by the prefix's last shared block). The checkpoint writer uploads them beside the
-  engine loop; each is written once: a run this worker published or loaded in the last
-  ``REPUBLISH_SECONDS`` is not offered again, and the writer asks the store (a HEAD) before writing
-  one, which another worker may have written. (The checkpoint collection deletes runs no state names
-  an hour after they were written: while requests keep sharing a prefix, it is published again.)
-- **Load.** A new request (not a resume: that is ``resume.Restorer``'s) whose prompt's full blocks the
-  engine lacks is looked up before it is added, on a background thread, when reading that many blocks
-  is faster than computing them (the same estimate as a resume: ``TransferRates``): window by window
-  from the start, one GET each (the key of the window's last block), until one is missing; past the
-  first window, the keys of the missing window's other blocks, longest first, find a run published
-  where a shared prefix ended inside it (a prompt that goes on past the shared part pays a GET for
-  each of its blocks there before the one that hits). The blocks found go into the engine's prefix cache
-  (``KVView.load_blocks``), where the request's admission takes them as cache hits: so they count
-  in its ``cached_prompt_tokens`` and the engine's ``prompt_tokens_cached``, not as computed.
-
-Names carry the trust boundary: a block's hash chains from a root holding its request's cache salt
-(its tenant's, unless a group or a request's ``cache_salt`` shares it), so a worker looking up one
-tenant's prompt never finds another's runs. Lookups of the same run by requests admitted together
-share one GET. Anyone with store access can write a run: its header's hashes must be the ones looked
-up and its blocks the engine's shape, or it is ignored (the blocks are computed).
-"""
+A prefix requests found shared here is published as KV runs after the step; a new request's prompt is
+looked up on the store before it is added, when reading beats computing, and the blocks found go into
+the engine's prefix cache. Names chain from the tenant's cache salt. docs/engine.md says more."""
 
 from __future__ import annotations
 

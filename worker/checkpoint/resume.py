@@ -1,19 +1,7 @@
-"""Resuming a request from its checkpoint, on whichever worker it is delivered to next.
-
-``submit`` reads the request's state from the store on a background thread: one ranged read of the
-segment its ref names (the ref is where the request's row says its latest state is). A state made by
-another model, dtype or block size, for another prompt or sampling parameters, unreadable, or
-holding what this engine would never have written (too many tokens, ids outside the vocabulary,
-blocks that are not its tokens' hash chain: ``RequestCheckpoint.mismatch``), is ignored with a
-warning: the request starts over. Otherwise the request gets its generated tokens back
-(``Request.resume_output_ids``) and its KV blocks are either read back from the store (the few runs
-its state names) or left for the engine to recompute by prefill, whichever ``TransferRates``
-estimates is faster. ``ready`` (engine thread) puts fetched blocks into the engine's prefix cache
-and hands back the requests to add: the engine takes the cached blocks instead of computing them,
-and samples the rest exactly as it would have (randomness depends only on seed, sample and
-position). A request with a structured output gets its matchers back from the engine, which has
-each accept the tokens its sample already has before the request is scheduled.
-"""
+"""Resuming a request from its checkpoint on whichever worker it is delivered to next: ``submit``
+reads its state in the background, a state that does not apply is ignored (the request starts
+over), and ``ready`` loads the KV blocks worth reading back and hands back the requests to add with
+their generated tokens (``Request.resume_output_ids``). docs/engine.md says more."""
 
 from __future__ import annotations
 
