@@ -1,5 +1,5 @@
 """xgrammar against llguidance on the default model's tokenizer: the figures berth chose its grammar
-engine by (see worker/engine/grammar.py).
+engine by (see worker/engine/structured/grammar.py).
 
 For each library: the tokenizer-info build, the compile time of a few JSON schemas (nested objects,
 enums, arrays with minItems, bounded numbers, a string pattern) with its cache off, the per-step cost
@@ -7,7 +7,7 @@ of filling one bitmask ``[rows, ceil(vocab/32)]`` for a batch of constrained row
 batch call and accepting the sampled tokens, and whether compiling holds the GIL (a Python loop
 spins beside a compile in a thread; its longest stall).
 
-The masks are applied with berth's ``worker.engine.grammar.apply_bitmask`` for both libraries (it is
+The masks are applied with berth's ``worker.engine.structured.grammar.apply_bitmask`` for both libraries (it is
 several times faster on CPU than either library's own), so the fill is what tells them apart.
 
     python benchmarks/grammar_libraries.py [--rows 64] [--steps 48] [--threads 1]
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks.throughput import machine_info  # noqa: E402
 from worker.config import default_model_path  # noqa: E402
-from worker.engine.grammar import apply_bitmask  # noqa: E402
+from worker.engine.structured.grammar import apply_bitmask  # noqa: E402
 from worker.model.tokenizer import load_tokenizer  # noqa: E402
 
 VOCAB = 49152

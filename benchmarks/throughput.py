@@ -205,13 +205,13 @@ class track_grammar_time:
     and how many steps and rows were constrained, until ``figures`` puts the calls back."""
 
     def __init__(self):
-        import worker.engine.grammar
+        import worker.engine.structured.grammar
         import worker.engine.sampler
 
         self.seconds = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
         self.steps = self.rows = 0
-        self._restore = [(worker.engine.grammar, "fill_bitmask"), (worker.engine.sampler, "apply_bitmask"),
-                         (worker.engine.grammar, "accept")]
+        self._restore = [(worker.engine.structured.grammar, "fill_bitmask"), (worker.engine.sampler, "apply_bitmask"),
+                         (worker.engine.structured.grammar, "accept")]
         self._originals = [getattr(module, name) for module, name in self._restore]
         for (module, name), key, original in zip(self._restore, self.seconds, self._originals):
             setattr(module, name, self._timed(key, original))

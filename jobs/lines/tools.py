@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from jobs.lines.line_text import bad_text, shown
 from jobs.lines.structured_outputs import StructuredLimits, SpecError, schema_text, within
 from jobs.lines.tool_formats import ToolFormat, call_schema, format_of
-from worker.engine.grammar_compile import GrammarError
+from worker.engine.structured.grammar_compile import GrammarError
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import over_bounds
+from worker.engine.structured.schema_bounds import over_bounds
 
 MAX_TOOLS = 128  # as OpenAI
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -66,7 +66,7 @@ def compile_plan(plan: ToolPlan, tokenizer, limits: StructuredLimits, tenant: st
     or ``SpecError``: done last, once the cheaper checks of the line passed."""
     if plan.structured is None:
         return
-    from worker.engine.grammar import check  # torch: paid by the first tools line, not by every door's import
+    from worker.engine.structured.grammar import check  # torch: paid by the first tools line, not by every door's import
 
     try:
         check(plan.structured, tokenizer, limits.compile, tenant)

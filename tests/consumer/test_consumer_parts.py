@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.consumer_fakes import FakeEngine, Row
 from worker.config import Settings
-from worker.consumer import admission
+from worker.consumer import suspects
 from worker.consumer.ledger import Claim, Death
 from worker.messaging.topology import request_body
 from worker.engine.request import SamplingParams
@@ -104,13 +104,13 @@ def _claim(crashed: bool, strikes: int, progress: int, running: int = 1) -> Clai
 
 def test_only_a_crash_alone_without_checkpoint_progress_is_a_strike():
     def strikes(claim, tokens):
-        return admission.standing_after(claim, tokens).strikes
+        return suspects.standing_after(claim, tokens).strikes
 
     assert strikes(_claim(crashed=False, strikes=2, progress=0), 0) == 2  # handed back, or waiting
     assert strikes(_claim(crashed=True, strikes=2, progress=16), 16) == 3  # died running it alone, no progress
     assert strikes(_claim(crashed=True, strikes=2, progress=16), 32) == 0  # died after progress
-    assert admission.poison_reason(_claim(True, 0, 0), admission.Standing(1, 2), 3) is None
-    reason = admission.poison_reason(_claim(True, 0, 0), admission.Standing(1, 3), 3)
+    assert suspects.poison_reason(_claim(True, 0, 0), suspects.Standing(1, 2), 3) is None
+    reason = suspects.poison_reason(_claim(True, 0, 0), suspects.Standing(1, 3), 3)
     assert "killed its worker 3 times running alone" in reason and "last error: none recorded" in reason
 
 

@@ -15,8 +15,8 @@ import pytest
 from tests.support.consumer_fakes import FakeBroker, FakeEngine, FakeLedger, Row, WorkerKilled
 from tests.support.consumer_fakes import make_worker, run_until_done
 from worker.config import Settings
-from worker.consumer import admission
-from worker.consumer.admission import Standing
+from worker.consumer import suspects
+from worker.consumer.suspects import Standing
 from worker.consumer.ledger import Claim, Death
 from worker.engine.request import SamplingParams
 
@@ -33,34 +33,34 @@ def _claim(*, crashed=True, running=8, progress=0, strikes=0, suspect=0) -> Clai
 
 # ---- admission's decisions (pure)
 def test_a_request_running_when_its_worker_died_is_a_suspect_of_half_the_batch_not_guilty():
-    assert admission.standing_after(_claim(running=8), 0) == Standing(suspect=4, strikes=0)
-    assert admission.standing_after(_claim(running=5, strikes=1), 0) == Standing(3, 1)  # strikes kept, not added
-    assert admission.standing_after(_claim(running=4, suspect=4), 0) == Standing(2, 0)  # its group died: halves
-    assert admission.standing_after(_claim(running=2, suspect=2), 0) == Standing(1, 0)
+    assert suspects.standing_after(_claim(running=8), 0) == Standing(suspect=4, strikes=0)
+    assert suspects.standing_after(_claim(running=5, strikes=1), 0) == Standing(3, 1)  # strikes kept, not added
+    assert suspects.standing_after(_claim(running=4, suspect=4), 0) == Standing(2, 0)  # its group died: halves
+    assert suspects.standing_after(_claim(running=2, suspect=2), 0) == Standing(1, 0)
 
 
 def test_only_a_death_while_it_ran_alone_is_a_strike_and_progress_clears_everything():
-    assert admission.standing_after(_claim(running=1, suspect=1, strikes=1), 0) == Standing(1, 2)
-    assert admission.standing_after(_claim(running=1), 0) == Standing(1, 1)  # alone in its worker's batch
-    assert admission.standing_after(_claim(running=8, suspect=1, strikes=2, progress=16), 32) == Standing(0, 0)
+    assert suspects.standing_after(_claim(running=1, suspect=1, strikes=1), 0) == Standing(1, 2)
+    assert suspects.standing_after(_claim(running=1), 0) == Standing(1, 1)  # alone in its worker's batch
+    assert suspects.standing_after(_claim(running=8, suspect=1, strikes=2, progress=16), 32) == Standing(0, 0)
     # not crashed (handed back, or only waiting in a dead worker's window): it stands where it stood
-    assert admission.standing_after(_claim(crashed=False, suspect=3, strikes=1), 0) == Standing(3, 1)
+    assert suspects.standing_after(_claim(crashed=False, suspect=3, strikes=1), 0) == Standing(3, 1)
 
 
 def test_poison_only_after_the_configured_deaths_alone():
     claim = _claim(running=1, suspect=1)
-    assert admission.poison_reason(claim, Standing(1, 2), 3) is None
-    assert admission.poison_reason(claim, Standing(4, 9), 10) is None
-    reason = admission.poison_reason(claim, Standing(1, 3), 3)
+    assert suspects.poison_reason(claim, Standing(1, 2), 3) is None
+    assert suspects.poison_reason(claim, Standing(4, 9), 10) is None
+    reason = suspects.poison_reason(claim, Standing(1, 3), 3)
     assert "killed its worker 3 times running alone" in reason and "max_delivery_attempts 3" in reason
 
 
 def test_a_group_is_as_large_as_its_smallest_class_allows_and_the_smallest_classes_go_first():
-    assert admission.suspect_group([]) == []
-    assert admission.suspect_group([4, 4, 4, 4, 4, 4]) == [0, 1, 2, 3]  # the oldest first
-    assert admission.suspect_group([4, 1, 4, 1]) == [1]  # one that must run alone, alone
-    assert admission.suspect_group([8, 2, 8, 2, 2]) == [1, 3]
-    assert admission.suspect_group([3, 8, 5]) == [0, 1, 2]  # each member's class is at least the group's size
+    assert suspects.suspect_group([]) == []
+    assert suspects.suspect_group([4, 4, 4, 4, 4, 4]) == [0, 1, 2, 3]  # the oldest first
+    assert suspects.suspect_group([4, 1, 4, 1]) == [1]  # one that must run alone, alone
+    assert suspects.suspect_group([8, 2, 8, 2, 2]) == [1, 3]
+    assert suspects.suspect_group([3, 8, 5]) == [0, 1, 2]  # each member's class is at least the group's size
 
 
 # ---- the worker

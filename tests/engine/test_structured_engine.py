@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from worker.engine import grammar
+from worker.engine.structured import grammar
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams, StructuredOutput
 

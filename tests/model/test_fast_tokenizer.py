@@ -192,8 +192,8 @@ def test_structured_outputs_build_xgrammars_tokenizer_info_without_transformers_
     (0.4 s at a process's first structured request)."""
     import xgrammar as xgr
 
-    from worker.engine import grammar
-    from worker.engine.grammar import tokenizer_info
+    from worker.engine.structured import grammar
+    from worker.engine.structured.grammar import tokenizer_info
 
     for vocab_size, stops in ((None, None), (49216, [2, 7])):  # the model's logits may be wider than the vocabulary
         ours = tokenizer_info(smol_tokenizer, vocab_size, stops)

@@ -1,29 +1,7 @@
-"""Checkpoints of running requests, taken in the engine thread between steps and written by the
-``CheckpointWriter``'s threads, so that a request whose worker dies continues elsewhere.
-
-Checkpoints go in rounds: every ``checkpoint_interval`` steps (a decoding request makes one token a
-step), or after ``checkpoint_seconds`` if that comes first, every running request with progress since
-its last snapshot is snapshotted, and the writer stores all their states as one segment: one PUT a
-round, however many requests run. A request's snapshot is its state (tokens so far per sample) and a
-CPU copy of those of its KV blocks worth writing (``KvPolicy``, from the measured ``TransferRates``)
-that the store has not got: one ``read_kv_blocks`` call a round, each distinct block once.
-
-KV goes in runs of up to ``RUN_BLOCKS`` consecutive blocks of one chain, aligned: a run holds blocks
-``[k * RUN_BLOCKS, ...]`` of its chain and ends at the window's end, or at the prompt's last full
-block while the window is not full yet (generated blocks of a window wait until it fills). So what a
-run holds follows from its name (the hash of its last block), two workers write the same bytes under
-one name, and a prefix shared by many requests is stored once per window. Runs past the writer's
-byte budget are left for a later round; the state still goes.
-
-Not checkpointed (they start over after a crash), because the engine cannot resume them exactly
-yet: requests asking for logprobs (the engine does not take back the logprobs of restored tokens)
-and requests with a finished sample among several (it would not know that sample had finished).
-Their last checkpoint from before stays valid.
-
-What is kept per request (its last snapshot's progress here, its tokens recorded in the writer) is
-kept only for requests in the engine: ``finished`` and ``released`` drop it, and each step drops what
-they missed, so a long-lived worker's bookkeeping is bounded by what it runs.
-"""
+"""Checkpoints of running requests, as rounds: every ``checkpoint_interval`` steps (or
+``checkpoint_seconds``) each running request with progress is snapshotted between steps (its tokens,
+and the KV blocks worth writing, ``KvPolicy``, in aligned runs named by their last block's hash), and
+the ``CheckpointWriter``'s threads store the round as one segment. docs/engine.md says more."""
 
 from __future__ import annotations
 
@@ -36,7 +14,8 @@ from worker.checkpoint.costs import KvPolicy, TransferRates
 from worker.checkpoint.format import RUN_BLOCKS, RequestCheckpoint, SampleCheckpoint, request_digest, runs_holding
 from worker.checkpoint.writer import CheckpointWriter, KvRun, Snapshot
 from worker.config import Settings
-from worker.engine.engine import Engine, RequestState
+from worker.engine.engine import Engine
+from worker.engine.kv_view import RequestState
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
 
@@ -68,9 +47,8 @@ class Checkpointer:
         self.policy = KvPolicy(settings.checkpoint_kv, settings.checkpoint_mtbf)
         self.rates = rates or TransferRates()
         self.fingerprint = engine.fingerprint
-        self.block_size = engine.settings.block_size
-        kv = engine.kv_usage()
-        self.block_bytes = kv["kv_bytes"] // kv["blocks_total"]
+        self.block_size = engine.kv.block_size
+        self.block_bytes = engine.kv.block_bytes
         self.writer = CheckpointWriter(store, self.fingerprint, metrics, settings.checkpoint_queue_bytes,
                                        block_threads=settings.checkpoint_kv_threads, on_durable=on_durable,
                                        rates=self.rates)
@@ -154,7 +132,7 @@ class Checkpointer:
         return found
 
     def _snapshot(self, request_ids: list[str], now: float) -> None:
-        states = [s for s in map(self.engine.request_state, request_ids) if s is not None and s.samples]
+        states = [s for s in map(self.engine.kv.request_state, request_ids) if s is not None and s.samples]
         if not states:
             return
         room = self.writer.room()
@@ -176,7 +154,7 @@ class Checkpointer:
                 chosen.append((state.request_id, w))
         runs: dict[str, list[KvRun]] = {}
         if chosen:
-            data = self.engine.read_kv_blocks([b for _, w in chosen for b in w.block_ids])
+            data = self.engine.kv.read_blocks([b for _, w in chosen for b in w.block_ids])
             at = 0
             for request_id, w in chosen:
                 n = len(w.hashes)

@@ -1,31 +1,13 @@
-"""What checkpoint I/O costs and what it saves, measured as the worker runs, and the two decisions
-made from it: whether a request's KV blocks are worth writing (``KvPolicy``), and whether a resumed
-request's blocks are read back or computed again (``TransferRates.load_seconds`` against
-``recompute_seconds``, in ``worker.checkpoint.resume``).
-
-KV blocks are most of a checkpoint's bytes (45 KB a token for the default model in float32, 128 KB
-for a Llama-3-8B shape in bf16) and most requests finish long before their worker dies. So blocks
-are written only once the expected cost of computing them again after a crash exceeds the cost of
-writing them:
-
-    P(crash before the request ends) * (tokens / prefill rate - bytes / read bandwidth)
-        >  bytes / write bandwidth + objects * seconds per PUT
-
-    P = 1 - exp(-remaining / mtbf),   remaining = steps the request has left * seconds per step
-
-(``checkpoint_mtbf``: the mean time between a worker's crashes assumed; ``checkpoint_kv`` = always
-or never overrides the decision). The rates are measured: prefill tokens/s from steps that were
-mostly prefill, read bandwidth from blocks read back, write bandwidth and the per-PUT cost from the
-writer's own PUTs (small ones say what a PUT costs, large ones the bandwidth beyond it), seconds per
-step from the steps. Until measured, the defaults below stand.
-"""
+"""What checkpoint I/O costs and saves, measured as the worker runs (``TransferRates``), and the two
+decisions made from it: whether a request's KV blocks are worth writing (``KvPolicy``), and whether
+blocks on the store are read back or computed again. docs/engine.md gives the formula."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from worker.engine.engine import EngineStats
+from worker.engine.stats import EngineStats
 
 DEFAULT_PREFILL_TOKENS_PER_SECOND = 2_000.0  # until a step measures it
 DEFAULT_STORAGE_BYTES_PER_SECOND = 100e6  # reading, until a read measures it

@@ -1,32 +1,7 @@
 """One prefix cache for the whole fleet: prompt prefixes' KV blocks shared through the object store.
-
-A job whose lines share a long system prompt would have every worker compute it again. Instead:
-
-- **Publish.** When a request finds leading blocks of its prompt in the engine's prefix cache, that
-  prefix is shared by at least two requests: the likely case of a system prompt. Its aligned windows
-  of ``RUN_BLOCKS`` blocks go to the store as KV runs named by their last block's hash
-  (``format.kv_key``, the checkpoints' own runs), and so does the window where the shared part ends
-  (a run named by the prefix's last shared block). The checkpoint writer uploads them beside the
-  engine loop; each is written once: a run this worker published or loaded in the last
-  ``REPUBLISH_SECONDS`` is not offered again, and the writer asks the store (a HEAD) before writing
-  one, which another worker may have written. (The checkpoint collection deletes runs no state names
-  an hour after they were written: while requests keep sharing a prefix, it is published again.)
-- **Load.** A new request (not a resume: that is ``resume.Restorer``'s) whose prompt's full blocks the
-  engine lacks is looked up before it is added, on a background thread, when reading that many blocks
-  is faster than computing them (the same estimate as a resume: ``TransferRates``): window by window
-  from the start, one GET each (the key of the window's last block), until one is missing; past the
-  first window, the keys of the missing window's other blocks, longest first, find a run published
-  where a shared prefix ended inside it (a prompt that goes on past the shared part pays a GET for
-  each of its blocks there before the one that hits). The blocks found go into the engine's prefix cache
-  (``Engine.load_kv_blocks``), where the request's admission takes them as cache hits: so they count
-  in its ``cached_prompt_tokens`` and the engine's ``prompt_tokens_cached``, not as computed.
-
-Names carry the trust boundary: a block's hash chains from a root holding its request's cache salt
-(its tenant's, unless a group or a request's ``cache_salt`` shares it), so a worker looking up one
-tenant's prompt never finds another's runs. Lookups of the same run by requests admitted together
-share one GET. Anyone with store access can write a run: its header's hashes must be the ones looked
-up and its blocks the engine's shape, or it is ignored (the blocks are computed).
-"""
+A prefix requests found shared here is published as KV runs after the step; a new request's prompt is
+looked up on the store before it is added, when reading beats computing, and the blocks found go into
+the engine's prefix cache. Names chain from the tenant's cache salt. docs/engine.md says more."""
 
 from __future__ import annotations
 
@@ -42,9 +17,11 @@ import torch
 from storage import ObjectNotFound, ObjectStore, StorageError
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.costs import TransferRates
-from worker.checkpoint.format import RUN_BLOCKS, CorruptCheckpoint, decode_run, kv_key
+from worker.checkpoint.format import RUN_BLOCKS, CorruptCheckpoint
+from worker.checkpoint.kv_runs import KvRunReader, reads_faster
 from worker.checkpoint.writer import KvRun
-from worker.engine.engine import Engine, SharedPrefix
+from worker.engine.engine import Engine
+from worker.engine.kv_view import SharedPrefix
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
 
@@ -76,10 +53,10 @@ class PrefixStore:
         self.fingerprint = checkpointer.fingerprint
         self.block_bytes = checkpointer.block_bytes
         self.block_size = checkpointer.block_size
-        self.block_shape = tuple(engine.read_kv_blocks([0])[:, :, 0].shape)
+        self.runs = KvRunReader(engine.kv, store, self.fingerprint)
         self.loaded_blocks = 0  # put into the engine's prefix cache from the store
         self.published_runs = 0  # handed to the writer
-        engine.watch_shared_prefixes = True
+        engine.kv.watch_shared_prefixes = True
         self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="berth-prefix")
         self._fetching: list[tuple[Request, Future]] = []
         self._reads: dict[bytes, Future] = {}  # run name -> its read, shared by the lookups under way
@@ -94,8 +71,8 @@ class PrefixStore:
     def submit(self, request: Request) -> bool:
         """Look ``request``'s prompt up on the store in the background (``ready`` hands it back);
         False when there is nothing worth looking up: add it to the engine now."""
-        hashes = self.engine.prefix_block_hashes(request)
-        have = self.engine.cached_prefix_blocks(hashes)
+        hashes = self.engine.kv.prefix_block_hashes(request)
+        have = self.engine.kv.cached_prefix_blocks(hashes)
         if len(hashes) < RUN_BLOCKS or not self.reads_blocks(len(hashes) - have):
             return False
         self._fetching.append((request, self._pool.submit(self._lookup, request.request_id, hashes, have)))
@@ -115,7 +92,7 @@ class PrefixStore:
                 log.exception("request %s: looking its prompt up in the prefix store failed", request.request_id)
                 found = _Found()
             if found.data is not None:
-                loaded = self.engine.load_kv_blocks(found.block_hashes, found.data)
+                loaded = self.engine.kv.load_blocks(found.block_hashes, found.data)
                 self.loaded_blocks += loaded
                 self.metrics.prefix_blocks.labels("loaded").inc(loaded)
                 self.writer.mark_written(found.runs)  # on the store: no checkpoint writes them again
@@ -129,7 +106,7 @@ class PrefixStore:
 
     def after_step(self) -> None:
         """Offer the prefixes that requests shared in the last step to the other workers."""
-        shared = self.engine.take_shared_prefixes()
+        shared = self.engine.kv.take_shared_prefixes()
         if not shared or not self.writer.up:
             return
         chosen: list[tuple[list[bytes], list[int]]] = []
@@ -146,7 +123,7 @@ class PrefixStore:
                 chosen.append((hashes, ids))
         if not chosen:
             return
-        data = self.engine.read_kv_blocks([b for _, ids in chosen for b in ids])
+        data = self.engine.kv.read_blocks([b for _, ids in chosen for b in ids])
         runs, at = [], 0
         for hashes, _ in chosen:
             runs.append(KvRun(hashes, data[:, :, at:at + len(hashes)], shared=True))
@@ -163,8 +140,7 @@ class PrefixStore:
 
     def reads_blocks(self, num_blocks: int) -> bool:
         """Whether reading ``num_blocks`` blocks from the store is faster than computing them."""
-        return num_blocks > 0 and (self.rates.load_seconds(num_blocks, self.block_bytes)
-                                   < self.rates.recompute_seconds(num_blocks, self.block_size))
+        return reads_faster(self.rates, num_blocks, self.block_bytes, self.block_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -231,15 +207,12 @@ class PrefixStore:
     def _get(self, rid: str, last: bytes) -> dict[bytes, torch.Tensor] | None:
         t0 = time.perf_counter()
         try:
-            raw = self.store.get(kv_key(self.fingerprint, last))
-            run_hashes, data = decode_run(raw)
-            if tuple(data[:, :, 0].shape) != self.block_shape:
-                raise CorruptCheckpoint(f"KV blocks of shape {tuple(data[:, :, 0].shape)}, not {self.block_shape}")
+            run = self.runs.read(last)
         except ObjectNotFound:
             return None
         except (StorageError, CorruptCheckpoint) as exc:
             log.warning("request %s: the prefix run %s cannot be read (%s); its blocks are computed",
                         rid, last.hex(), exc)
             return None
-        self.rates.observe_read(len(raw), time.perf_counter() - t0)
-        return {h: data[:, :, i] for i, h in enumerate(run_hashes)}
+        self.rates.observe_read(run.nbytes, time.perf_counter() - t0)
+        return run.blocks()

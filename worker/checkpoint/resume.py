@@ -1,19 +1,7 @@
-"""Resuming a request from its checkpoint, on whichever worker it is delivered to next.
-
-``submit`` reads the request's state from the store on a background thread: one ranged read of the
-segment its ref names (the ref is where the request's row says its latest state is). A state made by
-another model, dtype or block size, for another prompt or sampling parameters, unreadable, or
-holding what this engine would never have written (too many tokens, ids outside the vocabulary,
-blocks that are not its tokens' hash chain: ``RequestCheckpoint.mismatch``), is ignored with a
-warning: the request starts over. Otherwise the request gets its generated tokens back
-(``Request.resume_output_ids``) and its KV blocks are either read back from the store (the few runs
-its state names) or left for the engine to recompute by prefill, whichever ``TransferRates``
-estimates is faster. ``ready`` (engine thread) puts fetched blocks into the engine's prefix cache
-and hands back the requests to add: the engine takes the cached blocks instead of computing them,
-and samples the rest exactly as it would have (randomness depends only on seed, sample and
-position). A request with a structured output gets its matchers back from the engine, which has
-each accept the tokens its sample already has before the request is scheduled.
-"""
+"""Resuming a request from its checkpoint on whichever worker it is delivered to next: ``submit``
+reads its state in the background, a state that does not apply is ignored (the request starts
+over), and ``ready`` loads the KV blocks worth reading back and hands back the requests to add with
+their generated tokens (``Request.resume_output_ids``). docs/engine.md says more."""
 
 from __future__ import annotations
 
@@ -27,7 +15,8 @@ import torch
 from storage import ObjectNotFound, ObjectStore, StorageError
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.costs import TransferRates
-from worker.checkpoint.format import CorruptCheckpoint, EngineLimits, RequestCheckpoint, StateRef, decode_run, kv_key
+from worker.checkpoint.format import CorruptCheckpoint, EngineLimits, RequestCheckpoint, StateRef
+from worker.checkpoint.kv_runs import KvRunReader, reads_faster
 from worker.engine.engine import Engine
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
@@ -58,7 +47,7 @@ class Restorer:
         self.fingerprint = checkpointer.fingerprint
         self.block_bytes = checkpointer.block_bytes
         self.block_size = checkpointer.block_size
-        self.block_shape = tuple(engine.read_kv_blocks([0])[:, :, 0].shape)
+        self.runs = KvRunReader(engine.kv, store, self.fingerprint)
         self.limits = EngineLimits(engine.model_config.vocab_size, engine.max_model_len, self.block_size,
                                    engine.long_rope_from)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="berth-restore")
@@ -89,7 +78,7 @@ class Restorer:
             checkpoint = fetched.checkpoint
             if checkpoint is not None:
                 if fetched.data is not None:
-                    self.engine.load_kv_blocks(fetched.block_hashes, fetched.data)
+                    self.engine.kv.load_blocks(fetched.block_hashes, fetched.data)
                 samples = sorted(checkpoint.samples, key=lambda s: s.index)
                 fetched.request.resume_output_ids = [list(s.output_token_ids) for s in samples]
                 self.checkpointer.resumed(checkpoint, fetched.bad_runs)
@@ -110,8 +99,7 @@ class Restorer:
     def reads_blocks(self, num_blocks: int) -> bool:
         """Whether a request resuming with ``num_blocks`` KV blocks on the store gets them read back (True)
         or recomputed by prefill (False): the choice ``submit`` makes, asked without side effects."""
-        load, recompute = self.estimate(num_blocks)
-        return num_blocks > 0 and load < recompute
+        return reads_faster(self.rates, num_blocks, self.block_bytes, self.block_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -152,18 +140,15 @@ class Restorer:
             if all(h in found for h in hashes):
                 break
             try:
-                raw = self.store.get(kv_key(self.fingerprint, last))
-                run_hashes, data = decode_run(raw)
-                if tuple(data[:, :, 0].shape) != self.block_shape:
-                    raise CorruptCheckpoint(f"KV blocks of shape {tuple(data[:, :, 0].shape)}, not {self.block_shape}")
+                run = self.runs.read(last)
             except (ObjectNotFound, StorageError, CorruptCheckpoint) as exc:
                 log.warning("request %s: the KV run %s cannot be read back (%s); the engine recomputes what it held",
                             rid, last.hex(), exc)
                 bad.add(last)
                 break
-            nbytes += len(raw)
-            for i, h in enumerate(run_hashes):
-                found.setdefault(h, data[:, :, i])
+            nbytes += run.nbytes
+            for i, h in enumerate(run.hashes):
+                found.setdefault(h, run.data[:, :, i])
         self.rates.observe_read(nbytes, time.perf_counter() - t0)
         n = next((i for i, h in enumerate(hashes) if h not in found), len(hashes))
         if n < len(hashes) and n and runs:

@@ -1,78 +1,8 @@
-"""The engine worker (``berth worker``): queue deliveries in, one engine running across jobs and
-tenants, results out. This module is the loop; its parts each have a module of their own:
-
-- ``worker.consumer.broker``: the broker link (deliveries, acks, dead letters, reconnecting);
-- ``worker.consumer.admission``: what to do with a delivery, from its message and its row (pure);
-- ``worker.consumer.outcomes``: commit outcomes, then ack; buffered while the database is down;
-- ``worker.consumer.ledger``: the one narrow interface to the jobs database (``jobs.hosting.database_ledger`` implements it);
-- ``worker.consumer.housekeeper``: periodic chores on a thread (the embedded defaults' reconcile, expiry, GC).
-
-One loop, never blocked while the engine has work:
-
-1. receive deliveries (without waiting while the engine has work, up to ``IDLE_WAIT`` when idle);
-2. admit them: claim each request in the database (its row says what it is), ack and skip one that
-   has its result or whose job closed, dead-letter a message that is unreadable or disagrees with
-   its row, fail a request that is poison, add the rest to the engine;
-3. one engine step; the requests it finished (or failed alone) get their outcomes committed, and
-   only then are their messages acked;
-4. about every second: abort the requests of closed jobs, follow the tenants with live jobs
-   (consume their queues, give the engine their weights), resize the prefetch window, metrics.
-
-Tenants: each tenant has its own queue for the model (``worker.messaging.topology``), consumed with its own
-prefetch window, so the engine sees every tenant's waiting requests and its scheduler shares each
-step's tokens and the seats by the tenants' weights; priorities order the requests within a tenant's queue.
-
-Prefetch: the window of unacked deliveries of each tenant queue is what the engine can hold
-running (``max_num_seqs``, or fewer when the KV cache cannot fit that many of the requests seen so
-far) plus a quarter more waiting (``admission.prefetch_window``); all tenant queues together are
-capped at twice that. ``Settings.prefetch`` fixes it instead.
-
-Idempotency: a result's ``request_id`` is unique and written once; a delivery of a request that has
-a result is acked and skipped; a second delivery of a request this worker is already running is
-acked (or, if the first delivery's channel is gone, adopted).
-
-Poison (``worker.consumer.admission``): a request that was running when its worker died (the engine
-tells the ledger before the step, ``Engine.on_start``) and whose checkpoint did not advance since
-the delivery before is a suspect: it runs again only in a group of suspects apart from all other
-work, half the size of what died (``worker.consumer.suspects``), and only a death while it runs
-alone is a strike against it. An exception while stepping never ends the worker: the engine fails
-the one request that caused it (``Engine.step``).
-
-Crash loops: each death a worker finds while admitting (a delivery whose dead worker had run it) is
-logged with the rate of deaths in the last hour, per host and in all, and that rate is the gauge
-``berth_worker_deaths_last_hour{host}``, so an operator sees a crash-looping worker before any job fails.
-
-RabbitMQ's ``consumer_timeout`` (30 minutes by default) closes the channel of a delivery unacked
-that long and requeues every message it held. We ack only after the result is committed, so a
-request running longer than that would be redelivered. We chose: (1) ``compose.yaml`` raises
-``consumer_timeout`` to 24 hours, the longest completion window in normal use; (2) the worker
-survives the channel closing: it keeps its requests running, reconnects, and on finishing writes
-the result without acking the void delivery; the redelivered copy is adopted if it comes back here,
-or acked as done (or computed twice at worst, one result kept) if it went elsewhere.
-
-SIGTERM (or Ctrl-C): stop consuming, hand back at once the requests not started, let the running
-ones finish for up to ``Settings.drain_timeout`` seconds, checkpoint and hand back the rest (reject
-with requeue), exit. A second signal stops at once, handing everything back.
-
-Checkpoints (``Settings.checkpoint_interval`` > 0): every ``checkpoint_interval`` steps the
-``Checkpointer`` snapshots the running requests with progress and a thread writes their states to
-``Settings.storage_url`` as one segment, then records where each state is in the requests' rows
-(``Ledger.checkpointed``, from that thread: the loop never waits on it). A request whose claim names
-a checkpoint is first read from there by the ``Restorer`` in the background and added to the engine
-with its generated tokens (and KV blocks, when they were worth writing and reading them is faster
-than computing them). A new request is first looked up in the fleet's prefix store
-(``PrefixStore``, ``Settings.prefix_store``: the blocks of its prompt that other workers published)
-the same way, and a prefix that requests shared here is published after the step.
-
-Interactive requests (``worker.consumer.interactive_inbox``, ``berth serve``'s chat and completions routes):
-an ``InteractiveInbox`` is drained each iteration (requests in, aborts of callers that left), and
-after each step its requests' new text goes to their callers. On the embedded defaults the server
-hands them over in its process; with RabbitMQ they come from the model's interactive queue
-(``worker.consumer.interactive_queue``: its own prefetch, ``interactive_prefetch``; 0 = batch-only) and
-their text goes back by direct reply-to. They are never in the database, never checkpointed, and the
-scheduler serves them ahead of batch work. A worker draining refuses new ones (those from the queue
-that have not started go back to it); one stopping ends those left with an error.
-"""
+"""The engine worker (``berth worker``), as dramatiq's worker: queue deliveries in, one engine running
+across jobs and tenants, results out, acked only after their outcome commits. One loop, never blocked
+while the engine has work; its parts each have a module (broker, admission, outcomes, ledger,
+suspects, housekeeper), and absent optional parts are null objects (``absent``). docs/engine.md tells
+the loop's story: prefetch, idempotency, poison, consumer_timeout, draining, checkpoints, interactive."""
 
 from __future__ import annotations
 
@@ -91,6 +21,7 @@ from worker.checkpoint.prefix_store import PrefixStore
 from worker.checkpoint.resume import Restorer
 from worker.config import Settings
 from worker.consumer import admission
+from worker.consumer.absent import NoCheckpoints, NoInbox, NoPrefixes, NoRemote, NoRestorer
 from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.database_health import DOWN, DatabaseHealth
@@ -101,7 +32,8 @@ from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
 from worker.messaging.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
 from worker.messaging.topology import BadMessage, RequestRef, parse_request_body
-from worker.consumer.suspects import CLEAR_TOKENS, Suspects
+from worker.consumer import suspects
+from worker.consumer.suspects import CLEAR_TOKENS, CrashSuspects
 from worker.engine.engine import Engine, RequestRejected
 from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
@@ -115,9 +47,6 @@ CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoi
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
-DEATHS_INTERVAL = 30.0  # seconds between readings of the rate of worker deaths
-DEATHS_WINDOW = 3600.0  # ... over this many seconds
-CRASH_LOOP_DEATHS = 3  # deaths of a host's workers in DEATHS_WINDOW that make the log line an error
 
 
 def worker_name() -> str:
@@ -130,7 +59,7 @@ class Inflight:
     claim: Claim
     request: Request  # as the engine runs it
     delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
-    suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``Suspects``)
+    suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``worker.consumer.suspects``)
 
     @property
     def started(self) -> bool:
@@ -149,22 +78,26 @@ class EngineWorker:
         self.name = worker_name()
         self.metrics = WorkerMetrics()
         self.broker = broker or BrokerLink(settings, engine.model_name, self.metrics, self.name)
-        self.remote: RemoteRequests | None = None  # the interactive queue's requests (RabbitMQ)
-        if door is not None and getattr(self.broker, "interactive_prefetch", 0):
+        # The one place that decides which optional parts this worker has; an absent one is a null object
+        # (``worker.consumer.absent``), so the loop calls each part the same way.
+        self.remote: RemoteRequests | NoRemote = NoRemote()  # the interactive queue's requests (RabbitMQ)
+        self.consumes_interactive_queue = bool(door is not None and getattr(self.broker, "interactive_prefetch", 0))
+        if self.consumes_interactive_queue:
             interactive = interactive or InteractiveInbox()
             self.remote = RemoteRequests(interactive, self.broker, door, self.metrics, settings.http_max_body_bytes,
                                          self.name)
         elif hasattr(self.broker, "interactive_prefetch"):
             self.broker.interactive_prefetch = 0  # nobody here would read them
-        self.interactive = interactive  # live callers' requests, beside the queue's
-        if interactive is not None:
-            interactive.attach(engine)
+        # live callers' requests handed over in this process (not by the queue): the loop waits on them
+        self.waits_on_inbox = interactive is not None and not self.consumes_interactive_queue
+        self.interactive: InteractiveInbox | NoInbox = interactive or NoInbox()  # live callers', beside the queue's
+        self.interactive.attach(engine)
         self.database = DatabaseHealth(self.name, self.metrics)
         self.outcomes = OutcomeBook(ledger, self.database, self.metrics, self.name)
         self.housekeeper = Housekeeper(list(chores))
-        self.checkpoints: Checkpointer | None = None
-        self.restorer: Restorer | None = None
-        self.prefixes: PrefixStore | None = None
+        self.checkpoints: Checkpointer | NoCheckpoints = NoCheckpoints()
+        self.restorer: Restorer | NoRestorer = NoRestorer()
+        self.prefixes: PrefixStore | NoPrefixes = NoPrefixes()
         if settings.checkpoint_interval:
             store = open_store(settings.storage_url)
             self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics, on_durable=self._checkpointed)
@@ -180,11 +113,9 @@ class EngineWorker:
         self.stop_requested = 0  # signals received
         self.started_at = time.time()
         self._next_beat = 0.0
-        self.suspects = Suspects(settings.checkpoint_interval or CLEAR_TOKENS)
-        self._deaths_seen: dict[int, None] = {}  # ids of the deaths logged, the latest last
-        self._pause_at_start: list[int] | None = None  # the others, paused when a group's first step starts
-        self._next_deaths = 0.0
-        engine.on_start = self._on_start
+        self.suspects = CrashSuspects(self.name, settings.checkpoint_interval or CLEAR_TOKENS, engine, ledger,
+                                      self._ledger, self.database, self.metrics, self.inflight)
+        engine.on_start = self.suspects.on_start
 
     @property
     def window(self) -> int:
@@ -202,13 +133,13 @@ class EngineWorker:
         log.info("worker %s consuming %s.requests.%s.* (prefetch %d)%s: ready, %.1fs since the process started",
                  self.name, self.settings.queue_prefix, self.engine.model_name, self.window,
                  f" and {self.broker.topology.interactive_queue(self.engine.model_name).name} (prefetch "
-                 f"{self.broker.interactive_prefetch})" if self.remote is not None else "", seconds_since_start())
+                 f"{self.broker.interactive_prefetch})" if self.consumes_interactive_queue else "", seconds_since_start())
         drain_deadline = None
         next_control = next_depth = 0.0
         graceful = False
         try:
             while True:
-                busy = self.engine.has_unfinished() or (self.interactive is not None and self.interactive.pending())
+                busy = self.engine.has_unfinished() or self.interactive.pending()
                 if not self.stop_requested and not self.broker.maintain() and not busy:
                     self._idle(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
                 if not self.database.ready() and not busy:
@@ -217,16 +148,13 @@ class EngineWorker:
                 self._receive(wait)
                 self._record([])  # outcomes kept while the database was down, when a try is due
                 self._admit()
-                if self.remote is not None:
-                    self.remote.admit()
-                if self.interactive is not None:
-                    self.interactive.admit()
+                self.remote.admit()
+                self.interactive.admit()
                 self._add_restored()
-                self._start_suspects()
+                self.suspects.start_next(bool(self.stop_requested), self._add, self._record)
                 if self.engine.has_unfinished():
                     self._step()
-                if self.remote is not None:
-                    self.remote.keepalive()
+                self.remote.keepalive()
                 t = time.monotonic()
                 if t >= next_control:
                     next_control = t + CONTROL_INTERVAL
@@ -243,12 +171,10 @@ class EngineWorker:
                         graceful = True
                         break
         finally:
-            if self.remote is not None:  # those that said nothing yet: to another worker
-                self.remote.hand_back()
-            if self.interactive is not None:
-                self.interactive.fail_all("the server's engine worker stopped", close=True)
+            self.remote.hand_back()  # those that said nothing yet: to another worker
+            self.interactive.fail_all("the server's engine worker stopped", close=True)
             self.housekeeper.stop()
-            if graceful and self.checkpoints is not None:  # what is handed back continues from here elsewhere
+            if graceful:  # what is handed back continues from here elsewhere
                 self.checkpoints.save_all(CHECKPOINT_FLUSH)
             self._hand_back(count_attempt=not graceful)
             self._close()
@@ -262,7 +188,7 @@ class EngineWorker:
         """Deliveries, waiting up to ``wait`` for the first; with live callers' requests beside the queue,
         the wait is on them (a request or an abort ends it) after one look at the queue."""
         limit = self.window - len(self.incoming)
-        if self.interactive is None or self.remote is not None or not wait:  # the broker brings them all
+        if not self.waits_on_inbox or not wait:  # the broker brings them all
             self.incoming += self.broker.receive(limit, wait)
             return
         got = self.broker.receive(limit, 0)
@@ -271,10 +197,7 @@ class EngineWorker:
         self.incoming += got
 
     def _idle(self, seconds: float) -> None:
-        if self.interactive is not None:
-            self.interactive.wait(seconds)
-        else:
-            time.sleep(seconds)
+        self.interactive.wait(seconds)  # without an inbox: a sleep
 
     def _install_signal_handlers(self) -> dict:
         """SIGTERM and SIGINT ask the loop to stop; the handlers replaced, to put back."""
@@ -314,7 +237,7 @@ class EngineWorker:
         if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
-        self._note_deaths(claims.values())
+        self.suspects.note_deaths(claims.values())
         failures: list[Pending] = []
         starting: list[Inflight] = []
         for ref, delivery in fresh:
@@ -334,24 +257,23 @@ class EngineWorker:
                                                priority=claim.priority, tenant=claim.tenant,
                                                cache_salt=claim.cache_salt), delivery)
                 self.inflight[item.request.request_id] = item
-                store_up = self.checkpoints is not None and self.checkpoints.store_up
-                if claim.checkpoint and self.restorer is not None and store_up:
+                store_up = self.checkpoints.store_up
+                if claim.checkpoint and store_up:
                     self.restorer.submit(item.request, claim.checkpoint)  # begins once it is read (``_add_restored``)
-                elif not (self.prefixes is not None and store_up and self.prefixes.submit(item.request)):
+                elif not (store_up and self.prefixes.submit(item.request)):
                     starting.append(item)
         self._record(failures)
         self._begin(starting)
 
     def _restoring(self) -> bool:
         """Requests are being read from the store: checkpoints to resume, or prompt prefixes."""
-        return ((self.restorer is not None and self.restorer.pending > 0)
-                or (self.prefixes is not None and self.prefixes.pending > 0))
+        return self.restorer.pending > 0 or self.prefixes.pending > 0
 
     def _add_restored(self) -> None:
         if not self._restoring():
             return
         ready = []
-        for request in self.restorer.ready() + (self.prefixes.ready() if self.prefixes is not None else []):
+        for request in self.restorer.ready() + self.prefixes.ready():
             item = self.inflight.get(request.request_id)
             if item is not None and item.request is request:  # not dropped or handed back meanwhile
                 ready.append(item)
@@ -366,8 +288,8 @@ class EngineWorker:
         for item in items:
             claim = item.claim
             tokens = sum(len(out) for out in item.request.resume_output_ids)
-            standing = admission.standing_after(claim, tokens)
-            reason = admission.poison_reason(claim, standing, self.settings.max_delivery_attempts)
+            standing = suspects.standing_after(claim, tokens)
+            reason = suspects.poison_reason(claim, standing, self.settings.max_delivery_attempts)
             if reason is not None:
                 del self.inflight[item.request.request_id]
                 failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "delivery_limit", reason),
@@ -384,7 +306,7 @@ class EngineWorker:
             self._ledger(self.ledger.suspect, classes)
         for item in runnable:
             if item.suspect:
-                self.suspects.wait(item)  # runs apart, in a group of its own (``_start_suspects``)
+                self.suspects.wait(item)  # runs apart, in a group of its own
             else:
                 self._add(item, failures)
         self._record(failures)
@@ -412,105 +334,6 @@ class EngineWorker:
         (``LedgerDown`` propagates: the writer tries again later). Never called by the engine loop."""
         self.ledger.checkpointed({int(r): ref for r, ref in refs.items() if r.isdigit()}, self.name)
 
-    def _on_start(self, request_ids: list[str]) -> None:
-        """Before the engine's step that first runs these: say so, so that a crash in it counts. Before
-        the first step of a group of suspects, the others stop running in the same transaction: a death
-        is charged to the others until then, to the group from then on, never to nobody."""
-        ids = [int(r) for r in request_ids if r in self.inflight]
-        pause, self._pause_at_start = self._pause_at_start, None
-        if ids and self.database.ready():
-            if pause:
-                self._ledger(self.ledger.paused, pause, ids)
-            else:
-                self._ledger(self.ledger.started, ids)
-
-    # ---- suspects: run apart from other work (``worker.consumer.suspects``)
-    def _start_suspects(self) -> None:
-        """Start the next group of suspects alone in the engine, when one is due and the database can
-        be told that the others are paused meanwhile (as its first step starts: ``_on_start``)."""
-        s = self.suspects
-        s.waiting = [item for item in s.waiting if self.inflight.get(item.request.request_id) is item]
-        self._end_group_if_over()
-        if self.stop_requested or not s.due(self.engine.has_unfinished()) or not self.database.ready():
-            return
-        others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
-        self._pause_at_start = others
-        group = s.take_group()
-        log.info("worker %s: running %d suspect(s) of size class %d alone (they were running when a worker died); "
-                 "%d other requests wait meanwhile", self.name, len(group), min(i.suspect for i in group),
-                 len(others))
-        self.metrics.suspect_groups.inc()
-        failures: list[Pending] = []
-        for item in group:
-            item.request.isolated = True
-            self._add(item, failures)
-        s.begin([item for item in group if item.request.request_id in self.inflight])
-        self._record(failures)
-        self._end_group_if_over()
-
-    def _watch_suspects(self) -> None:
-        """After each step: clear the members that ran long enough alone; end the group when none is left."""
-        s = self.suspects
-        s.stepped()
-        if s.group is None:
-            return
-        cleared = s.cleared(self.engine.requests)
-        last = set(cleared) >= {rid for rid in s.group.members if rid in self.engine.requests}
-        # the last ones keep running as the others resume (``_end_group_if_over``): only their class changes
-        write = (lambda ids: self.ledger.suspect(dict.fromkeys(ids, 0))) if last else self.ledger.cleared
-        if cleared and self._ledger(write, [int(rid) for rid in cleared]) is not DOWN:
-            for rid in cleared:
-                self.engine.release(rid)
-                if rid in self.inflight:
-                    self.inflight[rid].suspect = 0
-        else:
-            cleared = []
-        self._end_group_if_over(cleared)
-
-    def _end_group_if_over(self, cleared: list[str] = ()) -> None:
-        """Members cleared, finished, failed or dropped leave the group; when none is left, the others run
-        again: said before their next step (without the database they run all the same, and a death then
-        is charged to none of them)."""
-        s = self.suspects
-        if s.group is not None:
-            gone = [rid for rid in s.group.members if rid not in self.inflight or rid not in self.engine.requests]
-            if s.leave([*cleared, *gone]):
-                self._pause_at_start = None  # a group that never ran (its members refused) paused nothing
-                others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
-                if others:
-                    self._ledger(self.ledger.started, others)
-        self.metrics.suspects.set(s.held)
-
-    def _note_deaths(self, claims) -> None:
-        """Log each death of a worker found in these claims once, with the rate of deaths (the gauge too)."""
-        deaths = {c.death.id: c.death for c in claims if c.crashed and c.death is not None
-                  and c.death.id not in self._deaths_seen}
-        if not deaths:
-            return
-        rates = self._read_death_rates()
-        total = sum(rates.values()) if rates is not None else None
-        for death in deaths.values():
-            self._deaths_seen[death.id] = None
-            host = death.worker.rpartition(":")[0] or death.worker
-            on_host = rates.get(host, 0) if rates is not None else None
-            crash_loop = on_host is not None and on_host >= CRASH_LOOP_DEATHS
-            log.log(logging.ERROR if crash_loop else logging.WARNING,
-                    "worker %s died while running %d request(s)%s: worker deaths in the last hour: %s on host %s, "
-                    "%s in all; its requests that made no progress run again as suspects, apart from other work",
-                    death.worker, death.running, " (crash-looping)" if crash_loop else "",
-                    "?" if on_host is None else on_host, host, "?" if total is None else total)
-        while len(self._deaths_seen) > 1000:
-            self._deaths_seen.pop(next(iter(self._deaths_seen)))
-
-    def _read_death_rates(self) -> dict[str, int] | None:
-        """host -> deaths of its workers in the last hour, read now, and set as the gauge."""
-        self._next_deaths = time.monotonic() + DEATHS_INTERVAL
-        rates = self._ledger(self.ledger.worker_deaths, DEATHS_WINDOW)
-        if rates is DOWN:
-            return None
-        self.metrics.set_worker_deaths(rates)
-        return rates
-
     # ---- results out
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -520,18 +343,14 @@ class EngineWorker:
             log.exception("worker %s: an engine step failed outside any one request; handing its requests back",
                           self.name)
             self._hand_back(count_attempt=True)
-            if self.interactive is not None:
-                self.interactive.fail_all("the engine failed a step: try again")
+            self.interactive.fail_all("the engine failed a step: try again")
             return
         self.metrics.observe_step(self.engine, time.perf_counter() - t0)
-        if self.checkpoints is not None:
-            self.checkpoints.after_step()
-            self.restorer.observe_step()
-        if self.prefixes is not None:
-            self.prefixes.after_step()
-        self._watch_suspects()
-        if self.interactive is not None:
-            self.interactive.after_step(outputs)
+        self.checkpoints.after_step()
+        self.restorer.observe_step()
+        self.prefixes.after_step()
+        self.suspects.after_step()
+        self.interactive.after_step(outputs)
         done = []
         for output in outputs:
             item = self.inflight.get(output.request_id)
@@ -558,8 +377,7 @@ class EngineWorker:
                     self.broker.ack(delivery)  # its outcome is committed: the message has done its work
             else:
                 self.broker.ack(delivery)
-            if self.checkpoints is not None:
-                self.checkpoints.finished(p.engine_id)
+            self.checkpoints.finished(p.engine_id)
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:
@@ -572,8 +390,8 @@ class EngineWorker:
         if time.monotonic() >= self._next_beat and self.database.ready():
             self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
             self._ledger(self.ledger.heartbeat, self._heartbeat())
-        if time.monotonic() >= self._next_deaths and self.database.ready():
-            self._read_death_rates()
+        if self.suspects.death_rates_due() and self.database.ready():
+            self.suspects.read_death_rates()
         if measure_queue:
             depth = self.broker.depth()
             if depth is not None:
@@ -599,8 +417,7 @@ class EngineWorker:
                 self.engine.abort(engine_id)
                 self.broker.ack(item.delivery)
                 del self.inflight[engine_id]
-                if self.checkpoints is not None:
-                    self.checkpoints.finished(engine_id)
+                self.checkpoints.finished(engine_id)
 
     def _follow_tenants(self) -> None:
         """Consume the queue of every tenant with live jobs for this model; set their weights."""
@@ -624,10 +441,8 @@ class EngineWorker:
         log.info("worker %s stopping: %d requests running, up to %.0fs to finish", self.name,
                  len(self.inflight), self.settings.drain_timeout)
         self.broker.cancel()
-        if self.remote is not None:
-            self.remote.hand_back()
-        if self.interactive is not None:
-            self.interactive.close("the server is stopping: try again on another")
+        self.remote.hand_back()
+        self.interactive.close("the server is stopping: try again on another")
         self._hand_back(count_attempt=False, only_unstarted=True)
         return time.monotonic() + self.settings.drain_timeout
 
@@ -643,8 +458,7 @@ class EngineWorker:
             self.engine.abort(engine_id)
             self.broker.requeue(item.delivery)
             del self.inflight[engine_id]
-            if self.checkpoints is not None:
-                self.checkpoints.released(engine_id)
+            self.checkpoints.released(engine_id)
         if not only_unstarted:
             for delivery in self.incoming:
                 self.broker.requeue(delivery)
@@ -652,9 +466,7 @@ class EngineWorker:
 
     def _close(self) -> None:
         self.engine.on_start = None
-        if self.checkpoints is not None:
-            self.restorer.close()
-            if self.prefixes is not None:
-                self.prefixes.close()
-            self.checkpoints.close(CHECKPOINT_FLUSH)
+        self.restorer.close()
+        self.prefixes.close()
+        self.checkpoints.close(CHECKPOINT_FLUSH)
         self.broker.close()

@@ -2,7 +2,7 @@
 
 Building the model on the CPU copies every linear weight into oneDNN's blocked layout
 (``worker.model.linear``): for the default model in float32 about 540 MiB of new memory, every page
-of it faulted in by the copy that first writes it. On the 2-core KVM machines of benchmarks/README.md
+of it faulted in by the copy that first writes it. On the 2-core KVM machines of benchmarks/HISTORY.md
 ("Start-up") those 135,000 faults were most of the build's time. Meanwhile, while the process
 imports torch (a second of work holding the GIL, on one core), the other core is idle.
 

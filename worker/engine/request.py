@@ -20,7 +20,7 @@ class StructuredOutput:
     any JSON object, a match of a regular expression, one of a list of strings, or a sentence of a
     grammar, or a tool call in a model family's own format (xgrammar's structural tag). The door (jobs/)
     builds it from ``response_format``, vLLM's ``guided_*`` / ``structured_outputs`` fields or ``tool_choice``
-    and has checked that it compiles; ``worker/engine/grammar.py`` compiles it
+    and has checked that it compiles; ``worker/engine/structured/grammar.py`` compiles it
     for the engine, cached by a hash of ``(kind, value)`` and the tokenizer."""
 
     kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar" | "structural_tag"
@@ -197,7 +197,7 @@ class Request:
     # A live caller waits on it (a stream): scheduled before batch work, which it may preempt
     # (worker/engine/scheduler.py); never checkpointed, its prefix never published.
     interactive: bool = False
-    grammar: object | None = None  # ``params.structured`` compiled (worker/engine/grammar.py), once it is
+    grammar: object | None = None  # ``params.structured`` compiled (worker/engine/structured/grammar.py), once it is
     grammar_future: Future | None = None  # the compile under way; the request is not scheduled until done
     # Who may share its cached prefix blocks: None is its tenant alone; requests with the same salt share
     # (the worker passes a tenant group's or a request's own ``cache_salt`` here, already namespaced).

@@ -5,7 +5,7 @@ uniform number from a counter-based hash and inverts the cumulative distribution
 request therefore gives the same text whatever shares its batch, and after a restart.
 
 Structured outputs: the rows a grammar constrains come with a bitmask of their allowed tokens
-(worker/engine/grammar.py), applied to their logits after any bias and penalty (so no bias lifts a
+(worker/engine/structured/grammar.py), applied to their logits after any bias and penalty (so no bias lifts a
 token the grammar forbids), before min_tokens, temperature, min-p, top-k and top-p;
 the draw is unchanged, so a constrained row is as deterministic as any. Rows without a grammar take
 the same path as when no row has one.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine import penalties
-from worker.engine.grammar import apply_bitmask
+from worker.engine.structured.grammar import apply_bitmask
 from worker.engine.request import SamplingParams
 
 _MASK = (1 << 64) - 1
@@ -66,7 +66,7 @@ class Sampled:
 def sample(logits: torch.Tensor, rows: list[SampleRow],
            grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> Sampled:
     """``logits``: float32 ``[len(rows), vocab]``; ``grammar_mask``: the constrained rows' indices and
-    their bitmask (``worker.engine.grammar.fill_bitmask``), or None when no row is constrained."""
+    their bitmask (``worker.engine.structured.grammar.fill_bitmask``), or None when no row is constrained."""
     n = len(rows)
     tokens = torch.empty(n, dtype=torch.long)
     processed = [i for i, r in enumerate(rows) if r.params.processed]

@@ -1,41 +1,7 @@
-"""Each step, fill a token budget, shared between tenants by weight: one loop over tenants' turns.
-
-One loop, no prefill or decode phases: the tenant furthest behind its weight's share of the
-tokens takes a turn (worker/engine/fair_share.py), and its best running sequence asks for the
-tokens it has not computed yet (one for a decode, the rest of its prompt for a chunked prefill),
-as many as the budget allows but no more than the tenant's share of the step while another tenant
-has work; a tenant with no running sequence left to serve brings in its next swapped-out or
-waiting one. Within a tenant, sequences go by priority, then admission order; waiting ones by
-priority that grows with waiting time (aging), so nothing starves; a prompt's cached prefix blocks
-are taken instead of computed. Priority is never compared across tenants.
-
-When the KV cache has no room, a running sequence not yet served this step is preempted: of the
-tenant furthest over its share, its lowest-priority, most recently admitted one. Its blocks are
-freed and it is recomputed later, or its blocks are copied to host memory and copied back later
-(swap). A step that preempted admits nothing new.
-
-Two classes, interactive first: a request marked ``Request.interactive`` (a live caller waiting on a
-stream) is served before any batch work, in a pass of its own over the same loop, and batch work
-takes what that pass left of the budget, the seats and the KV cache. When an interactive sequence
-needs a seat or KV blocks that batch work holds, a running batch sequence is preempted for it (of
-the batch tenant holding the most seats for its weight, its lowest-priority, most recently
-admitted one), never the other way round; ``interactive_seats`` are never taken by batch work at
-all (``Settings.interactive_seats``), and ``interactive_blocks`` of the KV cache's blocks stay free of
-batch work (``Settings.interactive_kv_blocks``): batch sequences are admitted, grow and preempt one
-another as if the cache were that much smaller, less what interactive sequences already hold, so an
-interactive request that the held blocks cover starts without preempting anything. Tenants' shares
-hold within each class: each class has its own turns, leads and seat claims; a tenant's weight is the
-same in both.
-
-While interactive work is in the engine, a step also carries at most ``interactive_step_tokens`` tokens in
-all: interactive sequences take what they need first, batch work only what is left of that bound. A live
-caller gets one token a step, so a step's time is the time between its tokens, and a full batch step (a
-few hundred decodes and prefill chunks) would set the pace of every stream. A new interactive prompt is
-cut to the bound too while other streams are decoding (a long prompt would stall each of them for a
-step as long as the prompt), and runs whole when none is. The engine sets the bound each step from the
-time steps take (worker/engine/step_pace.py). Batch sequences beyond it keep their seats and blocks and
-wait a step; the running ones go first, as always.
-"""
+"""Each step, fill a token budget shared between tenants by weight, in one loop with no prefill or
+decode phases (vLLM v1's scheduler): running sequences first, chunked prefill of waiting ones into
+what is left, preemption (recompute or swap) when the KV cache has no room, interactive work served
+ahead of batch work. docs/engine.md says how tenants, priorities and the two classes share a step."""
 
 from __future__ import annotations
 
@@ -133,6 +99,34 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def set_back(self, seq: Sequence) -> None:
+        """Out of this scheduler, blocks freed, as if preempted for recompute (a failed step's sequence):
+        blocks the failed step was to fill are no longer findable in the prefix cache."""
+        self.bm.forget_uncomputed(seq)
+        self.remove(seq)
+        seq.status = SeqStatus.WAITING
+
+    def hand_over(self, seq: Sequence, to: Scheduler) -> None:
+        """Move ``seq`` to the scheduler ``to`` as it is: a running one keeps its blocks and runs there,
+        a waiting one waits there; one in neither stays where it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+            to.add_running(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            to.add(seq)
+
+    def preempt_newest(self) -> Sequence | None:
+        """Preempt the lowest-priority, most recently admitted running sequence for recompute (room for
+        requests stepped apart); None when none runs."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=lambda seq: (-seq.priority, seq.admitted_order))
+        self.running.remove(victim)
+        self.bm.free_sequence(victim)
+        self.add(victim)
+        return victim
 
     # ---- the step
     def schedule(self) -> SchedulerOutput:

@@ -5,7 +5,7 @@ activations: a 2,048-token step's gate/up output alone is 25 MB) and frees them 
 glibc's ``malloc`` serves a block of 128 KiB or more with its own ``mmap`` and gives it back with
 ``munmap`` when freed (the threshold grows with what is freed, but only up to the size last freed),
 so a step's tensor larger than the last one freed comes from new pages, each one a page fault that
-the kernel answers with a zeroed page. On the 2-core AMD EPYC of benchmarks/README.md ("The step's
+the kernel answers with a zeroed page. On the 2-core AMD EPYC of benchmarks/HISTORY.md ("The step's
 temporaries in the heap"), 64 requests of the throughput workload took 0.54-0.66 million page faults
 and 3.6-4.9 s of system time in a 58 s run; with the blocks kept in the heap, 0.26 million (most of
 them the KV cache's first touches) and 2.3-3.4 s, and 1.03-1.04 times the useful tokens/s.

@@ -126,7 +126,7 @@ def _facts(hf) -> tuple[dict, str | None]:
 def _grammar_facts(hf) -> dict | None:
     """What xgrammar derives from transformers' tokenizer beyond its vocabulary (how tokens spell
     bytes, whether a leading space is added), kept with the tokenizer so that a process reading it
-    without transformers builds the same ``TokenizerInfo`` (``worker.engine.grammar.tokenizer_info``);
+    without transformers builds the same ``TokenizerInfo`` (``worker.engine.structured.grammar.tokenizer_info``);
     None where xgrammar cannot read it (structured outputs then load transformers' tokenizer on first use)."""
     try:
         import xgrammar as xgr

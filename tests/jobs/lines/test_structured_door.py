@@ -20,9 +20,9 @@ from jobs.lines.validate import model_info
 from tests.support.jobs_env import TINY_NAME, tiny_settings
 from tests.support.structured import PERSON, PERSON_TEXT, structured_line, structured_of
 from worker.config import Settings
-from worker.engine.grammar import CompileRules
+from worker.engine.structured.grammar import CompileRules
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import SchemaBounds
+from worker.engine.structured.schema_bounds import SchemaBounds
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

@@ -262,7 +262,7 @@ def test_a_checkpoint_from_before_tools_still_names_its_request():
 def test_a_call_grammar_is_bounded_like_a_schema():
     """The engine's own check of a spec's shape (for rows it did not see through the door) finds the
     schemas inside a structural tag."""
-    from worker.engine.grammar import DEFAULT_RULES, too_costly
+    from worker.engine.structured.grammar import DEFAULT_RULES, too_costly
     from worker.engine.request import StructuredOutput
 
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}

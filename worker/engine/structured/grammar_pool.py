@@ -1,38 +1,6 @@
-"""Where grammars compile: first in compile processes of their own, which a compile past its
-deadline dies with, shared fairly by the tenants.
-
-Why processes: xgrammar cannot stop a compile once begun (no cancel; the work runs in C++ where no
-signal reaches it), so a compile past its deadline used to keep its thread and its memory for
-minutes (issue 20: 144.6 s and 530 MB on one of the two compile threads, while another tenant's
-1-line batch waited 61 s in ``validating``). A process can be killed, and what it held goes with it.
-
-Why a spec is compiled twice, first in a compile process, then in the process that uses it: the
-compiled grammar cannot be handed back cheaply. xgrammar 0.2.9 serialises a ``CompiledGrammar``
-only as JSON of its whole token-mask cache, which grows far faster than the compile: on the
-default tokenizer, 2.5 MB (0.15 s to write) for a schema of 100 required string properties and
-249 MB (16 s) for 1,000, which compiles in 0.18 s; 75 MB (5.5 s) for 400 optional ones, which
-compile in 0.4 s; then about a third of that again to read. So the compile process is a trial against the
-deadline: a spec that compiles in time there is compiled again here (the same library, tokenizer
-and threads: about as long again), and one that does not is stopped with its process. The price
-is a second compile per distinct spec and process, tens of milliseconds for common schemas, once:
-compiled grammars are cached (``worker/engine/grammar.py``) and a bulk job's requests share one schema.
-
-The processes (``worker/engine/grammar_server.py``): one compile server per process that compiles,
-started once (it imports xgrammar, 3 s), forks a slot server per slot, and each slot server forks a
-compile process per compile, killed at the deadline. A fork costs about 20 ms and shares the
-server's memory, where a fresh interpreter would cost the 3 s of importing xgrammar and torch and
-180 MB of its own (the standard library's forkserver was tried: it runs the parent's ``__main__``
-again in each child). A slot server keeps the tokenizer infos it was sent (1.6 MB of JSON for the
-default model's), each the first time it compiles for that tokenizer. Neither starting a process
-nor that transfer counts against the deadline, which covers the compile itself, from its fork:
-time queued never counts.
-
-Fairness: compiles wait in a queue per tenant, served round robin, and a tenant has at most
-``tenant_processes`` (``structured_compile_tenant_processes``, 1) of the ``processes``
-(``structured_compile_processes``, 2) slots at once: one tenant's schemas hold at most one of the
-default two, and the other is there for everyone else. A tenant's own compiles run in the order
-they came.
-"""
+"""Grammar compiles in processes stopped at their deadline, fair by tenant: ``compile_pool`` hands a
+``CompileJob`` to a compile server (``grammar_server``) and its future back; a compile past its
+deadline is killed and fails its future. docs/engine.md says why processes and how tenants share them."""
 
 from __future__ import annotations
 
@@ -51,9 +19,9 @@ from multiprocessing.reduction import send_handle
 from pathlib import Path
 from typing import Callable
 
-from worker.engine.grammar_compile import COMPILE_THREADS, WHAT, CompileTimeout, GrammarError
+from worker.engine.structured.grammar_compile import COMPILE_THREADS, WHAT, CompileTimeout, GrammarError
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import SchemaBounds
+from worker.engine.structured.schema_bounds import SchemaBounds
 
 log = logging.getLogger("berth.grammar")
 
@@ -229,13 +197,13 @@ def _reply(conn: Connection, seconds: float):
 
 
 class CompileServer:
-    """The compile server of this process (``worker/engine/grammar_server.py``)."""
+    """The compile server of this process (``worker/engine/structured/grammar_server.py``)."""
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        root = str(Path(__file__).resolve().parents[2])  # the folder holding worker/: this very code runs there
+        root = str(Path(__file__).resolve().parents[3])  # the folder holding worker/: this very code runs there
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.engine.grammar_server", str(theirs.fileno()),
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.engine.structured.grammar_server", str(theirs.fileno()),
                                       str(COMPILE_THREADS)], pass_fds=[theirs.fileno()], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()

@@ -1,7 +1,7 @@
 """One structured-output spec into one xgrammar compile call, and the errors a user reads about it.
 
 Both the process that uses a grammar and the compile process that first tries it within its
-deadline (``worker/engine/grammar_pool.py``) compile through ``compile_spec``, so they compile
+deadline (``worker/engine/structured/grammar_pool.py``) compile through ``compile_spec``, so they compile
 exactly alike: what passed the trial is what the engine then builds.
 """
 

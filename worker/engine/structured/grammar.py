@@ -1,43 +1,7 @@
-"""Structured outputs: a request's ``StructuredOutput`` compiled into a grammar, one matcher per sample,
-and the token mask that keeps every sampled token inside the grammar.
-
-The library is xgrammar, chosen over llguidance by measuring both on the default model's tokenizer
-(``benchmarks/grammar_libraries.py``; figures in benchmarks/README.md, "Structured outputs"). What
-decided it is the cost paid every step: xgrammar precomputes at compile time which tokens each
-grammar position allows (its adaptive token-mask cache), so filling the bitmask of a whole batch of
-constrained rows is one cheap batch call, where llguidance computes masks lazily as it goes and
-took tens of times longer for the same batch. xgrammar pays at compile time instead (several times
-llguidance's compile), which a bulk job pays once: its 100,000 requests share one schema, and
-compiled grammars are cached. Its tokenizer info also builds faster. Both libraries let go of the
-GIL while compiling (measured: the engine's thread is never stalled for the compile), so compiles
-run beside the engine loop, never inside it.
-
-What a compile may cost is bounded twice: a JSON schema's shape before it compiles
-(``worker/engine/schema_bounds.py``), and the compile itself by a deadline in a compile process
-that is killed when it passes it (``worker/engine/grammar_pool.py``, which also says why the
-grammar is then compiled again here, and how tenants share the compile processes).
-
-JSON schemas compile without free whitespace (``any_whitespace=False``: xgrammar's default
-separators): a small model let loose on whitespace can fill its whole ``max_tokens`` with newlines.
-A constrained row's EOS is not suppressed by ``min_tokens`` (its grammar says where it ends).
-
-The pieces:
-
-- ``check(spec, tokenizer, rules, tenant)``: what the door calls; compiles (and caches) or raises
-  ``GrammarError`` with a reason a user can act on.
-- ``compiler_for(tokenizer, vocab_size, stop_token_ids)``: one ``Compiler`` per tokenizer, holding a
-  bounded LRU of compiled grammars keyed by a hash of ``(kind, value)``; ``submit(spec, tenant,
-  rules)`` hands back a future (requests for one spec share one compile; a spec that failed fails
-  again at once, unless it ran out of a shorter deadline than the one asked now).
-- ``new_matcher(compiled, output_ids)``: a sample's matcher, having accepted the tokens it already has
-  (a resumed request, a fork).
-- ``fill_bitmask(matchers)`` then ``apply_bitmask(logits, rows, bitmask)``: the step's constrained
-  rows' masks in one batch call, applied to their logits in one go (ids past the tokenizer's
-  vocabulary, the model's padding, are masked too).
-
-The grammar's end is the model's EOS: a matcher allows EOS only where the grammar may end, and it is
-terminated once it accepts it.
-"""
+"""Structured outputs, as vLLM's ``v1/structured_output``: a request's ``StructuredOutput`` compiled
+into a grammar (``check``, ``compiler_for``), one matcher per sample (``new_matcher``), and the token
+mask that keeps every sampled token inside the grammar (``fill_bitmask``, ``apply_bitmask``); the
+grammar's end is the model's EOS. docs/engine.md says why xgrammar and how a compile is bounded."""
 
 from __future__ import annotations
 
@@ -53,11 +17,11 @@ import numpy as np
 import torch
 
 from worker.config import Settings
-from worker.engine.grammar_compile import (COMPILE_THREADS, CompileTimeout, GrammarDeadEnd, GrammarError,
+from worker.engine.structured.grammar_compile import (COMPILE_THREADS, CompileTimeout, GrammarDeadEnd, GrammarError,
                                            allows_nothing, choice_grammar, compile_spec)
-from worker.engine.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
+from worker.engine.structured.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
 from worker.engine.request import StructuredOutput
-from worker.engine.schema_bounds import over_bounds
+from worker.engine.structured.schema_bounds import over_bounds
 from worker.model.tokenizer import as_transformers
 
 if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
@@ -68,7 +32,7 @@ __all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "Gramm
            "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
-FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/README.md)
+FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/HISTORY.md)
 DEFAULT_RULES = CompileRules.of(Settings.model_construct())
 _numbers = itertools.count(1)  # a Compiler's vocabulary key: unique in the process
 

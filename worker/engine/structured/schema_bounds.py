@@ -1,20 +1,5 @@
-"""What a JSON schema may weigh before it is compiled: its shape, measured in one cheap walk.
-
-The size limit (``structured_max_schema_bytes``) does not bound a compile's cost: xgrammar's time
-grows steeply with the optional properties of one object (measured on the default tokenizer,
-2 shared cores: 400 took 0.4 s, 800 3 s, 1,200 15 s, 1,600 32 s; the 63,922-byte schema of 2,500
-optional properties in issue 20 took 144.6 s and 530 MB), while 2,500 required ones compile in
-half a second. So the shape is bounded first, with an error that names the limit and its setting:
-the properties of the whole schema, the optional ones of any one object, how deep schemas nest
-and how many enum and const values there are. Within these bounds the costliest shape tried,
-seven objects of 256 optional properties each, compiled in 8 s, well inside the default deadline;
-what is costly in another way (a ``pattern`` of nested counted repetitions compiled for
-minutes in 49 bytes) is stopped at the compile deadline instead (``worker/engine/grammar_pool.py``).
-
-Only the keywords that hold schemas are walked, so a ``const``, ``enum``, ``default`` or
-``examples`` value is never mistaken for one. A definition in ``$defs`` counts once, however many
-``$ref`` point at it (the grammar has one rule for it).
-"""
+"""What a JSON schema's shape may cost before it compiles (``SchemaBounds``, ``over_bounds``):
+properties, optional properties of one object, depth, enum values. docs/engine.md says why."""
 
 from __future__ import annotations
 

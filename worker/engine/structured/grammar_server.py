@@ -1,17 +1,6 @@
-"""The compile server: the process a compile process is forked from, so that a compile past its
-deadline can be killed (``worker/engine/grammar_pool.py`` says why, and drives it).
-
-Run as ``python -m worker.engine.grammar_server FD``, FD one end of a socket pair to the process that
-started it. It imports xgrammar once (3 s with torch, which xgrammar imports) and then, for each
-slot of the pool, forks a slot server on a socket of its own. A slot server keeps the tokenizer
-infos it was sent and, for each compile, forks a compile process that inherits them, compiles the
-spec, writes whether it compiled and exits; the slot server waits for that until the deadline,
-counted from the fork, and kills it there, waits until it is gone, and says so with its pid. Each
-fork is cheap (about 20 ms, the memory shared copy-on-write) and is made from a process's one
-Python thread with no compile of its own under way (as the standard library's forkserver does). The processes end together: the server at the end of its socket
-(its starter gone), a slot server and a compile process when their parent dies (Linux's
-``PR_SET_PDEATHSIG``), and a compile process's memory, however much the compile took, with it.
-"""
+"""A compile server: the process a grammar compile runs in, so that one past its deadline can be
+killed (``grammar_pool`` drives it). Run as ``python -m worker.engine.structured.grammar_server FD``.
+docs/engine.md says more."""
 
 from __future__ import annotations
 
@@ -22,7 +11,7 @@ import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
-from worker.engine.grammar_compile import COMPILE_THREADS, GrammarError, compile_spec
+from worker.engine.structured.grammar_compile import COMPILE_THREADS, GrammarError, compile_spec
 from worker.engine.request import StructuredOutput
 
 
