@@ -39,29 +39,37 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (WARMUP_PROMPTS, WARMUP_TOKENS, add_workload_options,  # noqa: E402
-                                   berth_settings, clock, greedy_params, machine_info, parse_workload_args,
-                                   save_report, useful_timing)
-from benchmarks.workload import Workload, corpus_token_ids, make_workload  # noqa: E402
-from storage import ObjectStore, open_store  # noqa: E402
-from worker.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from worker.checkpoint.format import (KV_PREFIX, SEGMENT_PREFIX, RequestCheckpoint, StateRef,  # noqa: E402
-                                      decode_run, kv_key)
-from worker.checkpoint.resume import Restorer, TransferRates  # noqa: E402
-from worker.checkpoint.writer import THREAD_NAME  # noqa: E402
-from worker.config import Settings  # noqa: E402
-from worker.engine.engine import DTYPES, Engine, EngineStats  # noqa: E402
-from worker.engine.request import Request  # noqa: E402
-from worker.metrics import WorkerMetrics  # noqa: E402
+from benchmarks.throughput import (
+    WARMUP_PROMPTS,
+    WARMUP_TOKENS,
+    add_workload_options,
+    berth_settings,
+    clock,
+    greedy_params,
+    machine_info,
+    parse_workload_args,
+    save_report,
+    useful_timing,
+)
+from benchmarks.workload import Workload, corpus_token_ids, make_workload
+from storage import ObjectStore, open_store
+from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.format import KV_PREFIX, SEGMENT_PREFIX, RequestCheckpoint, StateRef, decode_run, kv_key
+from worker.checkpoint.resume import Restorer, TransferRates
+from worker.checkpoint.writer import THREAD_NAME
+from worker.config import Settings
+from worker.engine.engine import DTYPES, Engine, EngineStats
+from worker.engine.request import Request
+from worker.metrics import WorkerMetrics
 from worker.model.base import LoadedModel
 from worker.model.loader import load_model
 
@@ -652,7 +660,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, DTYPES[args.dtype])
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype,
+    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "dtype": args.dtype,
               "model": args.model, "interval": args.interval, "kv": args.kv, "machine": machine_info(args.threads),
               "storage": args.storage_url or "moto S3 server (child process)",
               "load_average_1m_start": round(os.getloadavg()[0], 2)}

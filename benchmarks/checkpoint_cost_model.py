@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from worker.checkpoint.costs import KvPolicy, TransferRates  # noqa: E402
-from worker.checkpoint.format import RUN_BLOCKS, RequestCheckpoint, SampleCheckpoint, encode_segment  # noqa: E402
-from worker.config import default_model_path  # noqa: E402
+from worker.checkpoint.costs import KvPolicy, TransferRates
+from worker.checkpoint.format import RUN_BLOCKS, RequestCheckpoint, SampleCheckpoint, encode_segment
+from worker.config import default_model_path
 
 PUT_DOLLARS = 0.005 / 1000  # S3 standard, per PUT (list price)
 DAY = 86_400

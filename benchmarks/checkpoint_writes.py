@@ -26,12 +26,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.checkpoint_bench import S3_ENV, moto_server  # noqa: E402
+from benchmarks.checkpoint_bench import S3_ENV, moto_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     writes = sum(n for k, n in counts.items() if k.split()[0] in ("PUT", "POST"))
     checkpoint_writes = sum(n for k, n in counts.items() if k in ("PUT checkpoints", "POST checkpoints"))
     written = sum(n for k, n in sizes.items() if k.split()[0] in ("PUT", "POST"))
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "requests": args.requests,
+    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "requests": args.requests,
               "tokens_each": args.tokens, "generated_tokens": tokens, "seconds": round(seconds, 1),
               "env": args.env, "http_requests": counts, "bytes_sent": sizes, "writes": writes,
               "checkpoint_writes": checkpoint_writes, "bytes_written": written,

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, without installing berth
-from kernels import cpu_attention, kv_quant  # noqa: E402
-from worker.config import cache_dir  # noqa: E402
+from kernels import cpu_attention, kv_quant
+from worker.config import cache_dir
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 INT8 = "int8"  # float32 queries over an int8 KV cache (kernels/kv_quant.py: 64 values and a float32 scale a row)

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import machine_info  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
-from worker.model.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks.throughput import machine_info
+from worker.config import Settings, default_model_path
+from worker.model.tokenizer import load_tokenizer
 
 
 def make_inputs(tokenizer, lines: int, seed: int = 0) -> list[list[int]]:

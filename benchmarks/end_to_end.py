@@ -45,19 +45,26 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (add_workload_options, berth_settings, clock,  # noqa: E402
-                                   machine_info, parse_workload_args, save_report, warmed_engine)
-from benchmarks.workload import Workload, make_workload  # noqa: E402
-from worker.config import Settings  # noqa: E402
-from worker.engine.engine import DTYPES, Engine  # noqa: E402
+from benchmarks.throughput import (
+    add_workload_options,
+    berth_settings,
+    clock,
+    machine_info,
+    parse_workload_args,
+    save_report,
+    warmed_engine,
+)
+from benchmarks.workload import Workload, make_workload
+from worker.config import Settings
+from worker.engine.engine import DTYPES, Engine
 from worker.model.base import LoadedModel
 from worker.model.loader import load_model
 
@@ -142,8 +149,8 @@ def run_whole_path(loaded: LoadedModel, settings: Settings, request_file: Path, 
     ``api.submit`` called to the job's results file written (its ``completed_at``). A status probe
     queries the job from another process meanwhile."""
     from jobs import api
-    from jobs.records.db import open_database
     from jobs.hosting.engine_worker import engine_worker
+    from jobs.records.db import open_database
     from jobs.records.models import JobStatus
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
@@ -339,9 +346,9 @@ def time_submission(settings: Settings, request_file: Path, lines: int) -> dict:
     from sqlalchemy import func, select
 
     from jobs import api
+    from jobs.lines.validate import model_info
     from jobs.records.db import open_database
     from jobs.records.models import RequestRow
-    from jobs.lines.validate import model_info
 
     db = open_database(settings.database_url)
     model_info(settings)  # the tokenizer, loaded once per process (timed apart: validator_load_seconds)
@@ -538,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype, "quick": args.quick,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "dtype": args.dtype, "quick": args.quick,
         "model": args.model, "rounds": args.rounds, "systems": systems,
         "settings": {"kv_memory": args.kv_memory, "block_size": base.block_size,
                      "max_num_batched_tokens": base.max_num_batched_tokens, "max_num_seqs": base.max_num_seqs,

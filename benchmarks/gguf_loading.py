@@ -52,7 +52,7 @@ def rounds(variants: dict, repeat: int) -> dict[str, float]:
     return {name: min(t) for name, t in times.items()}
 
 
-def q4_k_m_blocks(index, seed: int = 0) -> list[tuple[str, "np.ndarray"]]:
+def q4_k_m_blocks(index, seed: int = 0) -> list[tuple[str, np.ndarray]]:
     """(type, uint8 blocks) for each 2-D tensor of ``index``: random bytes with float16 scales of
     a real file's size (d and dmin around 1e-3)."""
     import numpy as np

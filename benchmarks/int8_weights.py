@@ -35,17 +35,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from kernels.int8_linear import load as load_int8_kernel  # noqa: E402
-from worker.config import cache_dir  # noqa: E402
-from worker.model.linear import make_linear, quantize_per_channel  # noqa: E402
-from benchmarks.throughput import save_report  # noqa: E402
+from benchmarks.throughput import save_report
+from kernels.int8_linear import load as load_int8_kernel
+from worker.config import cache_dir
+from worker.model.linear import make_linear, quantize_per_channel
 
 ROWS = (1, 4, 16, 64, 256, 1024)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}

@@ -62,16 +62,16 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks import llama_cpp_build  # noqa: E402
-from benchmarks.end_to_end import batch_line, percentile  # noqa: E402
-from benchmarks.llama_server import KEY_FLAGS, LlamaServer, _free_port, _round_up, stop_process  # noqa: E402
-from benchmarks.throughput import clock, machine_info, save_report  # noqa: E402
-from benchmarks.workload import OUTPUT_LEN_RANGE, PROMPT_LEN_RANGE, Workload, make_workload  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
+from benchmarks import llama_cpp_build
+from benchmarks.end_to_end import batch_line, percentile
+from benchmarks.llama_server import KEY_FLAGS, LlamaServer, _free_port, _round_up, stop_process
+from benchmarks.throughput import clock, machine_info, save_report
+from benchmarks.workload import OUTPUT_LEN_RANGE, PROMPT_LEN_RANGE, Workload, make_workload
+from worker.config import Settings, default_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"ttft_p99": 2.0, "itl_p99": 1.5, "batch": 0.8}
@@ -244,8 +244,8 @@ class BerthServe:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> BerthServe:
-        from jobs.records.db import close_database, open_database
         from jobs.http.keys import create_key
+        from jobs.records.db import close_database, open_database
 
         url = self.env["BERTH_DATABASE_URL"]
         self.keys = {tenant: create_key(open_database(url), tenant) for tenant in ("batch", "live")}
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_file.unlink()
     for phases in systems.values():
         phases["ratios"] = ratios(phases)
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype, "quick": args.quick,
+    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "dtype": args.dtype, "quick": args.quick,
               "model": args.model, "machine": machine_info(args.threads), "duration": args.duration,
               "settle": args.settle, "rate": round(rate, 4), "load_share": None if args.rate else args.load_share,
               "interactive_tokens": args.interactive_tokens, "batch_lines": args.batch_lines,

@@ -39,22 +39,22 @@ import sys
 if "--smoke" in sys.argv:  # triton.jit reads it when a kernel is defined: before the kernels' import
     os.environ["TRITON_INTERPRET"] = "1"
 
-import argparse  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, without installing berth
-from kernels import kv_quant, reference, triton_attention  # noqa: E402
+from kernels import kv_quant, reference, triton_attention
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import (QUICK_REQUESTS, _cpu_model, greedy_params, save_report,  # noqa: E402
-                                   kv_bytes_for, useful_timing, warmed_engine)
-from benchmarks.workload import make_workload  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
-from worker.engine.engine import DTYPES, Engine  # noqa: E402
-from worker.model.decoder import StepInput  # noqa: E402
-from worker.model.loader import load_model  # noqa: E402
+from benchmarks.throughput import (
+    QUICK_REQUESTS,
+    _cpu_model,
+    greedy_params,
+    kv_bytes_for,
+    save_report,
+    useful_timing,
+    warmed_engine,
+)
+from benchmarks.workload import make_workload
+from worker.config import Settings, default_model_path
+from worker.engine.engine import DTYPES, Engine
+from worker.model.decoder import StepInput
+from worker.model.loader import load_model
 
 TEXT = Path(__file__).with_name("data") / "perplexity.txt"
 KV_DTYPES = ("auto", "int8")

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.kv_int8 import KV_DTYPES  # noqa: E402
-from benchmarks.throughput import _cpu_model, greedy_params, kv_bytes_for, useful_timing, warmed_engine  # noqa: E402
-from benchmarks.workload import make_workload  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
-from worker.engine.engine import DTYPES  # noqa: E402
-from worker.model.loader import load_model  # noqa: E402
+from benchmarks.kv_int8 import KV_DTYPES
+from benchmarks.throughput import _cpu_model, greedy_params, kv_bytes_for, useful_timing, warmed_engine
+from benchmarks.workload import make_workload
+from worker.config import Settings, default_model_path
+from worker.engine.engine import DTYPES
+from worker.model.loader import load_model
 
 
 def timed(fn, seconds: dict, name: str):

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import _cpu_model, cpu_flags  # noqa: E402
+from benchmarks.throughput import _cpu_model, cpu_flags
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-quantize")

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -51,19 +50,31 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks import llama_cpp_build  # noqa: E402
-from benchmarks.throughput import (WARMUP_PROMPTS, WARMUP_TOKENS, add_workload_options, berth_settings,  # noqa: E402
-                                   clock, linear_params_per_token, machine_info, measure, measure_roof,
-                                   parse_workload_args, run_berth, save_report, useful_timing)
-from benchmarks.workload import Workload, make_workload  # noqa: E402
-from worker.engine.engine import DTYPES  # noqa: E402
-from worker.model.loader import load_model  # noqa: E402
+from benchmarks import llama_cpp_build
+from benchmarks.throughput import (
+    WARMUP_PROMPTS,
+    WARMUP_TOKENS,
+    add_workload_options,
+    berth_settings,
+    clock,
+    linear_params_per_token,
+    machine_info,
+    measure,
+    measure_roof,
+    parse_workload_args,
+    run_berth,
+    save_report,
+    useful_timing,
+)
+from benchmarks.workload import Workload, make_workload
+from worker.engine.engine import DTYPES
+from worker.model.loader import load_model
 
 GGUF_TYPE = {"float32": "F32", "bfloat16": "BF16"}
 KV_TYPE = {"float32": "f32", "bfloat16": "bf16"}
@@ -303,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in results.values():
         r.pop("tokens", None)
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype, "quick": args.quick,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "dtype": args.dtype, "quick": args.quick,
         "model": args.model, "machine": machine_info(threads), "workload": workload.summary(), "roof": roof,
         "flops_per_token": per_token, "prompt_format": args.prompt_format,
         "llama": {"build": build, "gguf": llama_model and str(llama_model), "gguf_type": args.llama_type,

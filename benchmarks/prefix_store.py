@@ -26,16 +26,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from benchmarks.workload import corpus_token_ids  # noqa: E402
-from storage import open_store  # noqa: E402
-from worker.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from worker.checkpoint.format import KV_PREFIX  # noqa: E402
-from worker.checkpoint.prefix_store import PrefixStore  # noqa: E402
-from worker.config import Settings  # noqa: E402
-from worker.engine.engine import DTYPES, Engine  # noqa: E402
-from worker.engine.request import Request, SamplingParams  # noqa: E402
-from worker.metrics import WorkerMetrics  # noqa: E402
-from worker.model.loader import load_model  # noqa: E402
+from benchmarks.workload import corpus_token_ids
+from storage import open_store
+from worker.checkpoint.checkpointer import Checkpointer
+from worker.checkpoint.format import KV_PREFIX
+from worker.checkpoint.prefix_store import PrefixStore
+from worker.config import Settings
+from worker.engine.engine import DTYPES, Engine
+from worker.engine.request import Request, SamplingParams
+from worker.metrics import WorkerMetrics
+from worker.model.loader import load_model
 
 
 def cpu_name() -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from worker.config import default_model_path  # noqa: E402
-from worker.model.tokenizer import load_tokenizer  # noqa: E402
+from worker.config import default_model_path
+from worker.model.tokenizer import load_tokenizer
 
 LLAMA_3_2_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,

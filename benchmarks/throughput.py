@@ -43,20 +43,20 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.workload import Workload, make_workload  # noqa: E402
-from worker.config import Settings, default_model_path  # noqa: E402
-from worker.engine.engine import DTYPES, Engine, EngineStats  # noqa: E402
-from worker.engine.request import SamplingParams, StructuredOutput  # noqa: E402
+from benchmarks.workload import Workload, make_workload
+from worker.config import Settings, default_model_path
+from worker.engine.engine import DTYPES, Engine, EngineStats
+from worker.engine.request import SamplingParams, StructuredOutput
 from worker.model.base import LoadedModel
-from worker.model.linear import make_linear  # noqa: E402
+from worker.model.linear import make_linear
 from worker.model.loader import load_model
 
 LABELS = {"berth": "berth", "static": "transformers static (16)", "continuous": "transformers continuous"}
@@ -205,8 +205,8 @@ class track_grammar_time:
     and how many steps and rows were constrained, until ``figures`` puts the calls back."""
 
     def __init__(self):
-        import worker.engine.structured.grammar
         import worker.engine.sampler
+        import worker.engine.structured.grammar
 
         self.seconds = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
         self.steps = self.rows = 0
@@ -397,7 +397,7 @@ def measure(name: str, fn: Callable[[], dict], guarded: bool = True) -> dict:
     load_before = os.getloadavg()[0]
     try:
         result = fn()
-    except Exception as exc:  # noqa: BLE001 (any failure of a baseline is a result to record)
+    except Exception as exc:
         if not guarded:
             raise
         result = {"error": f"{type(exc).__name__}: {exc}"}
@@ -678,7 +678,7 @@ def main(argv: list[str] | None = None) -> dict:
         r.pop("tokens", None)
     flops = berth_model_flops(config, workload, results["berth"]["engine"])
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": args.dtype,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "dtype": args.dtype,
         "quick": args.quick, "model": args.model,
         "settings": {"kv_memory": args.kv_memory, "block_size": settings.block_size,
                      "max_num_batched_tokens": settings.max_num_batched_tokens, "max_num_seqs": settings.max_num_seqs},

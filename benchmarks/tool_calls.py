@@ -15,8 +15,8 @@ from unittest import mock
 
 import jsonschema
 
-from jobs.lines import batch_format
 from jobs.hosting.generate import generate_file
+from jobs.lines import batch_format
 from worker.config import Settings
 from worker.engine.engine import Engine
 

@@ -12,13 +12,14 @@ Every function takes the ``Settings`` to use (default: from the environment).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from jobs.records.db import open_database, upgrade
-from jobs.records.job_files import JobFiles
 from jobs.records.job_errors import JobStateError
+from jobs.records.job_files import JobFiles
 from jobs.records.job_status import JobStatus
 from jobs.records.status import JobView, get_job
 from jobs.records.status import list_jobs as query_jobs
@@ -50,8 +51,8 @@ def submit(path: str | Path, settings: Settings | None = None, *, spec: JobSpec 
            eager: bool | None = None) -> JobView:
     """Accept a request file as a job. Its lines are checked and queued by the ingest task: in this
     process on the embedded default (or with ``eager=True``), else on a Celery worker."""
-    from jobs.pipeline.submit import JobSpec, create_job
     from jobs.pipeline.celery_tasks import INGEST, make_app
+    from jobs.pipeline.submit import JobSpec, create_job
 
     settings = settings or Settings()
     db = open_database(settings.database_url)
@@ -73,8 +74,8 @@ def list_jobs(settings: Settings | None = None, tenant: str | None = None, statu
 
 def cancel(job_id: str, settings: Settings | None = None) -> JobView:
     """Cancel a job: running requests are aborted within a second, the rest fail as cancelled."""
-    from jobs.records.lifecycle import cancel as cancel_job
     from jobs.pipeline.celery_tasks import finalize_later, make_app
+    from jobs.records.lifecycle import cancel as cancel_job
 
     settings = settings or Settings()
     db = open_database(settings.database_url)
@@ -129,8 +130,8 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
 
 def retry(job_id: str, settings: Settings | None = None, eager: bool | None = None) -> JobView:
     """A new job of the failed lines of a finished job (``jobs.pipeline.retry``), ingested as ``submit`` does."""
-    from jobs.pipeline.retry import retry_job
     from jobs.pipeline.celery_tasks import INGEST, make_app
+    from jobs.pipeline.retry import retry_job
 
     settings = settings or Settings()
     db = open_database(settings.database_url)

@@ -18,7 +18,6 @@ from pydantic import ValidationError
 from jobs.records.job_status import JobStatus
 from worker.config import ConfigError, Settings, default_text, flag_group, flag_names, flag_takes_text
 
-
 # The flags of settings: each is made from its field in worker.config (names, type, help, the default it
 # shows), where the setting is described; only which commands take which group of them is said here.
 # tests/test_settings_docs.py fails on a flag for a setting made any other way.
@@ -451,9 +450,9 @@ def retry(job_id, as_json, **flags):
 def serve(host, port, open_access, **flags):
     """OpenAI's Files and Batches API (base_url http://HOST:PORT/v1). On the embedded defaults (no
     --broker-url) it runs an engine worker in this process too."""
-    from jobs.records.db import open_database
     from jobs.http.keys import any_keys
     from jobs.http.server import Server
+    from jobs.records.db import open_database
     from worker.messaging.topology import is_embedded
 
     configure_logging()
@@ -485,8 +484,8 @@ def key():
 @setting_option("database_url")
 def key_create(tenant, database_url):
     """Make a key and print it: it is shown this once (the database keeps only its hash)."""
-    from jobs.records.db import open_database
     from jobs.http.keys import create_key
+    from jobs.records.db import open_database
 
     with user_errors():
         made = create_key(open_database(settings_from({"database_url": database_url}).database_url), tenant)
@@ -501,8 +500,8 @@ def key_list(tenant, database_url):
     """The keys by their first characters, with their tenants."""
     import datetime
 
-    from jobs.records.db import open_database
     from jobs.http.keys import list_keys
+    from jobs.records.db import open_database
 
     with user_errors():
         keys = list_keys(open_database(settings_from({"database_url": database_url}).database_url), tenant)
@@ -517,8 +516,8 @@ def key_list(tenant, database_url):
 @setting_option("database_url")
 def key_revoke(key_or_prefix, database_url):
     """Revoke a key: give it whole, or its 12 first characters as `berth key list` shows them."""
-    from jobs.records.db import open_database
     from jobs.http.keys import revoke_key
+    from jobs.records.db import open_database
 
     with user_errors():
         n = revoke_key(open_database(settings_from({"database_url": database_url}).database_url), key_or_prefix)

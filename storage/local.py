@@ -26,9 +26,10 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from storage.base import ObjectInfo, ObjectNotFound, ObjectStore, StorageError, check_key
 

@@ -15,10 +15,10 @@ from pathlib import Path
 # it, so before the first torch import; the engine workers the tests start inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from tests.support.models import save_tiny_model  # noqa: E402
+from tests.support.models import save_tiny_model
 
 # Fixtures shared by test folders: the jobs tests' databases and queue prefixes, an S3 server, RabbitMQ
 # users, a tiny Qwen3 that calls tools.

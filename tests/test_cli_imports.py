@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from jobs import api
+from jobs.pipeline.submit import JobSpec, create_job
 from jobs.records.db import open_database
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.submit import JobSpec, create_job
 from worker.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]  # this tree's berth, not another one installed

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.processes import free_port
 from worker.config import Settings
 from worker.metrics import WorkerMetrics
-from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _VARIABLE = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(?::\?([^}]*))?\}")

@@ -11,7 +11,6 @@ import pytest
 from jobs import cli
 from worker.config import DOCS_PATH, SECTIONS, Settings, default_text, flag_group, flag_names, settings_markdown
 
-
 NOT_GIVEN = (None, getattr(click.core, "UNSET", None))  # an option without a default (click 8.3 says UNSET)
 
 

@@ -9,10 +9,17 @@ from __future__ import annotations
 import datetime
 import logging
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from jobs.pipeline.celery_tasks import CHECKPOINT_GC, CHECKPOINT_GC_PERIOD_SECONDS, EXPIRE, EXPIRE_FILES, RECONCILE, make_app
+from jobs.pipeline.celery_tasks import (
+    CHECKPOINT_GC,
+    CHECKPOINT_GC_PERIOD_SECONDS,
+    EXPIRE,
+    EXPIRE_FILES,
+    RECONCILE,
+    make_app,
+)
 from worker.config import Settings
 from worker.messaging.topology import broker_url, is_embedded
 
@@ -47,7 +54,7 @@ def _logged(name: str, work: Callable[[], object]) -> Chore:
         nonlocal failing
         try:
             work()
-        except Exception:  # noqa: BLE001 (the next period tries again)
+        except Exception:
             if not failing:
                 log.exception("housekeeping: %s failed; trying again every period, logged once until it works", name)
             failing = True

@@ -17,17 +17,17 @@ import logging
 import uuid
 from dataclasses import fields
 
-from sqlalchemy import exc as sql_errors
 from sqlalchemy import bindparam, select, update
+from sqlalchemy import exc as sql_errors
 
-from jobs.records import workers
 from jobs.lines.batch_format import BatchLine, response_line
 from jobs.lines.tool_formats import FORMATS
+from jobs.pipeline.celery_tasks import finalize_later, make_app
+from jobs.records import workers
 from jobs.records.db import open_database
 from jobs.records.lifecycle import LIVE
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.records.results import ResultRecord, record_outcomes
-from jobs.pipeline.celery_tasks import finalize_later, make_app
 from jobs.records.tenants import live_tenants
 from worker.config import Settings
 from worker.consumer.ledger import Claim, Death, Heartbeat, LedgerDown, Outcome
@@ -173,7 +173,7 @@ class JobsLedger:
                 s.execute(update(RequestRow), [{"id": rid, "last_error": e[:MAX_ERROR]} for rid, e in errors.items()])
         try:
             finalize_later(self.tasks, recorded.finalize)
-        except Exception:  # noqa: BLE001 (the broker is down: the reconciler finalizes jobs left finalizing)
+        except Exception:
             log.exception("could not dispatch the finalizing of jobs %s", recorded.finalize)
         return recorded.new
 

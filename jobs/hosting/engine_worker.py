@@ -7,7 +7,8 @@ the worker is ready once both are done (docs/operations.md).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from worker.config import Settings
 from worker.engine.engine import Engine
@@ -50,10 +51,10 @@ def ledger_modules() -> LedgerModules:
     consumer's): ``open_database``, the ledger class, the embedded chores' factory, the worker's loop and
     its interactive door. Importing runs nothing: a ``--respawn`` parent calls it to import them once,
     before it forks."""
-    from jobs.records.db import open_database
     from jobs.hosting.chores import chores
-    from jobs.hosting.interactive_check import InteractiveDoor
     from jobs.hosting.database_ledger import JobsLedger
+    from jobs.hosting.interactive_check import InteractiveDoor
+    from jobs.records.db import open_database
     from worker.consumer.loop import EngineWorker
 
     return LedgerModules(open_database, JobsLedger, chores, EngineWorker, InteractiveDoor)

@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("berth.respawn")
 

@@ -11,8 +11,9 @@ The routes are thin; the work is in the modules beside this one (docs/http-api.m
 import json
 import logging
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Iterator
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -20,18 +21,15 @@ from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 
-from jobs.http import files as api_files
-
-from jobs.records.db import Database, open_database
-from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import finished_lines
 from jobs.http import batches
+from jobs.http import files as api_files
+from jobs.http.background import Tasks
+from jobs.http.completions import add_completion_routes
 from jobs.http.dashboard import dashboard_router
 from jobs.http.errors import ApiError, install
-from jobs.http.completions import add_completion_routes
 from jobs.http.guard import TENANT_SCOPE_KEY, RequestGuard
-from jobs.http.interactive_channel import InteractiveChannel
 from jobs.http.idempotency import fingerprint, idempotent
+from jobs.http.interactive_channel import InteractiveChannel
 from jobs.http.keys import tenant_of_key
 from jobs.http.origin import allowed_hosts
 from jobs.http.pagination import list_object
@@ -46,13 +44,15 @@ from jobs.http.schemas import (
     Model,
     ModelList,
 )
-from jobs.http.background import Tasks
 from jobs.http.upload import body_limit, read_upload
+from jobs.lines.validate import model_info
+from jobs.pipeline.celery_tasks import FINALIZE, INGEST
+from jobs.pipeline.finalize import finished_lines
+from jobs.pipeline.retry import retry_job
+from jobs.records.db import Database, open_database
+from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import JobNotFound
 from jobs.records.models import now
-from jobs.pipeline.retry import retry_job
-from jobs.pipeline.celery_tasks import FINALIZE, INGEST
-from jobs.lines.validate import model_info
 from worker.config import Settings
 
 log = logging.getLogger("berth.http")

@@ -33,7 +33,7 @@ class Tasks:
     def _logged(task, job_id: str) -> None:
         try:
             task.delay(job_id)
-        except Exception:  # noqa: BLE001 (the reconciler runs it again)
+        except Exception:
             log.exception("%s of %s failed; the reconciler runs it again", task.name, job_id)
 
     def close(self) -> None:

@@ -8,15 +8,15 @@ import re
 
 from sqlalchemy import select
 
-from jobs.records.db import Database
-from jobs.records.job_files import JobFiles
 from jobs.http.files import UPLOAD_PURPOSE, FileNotFound, attach_job_files, get_file
 from jobs.http.pagination import page_after
+from jobs.pipeline.submit import JobSpec, create_job_from
+from jobs.records.db import Database
+from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import JobNotFound
 from jobs.records.lifecycle import cancel as cancel_job
 from jobs.records.models import Job, Tenant
 from jobs.records.status import JobView, get_job
-from jobs.pipeline.submit import JobSpec, create_job_from
 from worker.config import Settings
 
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.lines.batch_format import (MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_REPETITION, MAX_STOP, MAX_STOP_CHARS,
-                               MAX_STOP_TOKEN_IDS)
+from jobs.lines.batch_format import (
+    MAX_CACHE_SALT,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+)
 from jobs.lines.chat_messages import MAX_CALLS
 from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, IMPLEMENTED, NO_EFFECT, NO_EFFECT_ON, ONLY
 from jobs.lines.tools import MAX_TOOLS

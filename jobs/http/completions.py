@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -16,12 +17,12 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from jobs.lines.batch_format import BatchLine, LineError, response_line, to_request
-from jobs.lines.batch_format import _logprobs as logprobs_object
 from jobs.http.completion_bodies import openapi_body
 from jobs.http.errors import ApiError, error_response
 from jobs.http.interactive_channel import InteractiveChannel, Subscription
 from jobs.http.schemas import ErrorBody
+from jobs.lines.batch_format import BatchLine, LineError, response_line, to_request
+from jobs.lines.batch_format import _logprobs as logprobs_object
 from jobs.lines.line_text import shown
 from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL
 from jobs.lines.validate import ModelInfo
@@ -52,7 +53,7 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
                 hidden_size=info.hidden_size)
         except LineError as exc:
             raise ApiError(400, exc.message, _param(exc.param), exc.code) from None
-        except Exception as exc:  # noqa: BLE001 (a check that broke: this request's 400, as a line's error)
+        except Exception as exc:
             log.warning("checking a %s body raised", url, exc_info=True)
             raise ApiError(400, f"the request could not be checked ({type(exc).__name__}); fix it or report it as a "
                            "bug", None, "invalid_request") from None

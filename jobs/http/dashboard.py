@@ -7,9 +7,10 @@ Content-Security-Policy without inline scripts (docs/http-api.md).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated
 
 from fastapi import APIRouter, Form, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response

@@ -19,9 +19,9 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 from jobs.http.files import FileNotFound
 from jobs.http.idempotency import IdempotencyInProgress, IdempotencyKeyInvalid, IdempotencyMismatch
 from jobs.http.quota import QuotaExceeded
-from jobs.records.lifecycle import JobNotFound, JobStateError
-from jobs.pipeline.submit import JobRefused
 from jobs.lines.validate import InputError
+from jobs.pipeline.submit import JobRefused
+from jobs.records.lifecycle import JobNotFound, JobStateError
 
 log = logging.getLogger("berth.http")
 

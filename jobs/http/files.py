@@ -12,15 +12,15 @@ from typing import BinaryIO
 
 from sqlalchemy import insert, select, update
 
+from jobs.http.pagination import page_after
+from jobs.http.quota import check_room, hold_tenant
+from jobs.lines.validate import InputError, copy_checked, read_lines
 from jobs.records.db import Database
 from jobs.records.file_removal import remove_file
 from jobs.records.job_files import input_key
-from jobs.http.pagination import page_after
-from jobs.http.quota import check_room, hold_tenant
 from jobs.records.models import FileRow, Job, Tenant, now
 from jobs.records.status import JobView
 from jobs.records.tenants import tenant_id
-from jobs.lines.validate import InputError, copy_checked, read_lines
 from storage import ObjectNotFound
 from storage.base import ObjectStore
 from worker.config import Settings

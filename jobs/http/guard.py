@@ -6,7 +6,7 @@ against its route's limit (413). A refusal closes the connection without reading
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from fastapi.concurrency import run_in_threadpool
 from starlette.datastructures import Headers

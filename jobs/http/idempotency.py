@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -23,13 +22,12 @@ from jobs.http.interactive_channel import Subscription
 from jobs.lines.line_error import BatchLine
 from jobs.lines.validate import ModelInfo
 from worker.config import Settings
-from worker.messaging.backoff import Backoff
-from worker.messaging.backoff import RECONNECT
 from worker.consumer.interactive_inbox import Done, Event, Failed
 from worker.consumer.interactive_queue import message_body, read_reply
+from worker.engine.request import Request
+from worker.messaging.backoff import RECONNECT, Backoff
 from worker.messaging.message_body import keep_bodies_raw, raw_body
 from worker.messaging.topology import Topology, connect
-from worker.engine.request import Request
 
 log = logging.getLogger("berth.http")
 
@@ -139,7 +137,7 @@ class BrokerChannel:
         while not self._stop.is_set():
             try:
                 connection.drain_events(timeout=POLL)
-            except socket.timeout:
+            except TimeoutError:
                 pass
             self._publish(producer)
             self._check_deadlines()

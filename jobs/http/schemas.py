@@ -3,7 +3,7 @@ every answer is checked against them on the way out)."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -24,8 +24,8 @@ def storable(text: str) -> bool:
 class ErrorDetail(BaseModel):
     message: str
     type: str
-    param: Optional[str]
-    code: Optional[str]
+    param: str | None
+    code: str | None
 
 
 class ErrorBody(BaseModel):
@@ -40,15 +40,15 @@ class FileObject(BaseModel):
     filename: str
     purpose: Literal["batch", "batch_output"]
     status: Literal["uploaded", "processed", "error"]
-    expires_at: Optional[int]
-    status_details: Optional[str]
+    expires_at: int | None
+    status_details: str | None
 
 
 class FileList(BaseModel):
     object: Literal["list"]
     data: list[FileObject]
-    first_id: Optional[str]
-    last_id: Optional[str]
+    first_id: str | None
+    last_id: str | None
     has_more: bool
 
 
@@ -59,10 +59,10 @@ class FileDeleted(BaseModel):
 
 
 class BatchError(BaseModel):
-    code: Optional[str]
-    message: Optional[str]
-    param: Optional[str]
-    line: Optional[int]
+    code: str | None
+    message: str | None
+    param: str | None
+    line: int | None
 
 
 class BatchErrors(BaseModel):
@@ -96,32 +96,32 @@ class Batch(BaseModel):
     id: str
     object: Literal["batch"]
     endpoint: str
-    model: Optional[str]
-    errors: Optional[BatchErrors]
+    model: str | None
+    errors: BatchErrors | None
     input_file_id: str
     completion_window: str
     status: BatchStatus
-    output_file_id: Optional[str]
-    error_file_id: Optional[str]
+    output_file_id: str | None
+    error_file_id: str | None
     created_at: int
-    in_progress_at: Optional[int]
-    expires_at: Optional[int]
-    finalizing_at: Optional[int]
-    completed_at: Optional[int]
-    failed_at: Optional[int]
-    expired_at: Optional[int]
-    cancelling_at: Optional[int]
-    cancelled_at: Optional[int]
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
     request_counts: RequestCounts
-    metadata: Optional[dict[str, str]]
+    metadata: dict[str, str] | None
     usage: BatchUsage
 
 
 class BatchList(BaseModel):
     object: Literal["list"]
     data: list[Batch]
-    first_id: Optional[str]
-    last_id: Optional[str]
+    first_id: str | None
+    last_id: str | None
     has_more: bool
 
 
@@ -150,8 +150,8 @@ class CreateBatch(BaseModel):
     input_file_id: str = Field(max_length=64)
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     completion_window: str = Field(max_length=16, description='"24h" as OpenAI; berth also takes e.g. "90m", "7d"')
-    metadata: Optional[dict[str, str]] = None
-    output_expires_after: Optional[ExpiresAfter] = Field(
+    metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = Field(
         None, description="the batch's output and error files are deleted this long after the batch ends")
 
     @field_validator("metadata")

@@ -13,15 +13,15 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import uvicorn
 
 from jobs.http.app import create_app
+from jobs.http.background import Tasks
 from jobs.http.interactive_channel import EmbeddedChannel
 from jobs.http.interactive_channel_broker import BrokerChannel
-from jobs.http.background import Tasks
 from worker.config import Settings
 from worker.messaging.topology import is_embedded
 
@@ -110,7 +110,7 @@ class Server:
         def work() -> None:
             try:
                 worker.run(until=self._stop.is_set)
-            except Exception:  # noqa: BLE001 (the server goes on; batches wait for a worker)
+            except Exception:
                 log.exception("the engine worker of this server stopped: batches wait until `berth serve` is "
                               "restarted or a `berth worker` runs on the same settings")
 

@@ -10,13 +10,12 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from jobs.lines.chat_messages import template_messages
 from jobs.lines.embeddings_format import embedding_body, embedding_request
-from jobs.lines.line_error import (  # noqa: F401 (imported from here by the other modules)
-    CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError)
+from jobs.lines.line_error import CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError  # noqa: F401 (imported from here by the other modules)
 from jobs.lines.line_text import bad_text, shown
 from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
 from jobs.lines.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output

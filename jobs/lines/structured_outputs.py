@@ -13,9 +13,9 @@ from typing import Any
 
 from jobs.lines.line_text import bad_text, shown
 from worker.config import Settings
+from worker.engine.request import StructuredOutput
 from worker.engine.structured.grammar_compile import GrammarError
 from worker.engine.structured.grammar_pool import CompileRules
-from worker.engine.request import StructuredOutput
 from worker.engine.structured.schema_bounds import over_bounds
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name
@@ -76,7 +76,9 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
         return None
     param, kind, value = asked[0]
     spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
-    from worker.engine.structured.grammar import check  # torch: paid by the first constraint, not by every door's import
+    from worker.engine.structured.grammar import (
+        check,  # torch: paid by the first constraint, not by every door's import
+    )
 
     try:
         check(spec, tokenizer, limits.compile, tenant)

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 
 from jobs.lines.line_text import bad_text, shown
-from jobs.lines.structured_outputs import StructuredLimits, SpecError, schema_text, within
+from jobs.lines.structured_outputs import SpecError, StructuredLimits, schema_text, within
 from jobs.lines.tool_formats import ToolFormat, call_schema, format_of
-from worker.engine.structured.grammar_compile import GrammarError
 from worker.engine.request import StructuredOutput
+from worker.engine.structured.grammar_compile import GrammarError
 from worker.engine.structured.schema_bounds import over_bounds
 
 MAX_TOOLS = 128  # as OpenAI
@@ -66,7 +66,9 @@ def compile_plan(plan: ToolPlan, tokenizer, limits: StructuredLimits, tenant: st
     or ``SpecError``: done last, once the cheaper checks of the line passed."""
     if plan.structured is None:
         return
-    from worker.engine.structured.grammar import check  # torch: paid by the first tools line, not by every door's import
+    from worker.engine.structured.grammar import (
+        check,  # torch: paid by the first tools line, not by every door's import
+    )
 
     try:
         check(plan.structured, tokenizer, limits.compile, tenant)

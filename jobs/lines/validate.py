@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from jobs.lines.batch_format import MAX_CUSTOM_ID, MAX_LINE_BYTES, LineError, parse_line, to_request
 from jobs.lines.structured_outputs import DEFAULT_LIMITS, StructuredLimits
@@ -162,7 +163,7 @@ class LineValidator:
             return self._check(raw)
         except LineError:
             raise
-        except Exception as exc:  # noqa: BLE001 (a check that broke fails its line, never the file)
+        except Exception as exc:
             log.warning("line %d: checking it raised", raw.number, exc_info=True)
             raise LineError(raw.number, None, f"could not be checked ({type(exc).__name__}: {exc}); "
                             "fix the line or report it as a bug") from None

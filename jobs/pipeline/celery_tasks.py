@@ -14,14 +14,14 @@ import threading
 
 from celery import Celery
 
+from jobs.pipeline.finalize import finalize
+from jobs.pipeline.ingest import ingest
+from jobs.pipeline.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
 from jobs.records.db import open_database
 from jobs.records.file_removal import expire_files
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import finalize
-from jobs.pipeline.ingest import ingest
 from jobs.records.lifecycle import expire_due
 from jobs.records.outbox import prune_events
-from jobs.pipeline.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
 from storage import open_store
 from worker.config import Settings
 from worker.messaging.topology import Topology, is_embedded
@@ -57,7 +57,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
     def ingest_job(job_id: str) -> None:
         try:
             ready = ingest(db(), JobFiles(settings.storage_url), settings, job_id)
-        except Exception:  # noqa: BLE001 (a database or broker error: the reconciler resumes it)
+        except Exception:
             log.exception("the ingest of job %s stopped; it resumes after its last stored line once it has "
                           "been silent for %.0f s (the reconciler)", job_id, INGEST_SILENCE_SECONDS)
             return
@@ -82,7 +82,9 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=CHECKPOINT_GC, shared=False)
     def collect_checkpoint_garbage() -> None:
-        from jobs.pipeline.checkpoint_gc import collect_checkpoints  # reads checkpoints with torch: not at every `berth cancel`
+        from jobs.pipeline.checkpoint_gc import (
+            collect_checkpoints,  # reads checkpoints with torch: not at every `berth cancel`
+        )
 
         collect_checkpoints(open_store(settings.storage_url), db(), settings.checkpoint_gc_min_age)
 

@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from sqlalchemy import insert, literal, select, update
 from sqlalchemy.types import JSON
 
-from jobs.records import job_files as keys
 from jobs.lines.batch_format import LineError
+from jobs.lines.validate import InputError, read_lines
+from jobs.records import job_files as keys
 from jobs.records.db import Database
 from jobs.records.job_files import JobFiles
 from jobs.records.models import (
@@ -35,7 +36,6 @@ from jobs.records.models import (
     now,
 )
 from jobs.records.stored_lines import last_stored_line, line_custom_id
-from jobs.lines.validate import InputError, read_lines
 from storage import ObjectNotFound
 
 log = logging.getLogger("berth.finalize")

@@ -9,24 +9,24 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
 from jobs.lines.batch_format import LineError
+from jobs.lines.validate import InputError, LineValidator, RawLine, model_info, read_lines
+from jobs.pipeline.finalize import write_outputs
+from jobs.pipeline.publish import Publisher
+from jobs.pipeline.request_messages import RequestMessage, params_to_dict
 from jobs.records.db import Database
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import write_outputs
 from jobs.records.lifecycle import mark_finalizing
-from jobs.pipeline.request_messages import RequestMessage, params_to_dict
 from jobs.records.models import Job, JobStatus, LineErrorRow, RequestRow, Tenant, now
-from jobs.pipeline.publish import Publisher
 from jobs.records.stored_lines import last_stored_line, line_custom_id
-from jobs.lines.validate import InputError, LineValidator, RawLine, model_info, read_lines
 from storage import ObjectNotFound
 from worker.config import Settings
 
@@ -156,7 +156,7 @@ def _check(validator: LineValidator, job_id: str, chunk: list[RawLine]) -> tuple
             errors.append(_error_row(job_id, e.line, e.custom_id, e.message, e.code, e.param))
         except InputError:  # the whole file is refused (a request past the line limit)
             raise
-        except Exception as exc:  # noqa: BLE001 (a validator bug or a line it cannot digest: this line only)
+        except Exception as exc:
             log.warning("job %s line %d: checking it raised %s", job_id, raw.number, _describe(exc), exc_info=True)
             errors.append(_error_row(job_id, raw.number, line_custom_id(raw),
                                      f"this line could not be checked: {_describe(exc)}"))

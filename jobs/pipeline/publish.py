@@ -4,10 +4,9 @@ persistent message berth publishes (job events, dead letters) as an ``Outgoing``
 
 from __future__ import annotations
 
-import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from kombu import Exchange, Producer, Queue
 
@@ -122,7 +121,7 @@ class Publisher:
                                    f"{self.CONFIRM_TIMEOUT:.0f}s; the reconciler will publish them again")
             try:
                 self.connection.drain_events(timeout=min(left, 1.0))
-            except socket.timeout:
+            except TimeoutError:
                 pass
         if self._nacked:
             nacked, self._nacked = self._nacked, 0

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from sqlalchemy import and_, func, or_, select, update
 
-from jobs.records.db import Database
 from jobs.pipeline.ingest import publish
-from jobs.records.lifecycle import LIVE
-from jobs.pipeline.request_messages import RequestMessage
-from jobs.records.models import Job, JobStatus, RequestRow, Result, Tenant, now
 from jobs.pipeline.publish import Publisher
+from jobs.pipeline.request_messages import RequestMessage
+from jobs.records.db import Database
+from jobs.records.lifecycle import LIVE
+from jobs.records.models import Job, JobStatus, RequestRow, Result, Tenant, now
 from worker.config import Settings
 from worker.messaging.topology import is_embedded
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from worker.messaging.topology import request_body
 from worker.engine.request import SamplingParams
+from worker.messaging.topology import request_body
 
 
 def params_to_dict(params: SamplingParams) -> dict:

@@ -10,13 +10,13 @@ import tempfile
 
 from sqlalchemy import select
 
+from jobs.lines.validate import read_lines
+from jobs.pipeline.submit import JobSpec, create_job_from
 from jobs.records.db import Database
 from jobs.records.job_files import JobFiles, input_key
 from jobs.records.lifecycle import JobStateError
 from jobs.records.models import LineErrorRow, RequestRow, Result, ResultStatus
 from jobs.records.status import JobView
-from jobs.pipeline.submit import JobSpec, create_job_from
-from jobs.lines.validate import read_lines
 from worker.config import Settings
 
 UNREAD_CODES = ("batch_cancelled", "batch_expired")  # line errors of lines never read, not bad lines

@@ -19,14 +19,14 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS
+from jobs.lines.validate import check_file_size, copy_checked
 from jobs.records import job_files as keys
 from jobs.records.db import Database
 from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import window_seconds
 from jobs.records.models import Job, JobStatus, Tenant, now
-from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS
 from jobs.records.tenants import check_tenant_name, tenant_id
-from jobs.lines.validate import check_file_size, copy_checked
 from worker.config import Settings
 from worker.messaging.topology import MAX_PRIORITY
 

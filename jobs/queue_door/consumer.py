@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import signal
-import socket
 import threading
 from collections import OrderedDict
 from contextlib import ExitStack
@@ -25,24 +24,23 @@ from kombu import Connection, Consumer
 from sqlalchemy import exc as sql_errors
 from sqlalchemy import select
 
-from jobs.records.db import open_database
-from jobs.records.job_files import JobFiles
-from jobs.records.models import Job, JobStatus
+from jobs.lines.validate import InputError
+from jobs.pipeline.celery_tasks import INGEST, make_app
 from jobs.pipeline.publish import Outgoing, Publisher
+from jobs.pipeline.submit import DuplicateSubmit, JobRefused, JobSpec, create_failed_job, create_job_from, submitted_job
 from jobs.queue_door.contract import SubmitMessage, SubmitRefused, read_submit, salvage
 from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import EventRelay, outgoing, rejection_body
 from jobs.queue_door.inputs import parse_input_stores
 from jobs.queue_door.webhooks import WebhookSender
-from jobs.pipeline.submit import DuplicateSubmit, JobRefused, JobSpec, create_failed_job, create_job_from, submitted_job
-from jobs.pipeline.celery_tasks import INGEST, make_app
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.records.models import Job, JobStatus
 from jobs.records.tenants import tenant_of_broker_user
-from jobs.lines.validate import InputError
 from storage import ObjectNotFound, StorageError, check_key
 from worker.config import ConfigError, Settings
-from worker.messaging.topology import REASON_HEADER
 from worker.messaging.message_body import keep_bodies_raw, raw_body
-from worker.messaging.topology import Topology, connect, is_embedded
+from worker.messaging.topology import REASON_HEADER, Topology, connect, is_embedded
 
 log = logging.getLogger("berth.submit")
 
@@ -88,7 +86,7 @@ class SubmitConsumer:
                     backoff = 0.0
                 self.connection.heartbeat_check()
                 self.connection.drain_events(timeout=1.0)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except Exception as exc:  # noqa: BLE001 (connection and channel errors: reconnect)
                 log.warning("submit consumer: broker connection lost (%s); reconnecting", exc)
@@ -136,7 +134,7 @@ class SubmitConsumer:
             message.requeue()
             self._stop.wait(min(0.5 * 2 ** self._db_failures, RECONNECT_MAX))
             return
-        except Exception as exc:  # noqa: BLE001 (berth's own failure: this message is set aside, with why)
+        except Exception as exc:
             log.exception("submit consumer: could not handle a message; dead-lettering it")
             self._db_failures = 0
             if not self._set_aside(message, body, f"berth could not handle this message ({type(exc).__name__}: "
@@ -154,7 +152,7 @@ class SubmitConsumer:
         try:
             self._dead_letter(body, properties, message.content_type, reason, message.content_encoding)
             return True
-        except Exception:  # noqa: BLE001 (the broker refused it, or a failure of berth's own again)
+        except Exception:
             key = (hashlib.sha256(body).hexdigest(), properties.get("message_id"), properties.get("user_id"))
             tries = self._unsettled.pop(key, 0) + 1
             if tries >= SET_ASIDE_TRIES:
@@ -264,7 +262,7 @@ class SubmitConsumer:
     def _dispatch(self, job_id: str) -> None:
         try:
             self.tasks.tasks[INGEST].delay(job_id)
-        except Exception:  # noqa: BLE001 (the job is committed: the reconciler ingests it once it is silent)
+        except Exception:
             log.exception("submit consumer: could not dispatch the ingest of job %s; the reconciler will", job_id)
 
     def _resume(self, job_id: str) -> None:

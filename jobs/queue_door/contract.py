@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobs.records.lifecycle import window_seconds
 from jobs.queue_door.destinations import PUBLIC_ONLY, Allowed, DestinationRefused, check_url
+from jobs.records.lifecycle import window_seconds
 from worker.messaging.message_body import BodyTooLarge, UnreadableBody, read_json
 
 if TYPE_CHECKING:  # jsonschema is imported where a message is checked: an engine worker never does

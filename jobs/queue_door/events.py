@@ -10,16 +10,16 @@ import json
 import logging
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from sqlalchemy import exists, func, select, text, update
 from sqlalchemy.orm import Session, aliased
 
-from jobs.records.db import Database, open_database
-from jobs.records.models import Job, JobEvent, Tenant, now
 from jobs.pipeline.publish import Outgoing, Publisher
 from jobs.queue_door.contract import CONTRACT_VERSION, event_routing_key
+from jobs.records.db import Database, open_database
+from jobs.records.models import Job, JobEvent, Tenant, now
 from storage import open_store
 from worker.config import Settings
 from worker.messaging.topology import Topology, is_embedded
@@ -177,7 +177,7 @@ def poll(stop: threading.Event, name: str, work, full: int) -> None:
     while not stop.is_set():
         try:
             done = work()
-        except Exception:  # noqa: BLE001 (what it had to do waits in the outbox)
+        except Exception:
             if not failing:
                 log.exception("%s: failed; retrying, logged once until it works", name)
             failing = True

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy import update
 
-from jobs.records.db import Database, open_database
-from jobs.records.models import JobEvent, now
 from jobs.queue_door.destinations import Allowed, DestinationRefused, parse_url
 from jobs.queue_door.events import POLL_SECONDS, due_webhooks, encode, job_event_body
 from jobs.queue_door.webhook_post import post
+from jobs.records.db import Database, open_database
+from jobs.records.models import JobEvent, now
 from jobs.records.tenants import webhook_secret
 from storage import open_store
 from worker.config import ConfigError, Settings
@@ -156,7 +156,7 @@ class WebhookSender:
         except asyncio.CancelledError:  # the sender stops: the event is due again at once, this try uncounted
             self.finished.append({"id": d.event_id, "webhook_due_at": now()})
             raise
-        except Exception as exc:  # noqa: BLE001 (berth's own failure: noted as the try's error, tried again)
+        except Exception as exc:
             log.exception("webhook of job %s (event %d): could not be sent", d.job_id, d.event_id)
             error, refused = f"berth could not send it ({type(exc).__name__}: {str(exc)[:300]})", False
         self.finished.append(self._outcome(d, error, refused))
@@ -219,7 +219,7 @@ class WebhookSender:
                     free = self.settings.webhook_senders - len(running)
                     deliveries = (await loop.run_in_executor(self.database_thread, self.claim, free,
                                                              dict(self.in_flight)) if free > 0 else [])
-                except Exception:  # noqa: BLE001 (the database is down: what is due waits in the outbox)
+                except Exception:
                     if not failing:
                         log.exception("webhooks: failed; retrying, logged once until it works")
                     failing, backoff = True, min(max(backoff * 2, 0.5), 10.0)
@@ -243,7 +243,7 @@ class WebhookSender:
             await asyncio.gather(*running, return_exceptions=True)
             try:
                 await self._write_finished()
-            except Exception:  # noqa: BLE001 (the claims run out and the events are due again)
+            except Exception:
                 log.exception("webhooks: could not write what became of the last POSTs")
 
     async def _write_finished(self) -> None:

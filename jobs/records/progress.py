@@ -6,7 +6,8 @@ rich is imported by the table and the bar that use it: ``berth status`` prints `
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jobs.records.status import JobView
 

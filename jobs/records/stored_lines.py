@@ -8,8 +8,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from jobs.lines.batch_format import parse_line
-from jobs.records.models import LineErrorRow, RequestRow
 from jobs.lines.validate import MAX_CUSTOM_ID, RawLine
+from jobs.records.models import LineErrorRow, RequestRow
 
 
 def last_stored_line(session: Session, job_id: str) -> int:

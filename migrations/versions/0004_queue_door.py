@@ -17,15 +17,15 @@ Two things here live outside the tables, so a later migration must keep them in 
 
 ``tests/jobs/records/test_status_view.py`` checks at head that both triggers exist and the view reads every job.
 """
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0004"
-down_revision: Union[str, None] = "0003"
-branch_labels: Union[str, Sequence[str], None] = None
-depends_on: Union[str, Sequence[str], None] = None
+down_revision: str | None = "0003"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
 
 BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 STATUS = sa.Enum("validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled",

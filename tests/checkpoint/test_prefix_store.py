@@ -22,10 +22,10 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
-from jobs.records.db import open_database
 from jobs.hosting.engine_worker import engine_worker
 from jobs.hosting.generate import generate_file
 from jobs.http.batches import batch_object
+from jobs.records.db import open_database
 from jobs.records.models import RequestRow, Result
 from storage import open_store
 from tests.support.consumer_fakes import FakeBroker

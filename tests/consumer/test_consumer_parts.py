@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-
-from tests.support.consumer_fakes import FakeEngine, Row
+from tests.support.consumer_fakes import FakeEngine, Row, make_worker, run_until_done
 from worker.config import Settings
 from worker.consumer import suspects
 from worker.consumer.ledger import Claim, Death
-from worker.messaging.topology import request_body
 from worker.engine.request import SamplingParams
-from tests.support.consumer_fakes import make_worker, run_until_done
+from worker.messaging.topology import request_body
 
 pytestmark = pytest.mark.usefixtures("fast_loop")
 

@@ -11,13 +11,19 @@ import logging
 
 import pytest
 
-
-from tests.support.consumer_fakes import FakeBroker, FakeEngine, FakeLedger, Row, WorkerKilled
-from tests.support.consumer_fakes import make_worker, run_until_done
+from tests.support.consumer_fakes import (
+    FakeBroker,
+    FakeEngine,
+    FakeLedger,
+    Row,
+    WorkerKilled,
+    make_worker,
+    run_until_done,
+)
 from worker.config import Settings
 from worker.consumer import suspects
-from worker.consumer.suspects import Standing
 from worker.consumer.ledger import Claim, Death
+from worker.consumer.suspects import Standing
 from worker.engine.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("fast_loop")

@@ -13,13 +13,20 @@ from kombu import Connection, Producer
 from sqlalchemy import func, select
 
 from jobs import api
+from jobs.pipeline.celery_tasks import finalize_later, make_app
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow, Result
-from jobs.pipeline.celery_tasks import finalize_later, make_app
-from tests.support.jobs_env import kill_if_running, stop_gracefully, AMQP_URL, TINY_NAME, tiny_env, tiny_settings, write_requests
+from tests.support.jobs_env import (
+    AMQP_URL,
+    TINY_NAME,
+    kill_if_running,
+    stop_gracefully,
+    tiny_env,
+    tiny_settings,
+    write_requests,
+)
 from tests.support.processes import spawn
-from worker.messaging.topology import REASON_HEADER
-from worker.messaging.topology import Topology
+from worker.messaging.topology import REASON_HEADER, Topology
 
 
 def _wait(settings, job_ids, proc, timeout=120):

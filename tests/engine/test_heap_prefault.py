@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import ROOT
 from worker.config import Settings
 from worker.engine import heap_prefault
-from tests.support.paths import ROOT
 
 BLOCK_MIB, BLOCKS = 7, 40  # a build's copies: many blocks under glibc's 32 MiB mapping threshold, 280 MiB
 

@@ -10,11 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.scheduling import check_block_accounting
+from tests.support.scheduling import check_block_accounting, fake_step, make_seq
 from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, SamplingParams, Sequence, SeqStatus
+from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
 from worker.engine.scheduler import Scheduler
-from tests.support.scheduling import fake_step, make_seq
 
 
 def _held(seqs: list[Sequence], interactive: bool) -> int:

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.models import cut_prompts
 from tests.support.exactness import hf_greedy
+from tests.support.models import cut_prompts
+from tests.support.scheduling import check_block_accounting
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import Engine
-from worker.engine.request import Request, SamplingParams, Sequence, SeqStatus
+from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
 from worker.engine.scheduler import Scheduler
-from tests.support.scheduling import check_block_accounting
 
 
 def simulate(requests: list[tuple], num_blocks: int, block_size: int, budget: int,

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import torch
 
-from worker.engine.structured import grammar
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams, StructuredOutput
+from worker.engine.structured import grammar
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -15,14 +15,14 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
+from jobs.lines.validate import model_info
+from jobs.pipeline.submit import JobSpec
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, LineErrorRow
-from jobs.pipeline.submit import JobSpec
-from jobs.lines.validate import model_info
 from tests.support.jobs_env import TINY_NAME, tiny_settings, work_until_over
+from worker.engine.request import StructuredOutput
 from worker.engine.structured import grammar
 from worker.engine.structured.grammar_pool import compile_pool
-from worker.engine.request import StructuredOutput
 from worker.engine.structured.schema_bounds import SchemaBounds
 
 SLOW_PATTERN = "([a-z]{1,50}){1,50}"  # nested counted repetitions in a schema's pattern: 240 s of compile here

@@ -19,7 +19,7 @@ import pytest
 from tests.support.models import cut_prompts
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import Engine
-from worker.engine.request import Request, SamplingParams, Sequence, SeqStatus
+from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
 from worker.engine.scheduler import Scheduler
 
 

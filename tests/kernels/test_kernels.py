@@ -34,7 +34,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package: pip install 'berth[test]'")
 
-from kernels import kv_quant, reference  # noqa: E402
+from kernels import kv_quant, reference
 
 # A module imported earlier in this session without the interpreter holds compiled kernels, which
 # cannot take CPU tensors: define them again, now interpreted.

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from jobs.http.batches import batch_object, get_batch
 from jobs.records.db import close_database, open_database
 from jobs.records.job_files import JobFiles
-from jobs.http.batches import batch_object, get_batch
 from tests.support.migration_db import upgraded
 
 T = 1_790_000_000.0

@@ -5,6 +5,7 @@ pass removes nothing of them, and the HTTP API shows them as before with ``expir
 from __future__ import annotations
 
 import pytest
+
 from jobs.records.db import close_database, open_database
 from jobs.records.job_files import JobFiles
 from tests.support.migration_db import upgraded
@@ -32,8 +33,8 @@ ROWS = {
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_0006_keeps_every_row_of_a_0005_database_and_expires_none_of_its_files(backend, tmp_path, request):
-    from jobs.records.file_removal import expire_files
     from jobs.http.files import get_file
+    from jobs.records.file_removal import expire_files
 
     url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
     after = upgraded(url, "0005", ROWS)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import MetaData, insert
 
-from jobs.records.db import close_database, make_engine, open_database, upgrade
 from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.db import close_database, make_engine, open_database, upgrade
 from tests.support.jobs_env import TINY_NAME
 from tests.support.migration_db import dump
 from worker.config import Settings

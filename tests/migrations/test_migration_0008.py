@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import MetaData, insert, select
 
-from jobs.records.db import close_database, head_revision, make_engine, upgrade
 from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.db import close_database, head_revision, make_engine, upgrade
 from tests.support.jobs_env import tiny_settings
 
 T = 1_790_000_000.0

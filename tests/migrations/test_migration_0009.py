@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.records.db import close_database, open_database
 from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.db import close_database, open_database
 from jobs.records.models import Job, ResultStatus
 from jobs.records.results import ResultRecord, record_outcomes
 from jobs.records.tenants import set_cache_group

@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.models import save_tiny_model
-from tests.support.models import cut_prompts
 from tests.support.exactness import check_against_hf, make_prompts
+from tests.support.models import cut_prompts, save_tiny_model
 from worker.engine.engine import Engine
 from worker.model.architectures import SUPPORTED_ARCHITECTURES, context_length, layer_windows
 from worker.model.base import ModelLoadError

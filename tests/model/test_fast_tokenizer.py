@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
+from tests.support.paths import ROOT
 from worker.model.fast_tokenizer import MANIFEST, FastTokenizer
 from worker.model.tokenizer import load_tokenizer
-from tests.support.paths import ROOT
 
 QWEN_LIKE_TEMPLATE = """
 {%- if messages[0]['role'] == 'system' %}

@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.gguf_files import (FAMILIES, Q, llama3_rope_factors, random_model, tokenizer_fields,
-                                     write_gguf, write_metadata)
+from tests.support.gguf_files import (
+    FAMILIES,
+    Q,
+    llama3_rope_factors,
+    random_model,
+    tokenizer_fields,
+    write_gguf,
+    write_metadata,
+)
 from worker.model.base import ModelLoadError
 from worker.model.gguf.index import read_index
 from worker.model.gguf.loader import gguf_weights
@@ -171,8 +178,8 @@ def test_engine_on_a_gguf_file_matches_transformers(written, case, smol_path, te
     """The GGUF reading and the model together: berth's greedy tokens and logits on each family's
     file against transformers' model it was written from. The 40-token prompt runs past phi3's
     32-token window (the file's ``attention.sliding_window``) in chunks of 16."""
-    from tests.support.models import cut_prompts
     from tests.support.exactness import check_against_hf
+    from tests.support.models import cut_prompts
     from worker.engine.engine import Engine
     from worker.model.base import LoadedModel
     from worker.model.tokenizer import load_tokenizer

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.model.gguf.dequant import BLOCK_TYPES, dequantise
 from tests.support.paths import ROOT
+from worker.model.gguf.dequant import BLOCK_TYPES, dequantise
 
 # where each type keeps its float16 scales (d, and m/dmin where it has one)
 F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),

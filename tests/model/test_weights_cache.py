@@ -205,8 +205,7 @@ def test_an_unwritable_cache_folder_costs_only_the_cache(model, monkeypatch, cap
 
 def test_a_model_already_in_the_dtype_is_not_cached(tmp_path, monkeypatch):
     """An F32 file read as float32 is mapped as it lies: a cache would only double it."""
-    from tests.support.gguf_files import write_gguf
-    from tests.support.gguf_files import random_model
+    from tests.support.gguf_files import random_model, write_gguf
 
     monkeypatch.setenv("BERTH_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "f32.gguf"

@@ -12,9 +12,9 @@ import worker.consumer.loop as consumer
 from worker.config import Settings
 from worker.consumer.broker import Delivery
 from worker.consumer.ledger import Claim, Death, LedgerDown, Outcome
-from worker.messaging.topology import request_body
 from worker.engine.engine import EngineStats, RequestRejected, StepLatencies
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, Sequence
+from worker.messaging.topology import request_body
 
 MODEL = "m"
 

@@ -152,7 +152,7 @@ class WebhookReceiver:
         got = self.got = []
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 got.append((dict(self.headers), body, time.time()))
                 self.send_response(204)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, SamplingParams, Sequence, SeqStatus
+from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
 from worker.engine.scheduler import Scheduler
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import openai
 
-from jobs.records.db import open_database
 from jobs.http.keys import create_key
 from jobs.http.server import Server
+from jobs.records.db import open_database
 from tests.support.jobs_env import tiny_settings
 
 FINAL = ("completed", "failed", "cancelled", "expired")

@@ -15,12 +15,20 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
+from jobs.hosting.generate import generate_file
+from jobs.pipeline.finalize import finalize
 from jobs.records.db import open_database
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import finalize
-from jobs.hosting.generate import generate_file
 from jobs.records.models import JobStatus, Result
-from tests.support.jobs_env import kill_if_running, stop_gracefully, AMQP_URL, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
+from tests.support.jobs_env import (
+    AMQP_URL,
+    TINY_NAME,
+    choices_by_custom_id,
+    kill_if_running,
+    stop_gracefully,
+    tiny_env,
+    tiny_settings,
+)
 from tests.support.s3_server import S3_ENV
 from tests.support.worker_process import metric, results_counts, run_until, start_worker, wait_generating
 

@@ -10,10 +10,10 @@ import json
 from sqlalchemy import select
 
 from jobs import api
-from jobs.pipeline.checkpoint_gc import collect_checkpoints
-from jobs.records.db import open_database
 from jobs.hosting.engine_worker import engine_worker
 from jobs.hosting.generate import generate_file
+from jobs.pipeline.checkpoint_gc import collect_checkpoints
+from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow
 from storage import open_store
 from tests.support.checkpoints import read_state

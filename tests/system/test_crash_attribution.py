@@ -14,25 +14,32 @@ import re
 import signal
 import socket
 import subprocess
-import urllib.request
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
 from jobs import api
+from jobs.hosting.generate import generate_file
+from jobs.pipeline.finalize import finalize
 from jobs.records.db import open_database
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import finalize
-from jobs.hosting.generate import generate_file
 from jobs.records.models import JobStatus, RequestRow, Result, ResultStatus
-from tests.support.jobs_env import AMQP_URL, TINY_NAME, choices_by_custom_id, kill_if_running, stop_gracefully, \
-    tiny_env, tiny_settings
+from tests.support.jobs_env import (
+    AMQP_URL,
+    TINY_NAME,
+    choices_by_custom_id,
+    kill_if_running,
+    stop_gracefully,
+    tiny_env,
+    tiny_settings,
+)
+from tests.support.processes import free_port
 from tests.support.s3_server import S3_ENV
 from tests.support.worker_process import metric, results_counts, wait_generating
-from tests.support.processes import free_port
 
 N, MAX_TOKENS, KILLS = 60, 448, 5
 FIRST_LIFE = (0.5, 1.0)  # seconds the first worker generates before it is killed, drawn at random

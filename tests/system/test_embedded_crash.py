@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.records.db import open_database
 from jobs.hosting.generate import generate_file
+from jobs.records.db import open_database
 from jobs.records.models import JobStatus, Result
 from tests.support.jobs_env import TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings, work_in_process_until_over
 from tests.support.worker_process import results_counts, run_until, start_worker, wait_generating

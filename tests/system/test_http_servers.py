@@ -9,13 +9,20 @@ import sys
 
 from sqlalchemy import select
 
-from jobs.records.db import open_database
 from jobs.hosting.generate import generate_file
+from jobs.records.db import open_database
 from jobs.records.models import Result
-from tests.support.serving import client, key_for, serving, upload, wait_for
-from tests.support.jobs_env import (AMQP_URL, choices_by_custom_id, kill_if_running, stop_gracefully, tiny_env,
-                                tiny_settings, write_requests)
+from tests.support.jobs_env import (
+    AMQP_URL,
+    choices_by_custom_id,
+    kill_if_running,
+    stop_gracefully,
+    tiny_env,
+    tiny_settings,
+    write_requests,
+)
 from tests.support.processes import spawn
+from tests.support.serving import client, key_for, serving, upload, wait_for
 
 N = 200  # the file size, as on the embedded defaults
 

@@ -30,19 +30,29 @@ from sqlalchemy import create_engine, func, select, text
 
 from jobs import api
 from jobs.lines.batch_format import to_request
+from jobs.lines.line_error import BatchLine
+from jobs.lines.validate import model_info
+from jobs.pipeline.finalize import finalize
 from jobs.records.db import close_database, open_database
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import finalize
-from jobs.lines.line_error import BatchLine
 from jobs.records.models import Result, ResultStatus
-from jobs.lines.validate import model_info
-from tests.support.serving import client, key_for, serving
-from tests.support.jobs_env import (AMQP_URL, PG_ADMIN_URL, TINY_NAME, reachable, kill_if_running, read_jsonl,
-                                request_line, stop_gracefully, tiny_env, tiny_settings)
-from tests.support.rabbitmq import PIKA_URL
-from tests.support.processes import free_port
-from worker.messaging.topology import Topology
+from tests.support.jobs_env import (
+    AMQP_URL,
+    PG_ADMIN_URL,
+    TINY_NAME,
+    kill_if_running,
+    reachable,
+    read_jsonl,
+    request_line,
+    stop_gracefully,
+    tiny_env,
+    tiny_settings,
+)
 from tests.support.paths import ROOT
+from tests.support.processes import free_port
+from tests.support.rabbitmq import PIKA_URL
+from tests.support.serving import client, key_for, serving
+from worker.messaging.topology import Topology
 
 DEADLINE = 240.0  # seconds for anything to happen: generous, the machine is loaded; never a sleep
 START = 1200.0  # seconds for a worker process to import torch and load the model, at the lowest priority

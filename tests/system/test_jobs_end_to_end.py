@@ -15,13 +15,20 @@ from kombu import Connection
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.records.db import open_database
 from jobs.hosting.generate import generate_file
+from jobs.records.db import open_database
 from jobs.records.models import JobStatus, Result
-from tests.support.jobs_env import (AMQP_URL, TINY_NAME, choices_by_custom_id, read_jsonl, tiny_env, tiny_settings,
-                                write_requests)
-from worker.messaging.topology import Topology
+from tests.support.jobs_env import (
+    AMQP_URL,
+    TINY_NAME,
+    choices_by_custom_id,
+    read_jsonl,
+    tiny_env,
+    tiny_settings,
+    write_requests,
+)
 from tests.support.processes import free_port, spawn
+from worker.messaging.topology import Topology
 
 N = 200
 

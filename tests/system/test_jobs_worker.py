@@ -15,11 +15,11 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
-from jobs.records.db import open_database
 from jobs.hosting.engine_worker import engine_worker
+from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow, Result
-from tests.support.rabbitmq import rabbitmqctl
 from tests.support.jobs_env import AMQP_URL, TINY_NAME, tiny_settings, work_until_over
+from tests.support.rabbitmq import rabbitmqctl
 from worker.messaging.topology import Topology, connect, queue_depth
 
 

@@ -31,15 +31,15 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
+from jobs.hosting.generate import generate_file
+from jobs.pipeline.finalize import finalize
 from jobs.records.db import open_database
 from jobs.records.job_files import JobFiles
-from jobs.pipeline.finalize import finalize
-from jobs.hosting.generate import generate_file
 from jobs.records.models import JobStatus, RequestRow, Result
 from tests.support.jobs_env import AMQP_URL, PG_ADMIN_URL, TINY_NAME, choices_by_custom_id, tiny_env, tiny_settings
+from tests.support.processes import free_port
 from tests.support.s3_server import S3_ENV
 from tests.support.worker_process import metric, results_counts, start_worker
-from tests.support.processes import free_port
 
 SEATS = 4  # max_num_seqs of the worker: few seats make a job long in time for few tokens
 RESTORE_TIMEOUT = 120.0  # seconds a stopped service gets to answer again before the test fails loudly

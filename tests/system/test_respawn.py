@@ -19,12 +19,12 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
+from jobs.hosting.respawn import Respawner
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, Result
-from jobs.hosting.respawn import Respawner
 from tests.support.jobs_env import TINY_NAME, kill_if_running, tiny_env, tiny_settings, work_in_process_until_over
-from tests.support.worker_process import run_until, wait_generating
 from tests.support.processes import free_port
+from tests.support.worker_process import run_until, wait_generating
 
 N, MAX_TOKENS = 16, 200
 

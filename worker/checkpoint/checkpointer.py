@@ -6,8 +6,8 @@ the ``CheckpointWriter``'s threads store the round as one segment. docs/engine.m
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from storage import ObjectStore
 from worker.checkpoint.costs import KvPolicy, TransferRates

@@ -88,7 +88,7 @@ class PrefixStore:
         for request, future in done:
             try:
                 found: _Found = future.result()
-            except Exception:  # noqa: BLE001 (a bug in the lookup must not lose the request: it computes)
+            except Exception:
                 log.exception("request %s: looking its prompt up in the prefix store failed", request.request_id)
                 found = _Found()
             if found.data is not None:

@@ -72,7 +72,7 @@ class Restorer:
         for request, future in done:
             try:
                 fetched: _Fetched = future.result()
-            except Exception:  # noqa: BLE001 (a bug in restoring must not lose the request: it starts over)
+            except Exception:
                 log.exception("request %s starts over: restoring its checkpoint failed", request.request_id)
                 fetched = _Fetched(request)
             checkpoint = fetched.checkpoint

@@ -39,15 +39,22 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from storage import ObjectStore, StorageError
 from worker.checkpoint.costs import TransferRates
-from worker.checkpoint.format import (PROBE_KEY, RequestCheckpoint, StateRef, encode_run, encode_segment, kv_key,
-                                      segment_key)
+from worker.checkpoint.format import (
+    PROBE_KEY,
+    RequestCheckpoint,
+    StateRef,
+    encode_run,
+    encode_segment,
+    kv_key,
+    segment_key,
+)
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("berth.checkpoint")
@@ -292,7 +299,7 @@ class CheckpointWriter:
                     self._write_segment(batch)
             except StorageError as exc:
                 self._went_down(exc)
-            except Exception:  # noqa: BLE001 (a bug here must not stop checkpoints for good)
+            except Exception:
                 log.exception("checkpoint segment write failed")
                 self.metrics.checkpoint_failures.inc()
             finally:
@@ -418,7 +425,7 @@ class CheckpointWriter:
                 self._write_run(run)
             except StorageError as exc:
                 self._went_down(exc)
-            except Exception:  # noqa: BLE001 (a bug here must not stop checkpoints for good)
+            except Exception:
                 log.exception("checkpoint KV write failed")
                 self.metrics.checkpoint_failures.inc()
             finally:

@@ -23,11 +23,10 @@ once, for the same publish, then not before ``RECONNECT[0]`` seconds.
 from __future__ import annotations
 
 import logging
-import socket
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import kombu
 from kombu import Producer
@@ -162,7 +161,7 @@ class BrokerLink:
             while (len(self._received) < limit or self.interactive is not None) and not self.broken:
                 try:
                     self.connection.drain_events(timeout=timeout)
-                except socket.timeout:
+                except TimeoutError:
                     break
                 timeout = 0
         out, self._received = self._received, []
@@ -238,7 +237,7 @@ class BrokerLink:
     def _poll_replies(self) -> None:
         try:
             self._replies.drain_events(timeout=0)
-        except socket.timeout:
+        except TimeoutError:
             pass
 
     def _tenant_of(self, info: dict) -> str | None:

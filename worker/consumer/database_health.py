@@ -9,10 +9,11 @@ the next call that gets through reports ``succeeded``. The ``berth_database_up``
 from __future__ import annotations
 
 import logging
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-from worker.messaging.backoff import Backoff
 from worker.consumer.ledger import LedgerDown
+from worker.messaging.backoff import Backoff
 from worker.metrics import WorkerMetrics
 
 T = TypeVar("T")

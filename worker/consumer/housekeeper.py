@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("berth.worker")
 
@@ -34,7 +34,7 @@ class Housekeeper:
                     due[i] = now + period
                     try:
                         chore()
-                    except Exception:  # noqa: BLE001 (a chore's failure never ends the worker)
+                    except Exception:
                         log.exception("chore %s failed; it runs again in %.0fs", getattr(chore, "__name__", chore),
                                       period)
             self._stop.wait(max(0.05, min(due) - time.monotonic()))

@@ -32,8 +32,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Union
 
 from worker.engine.request import Request, RequestOutput
 from worker.engine.text_delta import TextDelta
@@ -149,7 +150,7 @@ class InteractiveInbox:
             except RequestRejected as exc:
                 self._send(live, [Failed(str(exc), "request_rejected")])
                 continue
-            except Exception as exc:  # noqa: BLE001 (this request's own: it fails alone)
+            except Exception as exc:
                 log.exception("interactive request %s could not be admitted", request.request_id)
                 self._send(live, [Failed(f"{type(exc).__name__}: {exc}")])
                 continue

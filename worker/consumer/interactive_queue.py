@@ -39,14 +39,14 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.interactive_inbox import Delta, Done, Event, Failed, InteractiveInbox
+from worker.engine.request import Completion, Request, RequestOutput
 from worker.messaging.message_body import UnreadableBody, read_json
 from worker.messaging.topology import BadMessage
-from worker.engine.request import Completion, Request, RequestOutput
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("berth.worker")
@@ -256,7 +256,7 @@ class RemoteRequests:
         except Refused as exc:
             self._refuse(delivery, exc.reason, exc.code)
             return
-        except Exception as exc:  # noqa: BLE001 (a check that broke: this request's failure alone)
+        except Exception as exc:
             log.exception("worker %s: checking interactive request %s raised", self.name, request_id)
             self._refuse(delivery, f"the request could not be checked ({type(exc).__name__}); fix it or report it "
                                    "as a bug")

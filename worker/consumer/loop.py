@@ -12,15 +12,15 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from storage import open_store
 from worker.checkpoint.checkpointer import Checkpointer
 from worker.checkpoint.prefix_store import PrefixStore
 from worker.checkpoint.resume import Restorer
 from worker.config import Settings
-from worker.consumer import admission
+from worker.consumer import admission, suspects
 from worker.consumer.absent import NoCheckpoints, NoInbox, NoPrefixes, NoRemote, NoRestorer
 from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
@@ -29,13 +29,12 @@ from worker.consumer.housekeeper import Chore, Housekeeper
 from worker.consumer.interactive_inbox import InteractiveInbox
 from worker.consumer.interactive_queue import Door, RemoteRequests
 from worker.consumer.ledger import Claim, Heartbeat, Ledger, Outcome
-from worker.messaging.message_body import UnreadableBody
 from worker.consumer.outcomes import OutcomeBook, Pending
-from worker.messaging.topology import BadMessage, RequestRef, parse_request_body
-from worker.consumer import suspects
 from worker.consumer.suspects import CLEAR_TOKENS, CrashSuspects
 from worker.engine.engine import Engine, RequestRejected
 from worker.engine.request import Request
+from worker.messaging.message_body import UnreadableBody
+from worker.messaging.topology import BadMessage, RequestRef, parse_request_body
 from worker.metrics import WorkerMetrics
 from worker.process_clock import seconds_since_start
 
@@ -320,7 +319,7 @@ class EngineWorker:
             failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "request_rejected", str(exc)),
                                     claim.tenant, item.delivery))
             return
-        except Exception as exc:  # noqa: BLE001 (anything else: fail it alone, with the reason)
+        except Exception as exc:
             log.exception("request %s could not be admitted", claim.request_id)
             del self.inflight[item.request.request_id]
             failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "engine_error",
@@ -339,7 +338,7 @@ class EngineWorker:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception:  # noqa: BLE001 (the engine could not tell whose fault: hand everything back)
+        except Exception:
             log.exception("worker %s: an engine step failed outside any one request; handing its requests back",
                           self.name)
             self._hand_back(count_attempt=True)
@@ -452,7 +451,7 @@ class EngineWorker:
         if not count_attempt and items:
             try:
                 self.ledger.release([i.claim.request_id for _, i in items])
-            except Exception:  # noqa: BLE001 (stopping anyway; at worst the delivery counts)
+            except Exception:
                 log.exception("could not release attempts")
         for engine_id, item in items:
             self.engine.abort(engine_id)

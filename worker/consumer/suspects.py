@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.ledger import Claim, Ledger

@@ -17,7 +17,6 @@ from collections import OrderedDict
 
 from worker.engine.request import Sequence
 
-
 LONG_ROPE_ROOT = b"berth:longrope"
 SALT_ROOT = b"berth:salt\x00"
 

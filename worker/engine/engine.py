@@ -11,8 +11,8 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -330,7 +330,7 @@ class Engine:
                 scheduler.finish(seq)
                 if request.is_finished:
                     outputs.append(self._output(request))
-            except Exception as exc:  # noqa: BLE001 (this input's own: its request fails alone)
+            except Exception as exc:
                 log.exception("request %s failed while finishing its embedding", request.request_id)
                 outputs.append(self._fail(request, exc))
         return outputs
@@ -378,7 +378,7 @@ class Engine:
                         outputs.append(self._output(request))
                 elif not seq.long_rope and long_rope(self.long_rope_from, seq.num_tokens):
                     self._rotate_long(seq, scheduler)
-            except Exception as exc:  # noqa: BLE001 (this row's own: it fails alone)
+            except Exception as exc:
                 log.exception("request %s failed while finishing its token", request.request_id)
                 outputs.append(self._fail(request, exc))
         return outputs

@@ -6,7 +6,7 @@ through a scheduler of their own. The engine drives it; this class only calls sc
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from worker.engine.request import Request, SeqStatus, Sequence
 from worker.engine.scheduler import Scheduler, SchedulerOutput

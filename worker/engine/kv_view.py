@@ -5,9 +5,9 @@ back by content address, prefix-cache look-ups, and prompt prefixes found shared
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

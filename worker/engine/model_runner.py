@@ -31,8 +31,8 @@ from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine import heap_prefault
 from worker.engine.pooling import PoolRows, chunk_rows
-from worker.engine.step_heap import keep_step_temporaries_in_heap
 from worker.engine.request import Sequence
+from worker.engine.step_heap import keep_step_temporaries_in_heap
 from worker.model.architectures import context_length
 from worker.model.decoder import DecoderModel, StepInput
 from worker.model.pooling_config import model_pooling

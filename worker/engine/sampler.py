@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine import penalties
-from worker.engine.structured.grammar import apply_bitmask
 from worker.engine.request import SamplingParams
+from worker.engine.structured.grammar import apply_bitmask
 
 _MASK = (1 << 64) - 1
 

@@ -7,11 +7,11 @@ rather than quorum queues, and every queue and exchange: docs/queue.md, "Queues 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from json import dumps
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from kombu import Connection, Exchange, Queue
 from kombu.transport import sqlalchemy as kombu_sqla

@@ -19,7 +19,7 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    config: "PretrainedConfig"  # noqa: F821 (transformers' config class of the family, model_type set)
+    config: PretrainedConfig  # noqa: F821 (transformers' config class of the family, model_type set)
     weights: dict[str, torch.Tensor]
     tokenizer: object
     path: str

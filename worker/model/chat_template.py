@@ -45,7 +45,7 @@ class _Generation(jinja2.ext.Extension):
 class _Namespace(jinja2.utils.Namespace):
     """jinja2's namespace, refusing attributes that start with an underscore (CPython internals)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805 (jinja2's own signature trick, so namespace(self=...) works)
+    def __init__(*args, **kwargs):
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

@@ -46,7 +46,7 @@ class FastTokenizer:
         self._lock = threading.Lock()
 
     @classmethod
-    def read(cls, folder: Path, facts: dict | None = None, transformers_source: str | None = None) -> "FastTokenizer":
+    def read(cls, folder: Path, facts: dict | None = None, transformers_source: str | None = None) -> FastTokenizer:
         """The tokenizer saved in ``folder``; ``facts`` default to its manifest."""
         if facts is None:
             facts = json.loads((folder / MANIFEST).read_text())["facts"]

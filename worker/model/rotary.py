@@ -20,7 +20,7 @@ a KV cache cannot follow: it is refused with the reason.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

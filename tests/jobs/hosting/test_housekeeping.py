@@ -16,12 +16,12 @@ import time
 
 from sqlalchemy import select, update
 
-from jobs import api
-from jobs.records.db import open_database
-from jobs.hosting.chores import chores
-from jobs.records.models import Job, JobStatus, RequestRow, now
 import jobs.hosting.chores
 import jobs.pipeline.celery_tasks
+from jobs import api
+from jobs.hosting.chores import chores
+from jobs.records.db import open_database
+from jobs.records.models import Job, JobStatus, RequestRow, now
 from tests.support.jobs_env import AMQP_URL, TINY_NAME, request_line, tiny_settings, write_requests
 from worker.messaging.topology import Topology, broker_url, connect
 
@@ -132,9 +132,9 @@ def test_housekeeping_runs_on_while_an_ingest_it_resumed_runs(tmp_path, tiny_lla
     whose ingest never started is ingested by a later reconcile, all while the first still runs.
     (Before, the resumed ingest ran on the housekeeping thread itself and held every chore.) The
     periods are cut to 0.5 s so that the test takes seconds."""
-    from jobs.records.job_files import JobFiles
-    from jobs.pipeline.submit import JobSpec, create_job
     from jobs.lines.validate import LineValidator
+    from jobs.pipeline.submit import JobSpec, create_job
+    from jobs.records.job_files import JobFiles
     from worker.consumer.housekeeper import Housekeeper
 
     settings = _embedded(tmp_path, tiny_llama_dir)

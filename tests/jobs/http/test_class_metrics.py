@@ -8,10 +8,10 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
 from tests.support.jobs_env import TINY_NAME, request_line, tiny_settings
-from worker.metrics import CountedHistogram, WorkerMetrics
 from tests.support.processes import free_port
+from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
+from worker.metrics import CountedHistogram, WorkerMetrics
 
 BATCH_TOKENS = (5, 7, 6)  # max_tokens of each batch line (EOS ignored: exactly these many)
 LIVE_TOKENS = (4, 8)

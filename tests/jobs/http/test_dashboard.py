@@ -10,10 +10,11 @@ import shutil
 import pytest
 from selenium.webdriver.common.by import By
 
-from tests.support.browser import chromium, until
-from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
-from tests.support.jobs_env import TINY_NAME
 import worker.consumer.loop as consumer
+from tests.support.browser import chromium, until
+from tests.support.jobs_env import TINY_NAME
+from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
+
 
 @pytest.fixture
 def browser():

@@ -26,8 +26,8 @@ from sqlalchemy import update
 from jobs.records.db import open_database
 from jobs.records.models import Job, WorkerRow, now
 from tests.support.browser import chromium, until
-from tests.support.serving import client, embedded_settings, key_for, serving, upload
 from tests.support.jobs_env import write_requests
+from tests.support.serving import client, embedded_settings, key_for, serving, upload
 
 SCRIPT = "</script><script>alert(document.cookie)</script>"
 IMG = "<img src=x onerror=alert('worker')>"

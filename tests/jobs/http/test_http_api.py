@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from jobs.cli import main
-from jobs.records.db import open_database
 from jobs.http.keys import revoke_key
-from tests.support.serving import client, embedded_settings, key_for, serving, upload
+from jobs.records.db import open_database
 from tests.support.jobs_env import write_requests
+from tests.support.serving import client, embedded_settings, key_for, serving, upload
 
 LIMIT = 64 << 10  # the server's upload limit here
 BATCH_FIELDS = {"id", "object", "endpoint", "model", "errors", "input_file_id", "completion_window", "status",

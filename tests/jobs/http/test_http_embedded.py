@@ -17,11 +17,18 @@ from click.testing import CliRunner
 
 from jobs.cli import main
 from jobs.hosting.generate import generate_file
+from tests.support.jobs_env import (
+    choices_by_custom_id,
+    kill_if_running,
+    read_jsonl,
+    request_line,
+    tiny_env,
+    tiny_settings,
+    write_requests,
+)
+from tests.support.paths import ROOT
 from tests.support.processes import free_port
 from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
-from tests.support.jobs_env import (choices_by_custom_id, kill_if_running, read_jsonl, request_line, tiny_env,
-                                tiny_settings, write_requests)
-from tests.support.paths import ROOT
 
 N = 200
 

@@ -21,13 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                              status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from jobs.http.app import create_app
 from jobs.http.background import Tasks
-from tests.support.serving import client, embedded_settings, key_for, serving
 from tests.support.jobs_env import TINY_NAME, tiny_settings, write_requests
+from tests.support.serving import client, embedded_settings, key_for, serving
 
 MAX_EXAMPLES = 25
 LIVE_EXAMPLES = 30  # per route and mode, against the live engine

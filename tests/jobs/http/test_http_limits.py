@@ -15,17 +15,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest
 from starlette.testclient import TestClient
 
 from jobs.records.db import open_database
+from tests.support.jobs_env import kill_if_running, tiny_env, write_requests
 from tests.support.processes import free_port
 from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
-from tests.support.jobs_env import kill_if_running, tiny_env, write_requests
 
 MB = 1 << 20
 HOUR = 3600

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-
 import urllib.error
 import urllib.request
 
@@ -15,14 +14,14 @@ import openai
 import pytest
 
 from jobs.hosting.generate import generate_file
-from tests.support.serving import client, embedded_settings, key_for, serving, upload
 from tests.support.jobs_env import TINY_NAME, read_jsonl, request_line, tiny_settings
+from tests.support.paths import ROOT
 from tests.support.qwen import tool_line
+from tests.support.serving import client, embedded_settings, key_for, serving, upload
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, SamplingParams, Sequence
 from worker.engine.scheduler import Scheduler
 from worker.engine.text_delta import TextDelta
-from tests.support.paths import ROOT
 
 DEADLINE = 120.0  # seconds: generous, the machine is loaded; the tests wait on conditions, never on time
 

@@ -9,8 +9,8 @@ import json
 from sqlalchemy import select
 
 from jobs import api
-from jobs.records.db import open_database
 from jobs.hosting.database_ledger import JobsLedger
+from jobs.records.db import open_database
 from jobs.records.models import LineErrorRow, RequestRow
 from tests.support.jobs_env import TINY_NAME, tiny_settings
 

@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
-from jobs.lines.batch_format import LineError, response_line
 from jobs.cli import main
+from jobs.lines.batch_format import LineError, response_line
+from jobs.lines.validate import LineValidator, ModelInfo, read_lines
 from jobs.records.db import open_database
 from jobs.records.models import Job, Result, ResultStatus
-from jobs.lines.validate import LineValidator, ModelInfo, read_lines
 from tests.support.jobs_env import TINY_NAME, read_jsonl, tiny_settings
 
 URL = "/v1/embeddings"
@@ -194,8 +194,7 @@ def test_an_embeddings_batch_through_berth_serve(tmp_path, tiny_llama_dir, tiny_
 def test_an_embeddings_job_through_the_queue_door(tmp_path, tiny_llama_dir, tiny_engine, pg_url, queue_prefix):
     from jobs import api
     from tests.support.jobs_env import work_until_over
-    from tests.support.rabbitmq import door_settings, publish, start_door, submit_body
-    from tests.support.rabbitmq import job_of
+    from tests.support.rabbitmq import door_settings, job_of, publish, start_door, submit_body
 
     settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix)
     api.allow_broker_user("guest", "alice", settings)

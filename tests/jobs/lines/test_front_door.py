@@ -17,16 +17,16 @@ from click.testing import CliRunner
 from hypothesis import strategies as st
 
 from jobs import api
-from jobs.lines.batch_format import CODE_CHARS, MAX_CUSTOM_ID, PARAM_CHARS, BatchLine, LineError, response_line
-from jobs.hosting.generate import generate_file
 from jobs.hosting.database_ledger import params_from_dict
-from jobs.pipeline.request_messages import params_to_dict
-from jobs.records.models import JobStatus, LineErrorRow, RequestRow
-from jobs.pipeline.submit import JobRefused, JobSpec
+from jobs.hosting.generate import generate_file
+from jobs.lines.batch_format import CODE_CHARS, MAX_CUSTOM_ID, PARAM_CHARS, BatchLine, LineError, response_line
 from jobs.lines.validate import InputError, LineValidator, ModelInfo, read_lines
+from jobs.pipeline.request_messages import params_to_dict
+from jobs.pipeline.submit import JobRefused, JobSpec
+from jobs.records.models import JobStatus, LineErrorRow, RequestRow
 from tests.support.jobs_env import AMQP_URL, TINY_NAME, read_jsonl, request_line, tiny_settings, work_until_over
-from worker.config import Settings
 from tests.support.paths import ROOT
+from worker.config import Settings
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 VOCAB = 49152  # the tiny model's (and its tokenizer's)
@@ -465,10 +465,10 @@ def test_an_oversized_file_is_refused_at_once(tmp_path, tiny_llama_dir, tiny_eng
 
 
 def test_the_ingest_never_stores_more_than_the_line_limit(tmp_path, tiny_llama_dir):
-    from jobs.records.db import open_database
-    from jobs.records.job_files import JobFiles
     from jobs.pipeline.ingest import ingest
     from jobs.pipeline.submit import create_job
+    from jobs.records.db import open_database
+    from jobs.records.job_files import JobFiles
 
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(request_line(i)) + "\n" for i in range(5)))

@@ -11,17 +11,17 @@ import pytest
 from sqlalchemy import select, update
 
 from jobs import api
-from jobs.lines.batch_format import LineError
-from jobs.records.db import open_database
 from jobs.hosting.database_ledger import JobsLedger
-from jobs.records.models import RequestRow
+from jobs.lines.batch_format import LineError
 from jobs.lines.structured_outputs import DEFAULT_LIMITS, StructuredLimits
 from jobs.lines.validate import model_info
+from jobs.records.db import open_database
+from jobs.records.models import RequestRow
 from tests.support.jobs_env import TINY_NAME, tiny_settings
 from tests.support.structured import PERSON, PERSON_TEXT, structured_line, structured_of
 from worker.config import Settings
-from worker.engine.structured.grammar import CompileRules
 from worker.engine.request import StructuredOutput
+from worker.engine.structured.grammar import CompileRules
 from worker.engine.structured.schema_bounds import SchemaBounds
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

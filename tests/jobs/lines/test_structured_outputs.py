@@ -18,6 +18,7 @@ from tests.support.jobs_env import TINY_NAME, read_jsonl, tiny_settings, work_un
 from worker.config import Settings
 from worker.engine.engine import Engine
 
+
 @pytest.mark.slow  # 60 requests on the default model
 def test_every_constrained_extraction_that_stops_is_valid(tmp_path):
     """The contrast, the same prompts without the constraint (0 of 60 valid), is a measure of the

@@ -15,15 +15,15 @@ import jsonschema
 import pytest
 
 from jobs import api
-from jobs.lines.batch_format import BatchLine, LineError, response_line
-from jobs.hosting.generate import generate_file
 from jobs.hosting.database_ledger import params_from_dict
-from jobs.pipeline.request_messages import params_to_dict
-from jobs.records.models import JobStatus
+from jobs.hosting.generate import generate_file
+from jobs.lines.batch_format import BatchLine, LineError, response_line
 from jobs.lines.tool_formats import FORMATS, format_of
 from jobs.lines.validate import LineValidator, ModelInfo, read_lines
-from tests.support.qwen import CHAT, LOOKUP, QWEN_STYLE_TEMPLATE, SCHEMAS, TOOLS, tool_line
+from jobs.pipeline.request_messages import params_to_dict
+from jobs.records.models import JobStatus
 from tests.support.jobs_env import read_jsonl, tiny_settings, work_until_over
+from tests.support.qwen import CHAT, LOOKUP, QWEN_STYLE_TEMPLATE, SCHEMAS, TOOLS, tool_line
 from worker.engine.engine import Engine
 from worker.engine.request import Completion, Request, RequestOutput
 
@@ -262,8 +262,8 @@ def test_a_checkpoint_from_before_tools_still_names_its_request():
 def test_a_call_grammar_is_bounded_like_a_schema():
     """The engine's own check of a spec's shape (for rows it did not see through the door) finds the
     schemas inside a structural tag."""
-    from worker.engine.structured.grammar import DEFAULT_RULES, too_costly
     from worker.engine.request import StructuredOutput
+    from worker.engine.structured.grammar import DEFAULT_RULES, too_costly
 
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
     tag = FORMATS["hermes"].constraint([("wide", wide)], parallel=True)

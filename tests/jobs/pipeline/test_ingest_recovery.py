@@ -13,15 +13,15 @@ from sqlalchemy import select, update
 
 import jobs.pipeline.ingest
 from jobs import api
-from jobs.records.db import open_database
-from jobs.records.job_files import JobFiles
+from jobs.lines.validate import LineValidator
+from jobs.pipeline.celery_tasks import dispatch, finalize_later, ingest_later, make_app
 from jobs.pipeline.ingest import ingest
-from jobs.records.lifecycle import cancel, expire_due
-from jobs.records.models import Job, JobStatus, LineErrorRow, RequestRow, now
 from jobs.pipeline.reconcile import reconcile
 from jobs.pipeline.submit import JobSpec, create_job
-from jobs.pipeline.celery_tasks import dispatch, finalize_later, ingest_later, make_app
-from jobs.lines.validate import LineValidator
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.records.lifecycle import cancel, expire_due
+from jobs.records.models import Job, JobStatus, LineErrorRow, RequestRow, now
 from tests.support.jobs_env import (
     AMQP_URL,
     TINY_NAME,

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from kombu.exceptions import EncodeError
 
-from jobs.pipeline.request_messages import RequestMessage
 from jobs.pipeline.publish import Publisher
+from jobs.pipeline.request_messages import RequestMessage
 from worker.config import Settings
 from worker.messaging.topology import Topology, connect
 
@@ -26,7 +24,7 @@ def _drain(settings: Settings) -> list[dict]:
         try:
             while True:
                 conn.drain_events(timeout=0.5)
-        except socket.timeout:
+        except TimeoutError:
             pass
     return bodies
 

@@ -12,10 +12,10 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.records.db import open_database
 from jobs.hosting.engine_worker import engine_worker
-from jobs.records.models import JobStatus, Result
 from jobs.pipeline.submit import JobSpec
+from jobs.records.db import open_database
+from jobs.records.models import JobStatus, Result
 from tests.support.jobs_env import AMQP_URL, TINY_NAME, tiny_settings
 from worker.engine.engine import Engine
 

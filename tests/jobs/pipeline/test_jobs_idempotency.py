@@ -11,16 +11,16 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from jobs import api
-from jobs.records.db import open_database
 import jobs.pipeline.ingest
+from jobs import api
+from jobs.pipeline.celery_tasks import finalize_later, make_app
 from jobs.pipeline.ingest import job_target, publish
-from jobs.records.lifecycle import JobStateError, expire_due
-from jobs.records.models import JobStatus, RequestRow, Result, ResultStatus
 from jobs.pipeline.publish import Publisher
 from jobs.pipeline.reconcile import reconcile
 from jobs.pipeline.submit import JobSpec
-from jobs.pipeline.celery_tasks import finalize_later, make_app
+from jobs.records.db import open_database
+from jobs.records.lifecycle import JobStateError, expire_due
+from jobs.records.models import JobStatus, RequestRow, Result, ResultStatus
 from tests.support.jobs_env import (
     AMQP_URL,
     TINY_NAME,

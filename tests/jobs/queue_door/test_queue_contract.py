@@ -10,18 +10,18 @@ import jsonschema
 import pytest
 from sqlalchemy import select, update
 
-from jobs.records.db import open_database
-from jobs.records.job_files import JobFiles
 from jobs.pipeline.finalize import finalize
 from jobs.pipeline.ingest import ingest
-from jobs.records.lifecycle import cancel, expire_due
-from jobs.records.models import Job, JobEvent, JobStatus, RequestRow, ResultStatus, Tenant
+from jobs.pipeline.submit import JobSpec, create_job
 from jobs.queue_door.contract import EVENT_SCHEMA, SUBMIT_SCHEMA, SubmitRefused, read_submit, salvage, schema
 from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import job_event_body, rejection_body
 from jobs.queue_door.webhooks import sign, verify
+from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
+from jobs.records.lifecycle import cancel, expire_due
+from jobs.records.models import Job, JobEvent, JobStatus, RequestRow, ResultStatus, Tenant
 from jobs.records.results import ResultRecord, record_outcomes
-from jobs.pipeline.submit import JobSpec, create_job
 from tests.support.jobs_env import TINY_NAME, request_line, tiny_settings, write_requests
 from tests.support.paths import ROOT
 

@@ -15,15 +15,25 @@ import pytest
 from sqlalchemy import func, select
 
 from jobs import api
-from jobs.records.db import open_database
-from jobs.records.models import Job, JobEvent, JobStatus
 from jobs.queue_door.contract import EVENT_SCHEMA, schema
 from jobs.queue_door.webhooks import SIGNATURE_HEADER, verify
+from jobs.records.db import open_database
+from jobs.records.models import Job, JobEvent, JobStatus
 from tests.support.jobs_env import read_jsonl, request_line, work_until_over, write_requests
-from tests.support.rabbitmq import (EventTap, TricklingReceiver, WebhookReceiver, dead_letters, door_settings,
-                                 jobs_queue_depth, publish, publish_all, start_door, submit_body)
 from tests.support.processes import free_port
-from tests.support.rabbitmq import job_of
+from tests.support.rabbitmq import (
+    EventTap,
+    TricklingReceiver,
+    WebhookReceiver,
+    dead_letters,
+    door_settings,
+    job_of,
+    jobs_queue_depth,
+    publish,
+    publish_all,
+    start_door,
+    submit_body,
+)
 
 
 def _valid_event(body: dict) -> dict:
@@ -148,7 +158,7 @@ def test_each_bad_submit_message_gets_its_reason_back_and_the_consumer_goes_on(
 class _Receiver(BaseHTTPRequestHandler):
     got: list[tuple[dict, bytes, float]] = []
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).got.append((dict(self.headers), body, time.time()))
         self.send_response(204)

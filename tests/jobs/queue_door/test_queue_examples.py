@@ -18,9 +18,8 @@ import pytest
 
 from jobs import api
 from tests.support.jobs_env import TINY_NAME, work_until_over, write_requests
-from tests.support.rabbitmq import door_settings, start_door
-from tests.support.rabbitmq import job_of
 from tests.support.paths import ROOT
+from tests.support.rabbitmq import door_settings, job_of, start_door
 
 EXAMPLES = ROOT / "examples" / "queue"
 
@@ -91,7 +90,7 @@ def test_the_curl_line_posts_what_the_management_api_publishes(tmp_path):
     got = []
 
     class Management(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             got.append((self.path, self.headers["Authorization"], json.loads(self.rfile.read(
                 int(self.headers["Content-Length"])))))
             self.send_response(200)

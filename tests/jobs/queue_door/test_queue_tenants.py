@@ -14,13 +14,21 @@ import pytest
 from sqlalchemy import select
 
 from jobs import api
+from jobs.queue_door.consumer import SET_ASIDE_TRIES, SubmitConsumer
 from jobs.records.db import open_database
 from jobs.records.models import Job, JobStatus
-from jobs.queue_door.consumer import SET_ASIDE_TRIES, SubmitConsumer
 from tests.support.jobs_env import TINY_NAME, request_line, work_until_over, write_requests
-from tests.support.rabbitmq import (PIKA_URL, EventTap, dead_letters, door_settings, jobs_queue_depth, publish,
-                                 start_door, submit_body)
-from tests.support.rabbitmq import job_of
+from tests.support.rabbitmq import (
+    PIKA_URL,
+    EventTap,
+    dead_letters,
+    door_settings,
+    job_of,
+    jobs_queue_depth,
+    publish,
+    start_door,
+    submit_body,
+)
 from worker.config import ConfigError
 from worker.messaging.topology import Topology
 

@@ -14,14 +14,21 @@ import pytest
 from sqlalchemy import select, update
 
 from jobs import api
-from jobs.records.db import open_database
-from jobs.records.models import Job, JobEvent
+from jobs.pipeline.submit import create_failed_job
 from jobs.queue_door.contract import SubmitRefused, read_submit, salvage
 from jobs.queue_door.destinations import Allowed
 from jobs.queue_door.events import due_webhooks
-from jobs.queue_door.webhooks import (SIGNATURE_HEADER, SIGNATURE_V2_HEADER, TIMESTAMP_HEADER, WebhookSender,
-                                      sign_v2, verify, verify_v2)
-from jobs.pipeline.submit import create_failed_job
+from jobs.queue_door.webhooks import (
+    SIGNATURE_HEADER,
+    SIGNATURE_V2_HEADER,
+    TIMESTAMP_HEADER,
+    WebhookSender,
+    sign_v2,
+    verify,
+    verify_v2,
+)
+from jobs.records.db import open_database
+from jobs.records.models import Job, JobEvent
 from tests.support.jobs_env import AMQP_URL, TINY_NAME, request_line, tiny_settings
 from tests.support.rabbitmq import TricklingReceiver, WebhookReceiver
 from worker.config import ConfigError, Settings

@@ -8,7 +8,7 @@ import csv
 import io
 import json
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from click.testing import CliRunner
@@ -17,8 +17,8 @@ from sqlalchemy.engine import make_url
 
 from jobs import api
 from jobs.cli import main
-from jobs.records.db import close_database, head_revision, open_database, upgrade
 from jobs.hosting.engine_worker import engine_worker
+from jobs.records.db import close_database, head_revision, open_database, upgrade
 from jobs.records.models import JobStatus
 from tests.support.jobs_env import AMQP_URL, tiny_settings, work_until_over, write_requests
 
@@ -80,7 +80,7 @@ def test_psql_on_the_view_says_what_berth_status_says(tmp_path, tiny_llama_dir, 
         finished["output_tokens_per_second"], abs=0.01)
 
 
-T0 = datetime(2026, 12, 1, tzinfo=timezone.utc).timestamp()
+T0 = datetime(2026, 12, 1, tzinfo=UTC).timestamp()
 ROWS_0001 = [  # what a database made at revision 0001 holds, written with plain SQL
     "INSERT INTO tenants (id, name, weight, created_at) VALUES (1, 'team-a', 2.0, {t0})",
     "INSERT INTO jobs (id, tenant_id, model, status, priority, completion_window, metadata, input_name, input_key, "

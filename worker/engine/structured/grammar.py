@@ -10,17 +10,25 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from worker.config import Settings
-from worker.engine.structured.grammar_compile import (COMPILE_THREADS, CompileTimeout, GrammarDeadEnd, GrammarError,
-                                           allows_nothing, choice_grammar, compile_spec)
-from worker.engine.structured.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
 from worker.engine.request import StructuredOutput
+from worker.engine.structured.grammar_compile import (
+    COMPILE_THREADS,
+    CompileTimeout,
+    GrammarDeadEnd,
+    GrammarError,
+    allows_nothing,
+    choice_grammar,
+    compile_spec,
+)
+from worker.engine.structured.grammar_pool import CompileJob, CompileRules, Vocabulary, compile_pool
 from worker.engine.structured.schema_bounds import over_bounds
 from worker.model.tokenizer import as_transformers
 

@@ -12,15 +12,15 @@ import subprocess
 import sys
 import threading
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from pathlib import Path
-from typing import Callable
 
-from worker.engine.structured.grammar_compile import COMPILE_THREADS, WHAT, CompileTimeout, GrammarError
 from worker.engine.request import StructuredOutput
+from worker.engine.structured.grammar_compile import COMPILE_THREADS, WHAT, CompileTimeout, GrammarError
 from worker.engine.structured.schema_bounds import SchemaBounds
 
 log = logging.getLogger("berth.grammar")
@@ -128,7 +128,7 @@ class _Slot:
     def _run(self) -> None:
         try:
             self.link = compile_server().open_slot()  # ready before the first job: its start never counts
-        except Exception:  # noqa: BLE001 (tried again with the first job, which then fails with the reason)
+        except Exception:
             log.exception("structured outputs: could not start the compile server")
         while True:
             job = self.pool.take()

@@ -11,8 +11,8 @@ import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
-from worker.engine.structured.grammar_compile import COMPILE_THREADS, GrammarError, compile_spec
 from worker.engine.request import StructuredOutput
+from worker.engine.structured.grammar_compile import COMPILE_THREADS, GrammarError, compile_spec
 
 
 def main(argv: list[str]) -> int:

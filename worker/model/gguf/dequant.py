@@ -30,8 +30,8 @@ Byte order: GGUF files and ``gguf.quants`` are little-endian; on a big-endian ho
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

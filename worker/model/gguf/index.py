@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
 
 import numpy as np
 

@@ -13,7 +13,6 @@ Phi-3 keeps its fused ``qkv_proj`` and ``gate_up_proj`` in both formats.
 
 from __future__ import annotations
 
-
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +21,10 @@ import numpy as np
 import torch
 
 from worker.model.base import LoadedModel, ModelLoadError, check_complete
-from worker.model.model_config import ModelConfig
 from worker.model.gguf import weights_cache
 from worker.model.gguf.index import GGUFIndex, read_index
 from worker.model.gguf.tensors import open_data, read_tensor
+from worker.model.model_config import ModelConfig
 from worker.model.tokenizer import load_tokenizer
 from worker.model.torch_threads import one_thread
 
