@@ -20,8 +20,12 @@ import argparse
 import platform
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def best(fn, repeat: int) -> float:

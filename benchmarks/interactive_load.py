@@ -262,7 +262,7 @@ class BerthServe:
             except (OSError, urllib.error.URLError, KeyError, IndexError):
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.__exit__()
-                    raise RuntimeError(f"berth serve did not start: {self.log.read_text()[-2000:]}")
+                    raise RuntimeError(f"berth serve did not start: {self.log.read_text()[-2000:]}") from None
                 time.sleep(0.5)
         return self
 

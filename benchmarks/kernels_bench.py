@@ -160,7 +160,7 @@ def copy_bandwidth_gbps(setup: Setup) -> float:
     src = torch.empty(setup.copy_bytes, dtype=torch.uint8, device=setup.device)
     dst = torch.empty_like(src)
     ms = time_ms(setup, lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # freed before the cache is emptied
     if setup.device == "cuda":
         torch.cuda.empty_cache()
     return 2 * setup.copy_bytes / ms / 1e6
@@ -268,7 +268,7 @@ def measure(setup: Setup, kv: str, batch: int, context: int, k_pool: torch.Tenso
     for name, fn in variants.items():
         try:
             row[f"{name}_ms"] = time_ms(setup, fn)
-        except Exception as exc:  # out of memory, an SDPA without enable_gqa...: the one-shot run goes on
+        except Exception as exc:  # noqa: BLE001 (out of memory, an SDPA without enable_gqa...: the run goes on)
             row[f"{name}_ms"] = None
             row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if setup.device == "cuda":
@@ -356,7 +356,7 @@ def main() -> int:
     for kv in kvs:
         try:
             check = check_correctness(setup, kv)
-        except Exception as exc:  # e.g. a kernel that does not compile: still measure the rest
+        except Exception as exc:  # noqa: BLE001 (e.g. a kernel that does not compile: still measure the rest)
             check = {"ok": False, "max_abs_error": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
         results["correctness"][kv] = check
         print(f"correctness vs kernels.reference, {kv} cache: {'ok' if check['ok'] else 'FAILED'} {check}",
@@ -380,7 +380,7 @@ def main() -> int:
         pool_blocks = max(b * c for b, c in runnable) // setup.block_size
         try:
             k_pool, v_pool = random_cache(setup, kv, pool_blocks, gen), random_cache(setup, kv, pool_blocks, gen)
-        except Exception as exc:  # out of memory: the other caches still run
+        except Exception as exc:  # noqa: BLE001 (out of memory: the other caches still run)
             results["skipped"].append({"kv": kv, "reason": f"pool: {type(exc).__name__}: {exc}"[:300]})
             print(f"{kv}: no pool of {pool_blocks} blocks ({type(exc).__name__}); skipped", flush=True)
             continue

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         berth.pop("engine", None)
         results["berth"] = berth
     tokenizer = loaded.tokenizer
-    del loaded
+    loaded = None  # freed before the next system loads
 
     parallel = min(len(workload), args.max_num_seqs)
     llama_args = server_args(workload, threads, parallel, args.max_num_batched_tokens, args.llama_kv_type,

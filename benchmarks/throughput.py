@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> dict:
                               guarded=False)
                 (penalized if with_penalties else plain).append(run)
         penalties = penalty_figures(plain, penalized)
-    del loaded  # the engine's copy of the weights went with run_berth; free these before transformers loads
+    loaded = None  # the engine's copy of the weights went with run_berth; free these before transformers loads
     gc.collect()
     if {"static", "continuous"} - args.skip:
         model = load_hf_model(args.model, args.dtype)

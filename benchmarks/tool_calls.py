@@ -67,7 +67,10 @@ def measure(engine: Engine, describe: bool) -> dict:
         src, out = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
         src.write_text("".join(json.dumps(x) + "\n" for x in lines()))
         keep = batch_format.for_template
-        plain = (lambda messages, tools, template: keep(messages, None, template))
+
+        def plain(messages, tools, template):
+            return keep(messages, None, template)
+
         with mock.patch.object(batch_format, "for_template", keep if describe else plain):
             start = time.perf_counter()
             summary = generate_file(src, out, engine=engine, progress=False)

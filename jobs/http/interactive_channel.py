@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Protocol
 
 from jobs.lines.line_error import BatchLine
@@ -58,6 +57,7 @@ class EmbeddedChannel:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.inbox = InteractiveInbox()
+        self._model_info: ModelInfo | None = None
 
     def ready(self) -> bool:
         return self.inbox.engine is not None
@@ -65,9 +65,10 @@ class EmbeddedChannel:
     def model(self) -> ModelInfo | None:
         return self._model() if self.inbox.engine is not None else None
 
-    @functools.cache
     def _model(self) -> ModelInfo:  # the engine's tokenizer: no second copy
-        return ModelInfo.of_engine(self.inbox.engine, self.settings)
+        if self._model_info is None:
+            self._model_info = ModelInfo.of_engine(self.inbox.engine, self.settings)
+        return self._model_info
 
     def open(self, request: Request, line: BatchLine | None = None) -> Subscription:
         loop = asyncio.get_running_loop()

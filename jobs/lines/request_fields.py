@@ -36,10 +36,14 @@ IMPLEMENTED = {
     COMPLETIONS_URL: _BOTH | {"prompt"},
     EMBEDDINGS_URL: {"model", "input", "encoding_format", "dimensions"},
 }
-"""What ``jobs.lines.batch_format``, ``jobs.lines.structured_outputs``, ``jobs.lines.tools`` and ``jobs.lines.embeddings_format`` read,
-per endpoint."""
+"""What ``jobs.lines.batch_format``, ``jobs.lines.structured_outputs``, ``jobs.lines.tools`` and
+``jobs.lines.embeddings_format`` read, per endpoint."""
 
-_is_str: Callable[[Any], bool] = lambda v: isinstance(v, str)
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
 NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "user": (_is_str, "a string"),
     "safety_identifier": (_is_str, "a string"),

@@ -260,7 +260,9 @@ def test_what_a_checkpoint_holds_is_checked_against_the_engine():
     chain = [chain_hash(b"", prompt[:16])]
     chain.append(chain_hash(chain[0], prompt[16:32]))
 
-    def checkpoint(samples, prompt_tokens=len(prompt)):
+    whole_prompt = len(prompt)
+
+    def checkpoint(samples, prompt_tokens=whole_prompt):
         return RequestCheckpoint("7", "fp", request_digest(prompt, request.params), prompt_tokens, samples, 0.0)
 
     good = [SampleCheckpoint(0, out, chain), SampleCheckpoint(1, out[:3], chain[:1])]

@@ -148,7 +148,7 @@ class Worker:
                 except subprocess.TimeoutExpired:
                     self.proc.send_signal(signal.SIGABRT)
                     self.proc.wait(timeout=60)
-                    raise AssertionError(f"the worker did not stop on SIGTERM: its stacks are in {self.log}")
+                    raise AssertionError(f"the worker did not stop on SIGTERM: its stacks are in {self.log}") from None
         finally:
             kill_if_running(self.proc)
 

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from worker.engine.request import Request, RequestOutput
 from worker.engine.text_delta import TextDelta
@@ -72,7 +72,7 @@ class Failed:
     code: str = "server_error"
 
 
-Event = Union[Delta, Done, Failed]
+Event = Delta | Done | Failed
 Sink = Callable[[list[Event]], None]  # called on the engine's thread, must not block
 
 

@@ -46,9 +46,9 @@ def _ids(encoded) -> list[int]:
     return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
 
 
-def _outcome(fn):
+def _outcome(fn, *args, **kwargs):
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 (a template may refuse a conversation: both must refuse)
         return ("raises", type(exc).__name__)
 
@@ -79,19 +79,17 @@ def differences(fast, hf) -> str | None:
     if fast.chat_template is not None:
         for chat in CHATS:
             for add in (True, False):
-                ours = _outcome(lambda: fast.apply_chat_template(chat, add_generation_prompt=add, tokenize=False))
-                theirs = _outcome(lambda: hf.apply_chat_template(chat, add_generation_prompt=add, tokenize=False))
+                ours = _outcome(fast.apply_chat_template, chat, add_generation_prompt=add, tokenize=False)
+                theirs = _outcome(hf.apply_chat_template, chat, add_generation_prompt=add, tokenize=False)
                 if ours != theirs:
                     return f"the chat template renders {chat!r} as {ours!r}, transformers as {theirs!r}"
-                ours = _outcome(lambda: fast.apply_chat_template(chat, add_generation_prompt=add, return_dict=False))
-                theirs = _outcome(lambda: _ids(hf.apply_chat_template(chat, add_generation_prompt=add)))
+                ours = _outcome(fast.apply_chat_template, chat, add_generation_prompt=add, return_dict=False)
+                theirs = _outcome(lambda c, a: _ids(hf.apply_chat_template(c, add_generation_prompt=a)), chat, add)
                 if ours != theirs:
                     return f"the chat {chat!r} tokenizes differently through the template"
         for chat in TOOL_CHATS:
-            ours = _outcome(lambda: fast.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True,
-                                                             tokenize=False))
-            theirs = _outcome(lambda: hf.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True,
-                                                             tokenize=False))
+            ours = _outcome(fast.apply_chat_template, chat, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+            theirs = _outcome(hf.apply_chat_template, chat, tools=TOOLS, add_generation_prompt=True, tokenize=False)
             if ours != theirs:
                 return f"the chat template renders {chat!r} with tools as {ours!r}, transformers as {theirs!r}"
     return None

@@ -63,8 +63,8 @@ def test_bfloat16_engine_tracks_float32(smol_loaded, text_ids):
         engine = Engine(loaded=smol_loaded, dtype=dtype, kv_memory="256MiB")
         captured = []
         original = engine._sampling_rows
-        engine._sampling_rows = lambda logits, samplers, scheduler: (captured.append(logits.clone()),
-                                                                     original(logits, samplers, scheduler))[1]
+        engine._sampling_rows = (lambda logits, samplers, scheduler, captured=captured, original=original:
+                                 (captured.append(logits.clone()), original(logits, samplers, scheduler))[1])
         engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
         rows[dtype] = torch.cat(captured)
     agree = (rows["float32"].argmax(-1) == rows["bfloat16"].argmax(-1)).float().mean().item()
