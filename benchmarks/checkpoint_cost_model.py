@@ -93,7 +93,8 @@ def figures(row: Row, interval: int = 16, block_size: int = 16, mtbf: float = 6 
     after_puts = rounds + after_kv_puts
     after_bytes = rounds * segment_bytes + (k * kv_tokens_per_second if pays else 0.0)
     always_puts = rounds + kv_tokens_per_second / (block_size * RUN_BLOCKS)
-    return {"T": T, "k": k, "state": mean_state, "before_state_puts": before_state_puts, "before_puts": before_puts, "before_bytes": before_bytes,
+    return {"T": T, "k": k, "state": mean_state, "before_state_puts": before_state_puts, "before_puts": before_puts,
+            "before_bytes": before_bytes,
             "after_puts": after_puts, "after_bytes": after_bytes, "kv_pays": pays, "always_puts": always_puts,
             "segment_bytes": segment_bytes, "breakeven_seconds": breakeven}
 
@@ -116,7 +117,8 @@ def _left(seconds: float) -> str:
 
 def main() -> None:
     print("| model | where | R | r tok/s | P / N | KV B/token | before: state PUTs/s | + KV PUTs/s | MB/s | $/day "
-          "| after: PUTs/s | MB/s | $/day | its prompt's KV pays (auto) with more than | after with checkpoint_kv always: PUTs/s |")
+          "| after: PUTs/s | MB/s | $/day | its prompt's KV pays (auto) with more than "
+          "| after with checkpoint_kv always: PUTs/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows():
         f = figures(row)

@@ -93,7 +93,8 @@ class CountingProxy:
 
 def write_input(path: Path, requests: int, tokens: int) -> None:
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "SmolLM2-135M-Instruct", "prompt": f"Story {i}: once upon a time, in a town by the sea,",
+              "body": {"model": "SmolLM2-135M-Instruct",
+                       "prompt": f"Story {i}: once upon a time, in a town by the sea,",
                        "max_tokens": tokens, "temperature": 0, "ignore_eos": True}} for i in range(requests)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 

@@ -200,7 +200,8 @@ def main() -> int:
             n = f" {a:8.3f} {gigabytes / a * 1e3:6.1f} {a / t:9.3f}"
             if base_narrow:
                 n += f" {statistics.median(base_narrow):9.3f} {a / statistics.median(base_narrow):9.3f}"
-        print(f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {context:5d} {t:8.3f} {gigabytes / t * 1e3:6.1f} {b} {w}{n}")
+        print(f"{str(dtype).removeprefix('torch.'):9} {seqs:4d} {context:5d} {t:8.3f} "
+              f"{gigabytes / t * 1e3:6.1f} {b} {w}{n}")
     return 0
 
 

@@ -356,7 +356,8 @@ def time_submission(settings: Settings, request_file: Path, lines: int) -> dict:
     job = api.submit(request_file, settings, eager=True)
     seconds = time.perf_counter() - t0
     with db.session() as s:
-        published = s.scalar(select(func.count()).where(RequestRow.job_id == job.id, RequestRow.published_at.is_not(None)))
+        published = s.scalar(select(func.count()).where(RequestRow.job_id == job.id,
+                                                        RequestRow.published_at.is_not(None)))
     if job.total != lines or published != lines:
         raise RuntimeError(f"job {job.id}: {job.total} lines stored, {published} published, of {lines}")
     return {"lines": lines, "seconds": round(seconds, 2), "lines_per_s": round(lines / seconds, 1),
@@ -540,7 +541,8 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="berth-e2e-"))
     try:
         request_file = write_batch_file(workdir / "requests.jsonl", workload, base.served_model_name())
-        rounds = [run_round(i, systems, loaded, base, args, request_file, workload, workdir) for i in range(args.rounds)]
+        rounds = [run_round(i, systems, loaded, base, args, request_file, workload, workdir)
+                  for i in range(args.rounds)]
         submission = None if "submit" in args.skip else submissions(args, base, workload, workdir, systems)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

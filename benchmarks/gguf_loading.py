@@ -70,7 +70,8 @@ def q4_k_m_blocks(index, seed: int = 0) -> list[tuple[str, np.ndarray]]:
         type_size, scales = (210, (208,)) if six else (144, (0, 2))
         blocks = rng.integers(0, 256, size=(info.shape[0] * info.shape[1] // 256, type_size), dtype=np.uint8)
         for at in scales:
-            blocks[:, at:at + 2] = rng.uniform(1e-4, 1e-2, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            blocks[:, at:at + 2] = (rng.uniform(1e-4, 1e-2, blocks.shape[0]).astype(np.float16).view(np.uint8)
+                                    .reshape(-1, 2))
         out.append(("Q6_K" if six else "Q4_K", blocks))
     return out
 
@@ -89,7 +90,8 @@ def dequant_figures(index, data, repeat: int) -> None:
         if name in dq.BLOCK_TYPES:
             block_size, type_size = gguf.GGML_QUANT_SIZES[Q(info.ggml_type)]
             n = int(np.prod(info.shape))
-            files["file"].append((name, data[info.offset:info.offset + n // block_size * type_size].reshape(-1, type_size)))
+            files["file"].append((name,
+                                  data[info.offset:info.offset + n // block_size * type_size].reshape(-1, type_size)))
     files["Q4_K_M-style"] = q4_k_m_blocks(index)
     for label, tensors in files.items():
         kinds = sorted({t for t, _ in tensors})
@@ -156,7 +158,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         t_weights = best(lambda: gguf_weights(index, config, dtype), n)
         print(f"weights: gguf_weights {str(dtype).removeprefix('torch.')} {t_weights:.2f}s")
-    print(f"load_model float32 (tokenizer cached after the first): {best(lambda: load_model(path, torch.float32), n):.2f}s")
+    print("load_model float32 (tokenizer cached after the first): "
+          f"{best(lambda: load_model(path, torch.float32), n):.2f}s")
 
 
 if __name__ == "__main__":

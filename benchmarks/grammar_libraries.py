@@ -68,7 +68,8 @@ class XGrammar:
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.info, self.tokenizer_seconds = timed(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB))
+        self.info, self.tokenizer_seconds = timed(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                                                                             vocab_size=VOCAB))
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False, max_threads=2)
         self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
 

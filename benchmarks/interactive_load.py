@@ -271,7 +271,8 @@ class BerthServe:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _get(self, path: str, key: str | None = None) -> dict:
-        request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {key or self.keys['live']}"})
+        request = urllib.request.Request(self.url + path,
+                                         headers={"Authorization": f"Bearer {key or self.keys['live']}"})
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
 
@@ -464,8 +465,10 @@ def ratios(phases: dict) -> dict:
 
 
 def goals(r: dict) -> dict:
-    return {f"TTFT p99 under load <= {GOALS['ttft_p99']}x idle": r.get("ttft_p99_both_over_alone", 1e9) <= GOALS["ttft_p99"],
-            f"ITL p99 under load <= {GOALS['itl_p99']}x idle": r.get("itl_p99_both_over_alone", 1e9) <= GOALS["itl_p99"],
+    return {f"TTFT p99 under load <= {GOALS['ttft_p99']}x idle":
+                r.get("ttft_p99_both_over_alone", 1e9) <= GOALS["ttft_p99"],
+            f"ITL p99 under load <= {GOALS['itl_p99']}x idle":
+                r.get("itl_p99_both_over_alone", 1e9) <= GOALS["itl_p99"],
             f"batch with interactive >= {GOALS['batch']}x alone": r.get("batch_with_over_without", 0) >= GOALS["batch"]}
 
 
@@ -504,7 +507,8 @@ def run_llama(args, batch: Workload, tokenizer, rate: float, log: Path) -> dict:
         load = lambda: LlamaBatchLoad(server.url, batch, args.llama_batch_clients, args.settle)  # noqa: E731
         print(f"[{clock()}] llama-server: batch alone", flush=True)
         phases["batch_alone"] = phase_batch(load, args.duration)
-        print(f"[{clock()}] llama-server: batch alone {phases['batch_alone']['batch_tokens_per_s']:.1f} tok/s", flush=True)
+        print(f"[{clock()}] llama-server: batch alone {phases['batch_alone']['batch_tokens_per_s']:.1f} tok/s",
+              flush=True)
         stream = make_stream(tokenizer, rate, args.duration, args.interactive_tokens, args.seed, "model")
         url = f"{server.url}/v1/chat/completions"
         print(f"[{clock()}] llama-server: interactive alone", flush=True)
@@ -529,7 +533,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=0.0,
                         help="interactive requests/s (default: 0 = --load-share of berth's batch-alone capacity)")
     parser.add_argument("--load-share", type=float, default=0.1,
-                        help="interactive output tokens/s as a share of berth's batch-alone tokens/s (default: %(default)s)")
+                        help="interactive output tokens/s as a share of berth's batch-alone tokens/s "
+                             "(default: %(default)s)")
     parser.add_argument("--interactive-tokens", type=int, default=64, help="output tokens of each chat request")
     parser.add_argument("--batch-lines", type=int, default=0,
                         help="lines of each berth batch job (default: enough for 4,000 tok/s over a phase)")
@@ -559,7 +564,8 @@ def print_report(report: dict) -> None:
     m = report["machine"]
     flags = ", ".join(f for f in m["cpu_flags"] if f in KEY_FLAGS) or "none of " + ", ".join(KEY_FLAGS)
     print(f"\nCPU: {m['cpu_model']} ({m['cpu_count']} CPUs; {flags}); threads={m['threads']}, {report['dtype']}; "
-          f"{report['duration']:.0f} s phases; interactive {report['rate']:.3f} req/s x {report['interactive_tokens']} tokens")
+          f"{report['duration']:.0f} s phases; interactive {report['rate']:.3f} req/s x "
+          f"{report['interactive_tokens']} tokens")
     print(f"{'system':<14}{'phase':<19}{'req':>5}{'err':>5}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>9}"
           f"{'TPOT p50':>10}{'p99':>9}{'batch tok/s':>13}")
     for system, phases in report["systems"].items():

@@ -297,7 +297,8 @@ def one_run(tree: Path) -> dict:
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c, \
             tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as e:
         wall, cpu = time_generate(tree, Path(a))
-        return {"generate": wall, "generate_cpu": cpu, "phases": phases(tree, Path(b)), "worker": time_worker(tree, Path(c)),
+        return {"generate": wall, "generate_cpu": cpu, "phases": phases(tree, Path(b)),
+                "worker": time_worker(tree, Path(c)),
                 "respawn": time_respawn(tree, Path(e)), "commands": time_commands(tree, Path(d))}
 
 
@@ -331,7 +332,8 @@ def report(before: dict, after: dict, baseline: str) -> None:
              for k in before["phases"]]
     for key, name in (("ready", "worker --respawn: start to ready (s)"),
                       ("death_to_ready", "  respawn: child SIGKILL to ready (s)")):
-        rows.append((name, (before["respawn"] or {}).get(key, float("nan")), (after["respawn"] or {}).get(key, float("nan"))))
+        rows.append((name, (before["respawn"] or {}).get(key, float("nan")),
+                     (after["respawn"] or {}).get(key, float("nan"))))
     for name, args in COMMANDS.items():
         shown = " ".join(a.replace("{job}", "JOB") for a in args)
         rows += [(f"berth {shown} (s)", before["commands"][name]["wall"], after["commands"][name]["wall"]),

@@ -25,9 +25,10 @@ from jobs.records.status import JobView, get_job
 from jobs.records.status import list_jobs as query_jobs
 from worker.config import Settings
 
-# jobs.pipeline.submit (line checks: the tokenizer, the grammar library), jobs.pipeline.celery_tasks (Celery, ingest and finalize) and
-# the modules that change rows through SQLAlchemy's ORM (jobs.records.lifecycle, jobs.records.tenants) are imported by the
-# functions that use them: `berth status`, `list` and `results` read rows (SQLAlchemy's core) and files only.
+# jobs.pipeline.submit (line checks: the tokenizer, the grammar library), jobs.pipeline.celery_tasks (Celery, ingest and
+# finalize) and the modules that change rows through SQLAlchemy's ORM (jobs.records.lifecycle, jobs.records.tenants) are
+# imported by the functions that use them: `berth status`, `list` and `results` read rows (SQLAlchemy's core) and files
+# only.
 if TYPE_CHECKING:
     from jobs.pipeline.submit import JobSpec
 

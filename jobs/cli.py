@@ -158,7 +158,8 @@ def job_spec(flags: dict):
 # berth's errors that reach the user as one line, by module and name. They are looked up among the modules
 # already imported, never imported to be named: an error of a module nobody imported cannot have been
 # raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
-USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"), ("jobs.records.job_errors", "JobStateError"),
+USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"),
+               ("jobs.records.job_errors", "JobStateError"),
                ("jobs.records.tenants", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
                ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
 

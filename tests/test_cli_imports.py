@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]  # this tree's berth, not another one
 FORBIDDEN = ("torch", "xgrammar", "transformers", "triton", "worker.engine.engine", "worker.model.loader")
 # ... and what the commands that only show jobs need neither: they read rows with SQLAlchemy's core
 # (jobs.records.status), and Settings reads its BERTH_* variables without pydantic-settings.
-READ_PATH = (*FORBIDDEN, "sqlalchemy.orm", "jobs.records.models", "jobs.records.lifecycle", "pydantic_settings", "celery", "kombu")
+READ_PATH = (*FORBIDDEN, "sqlalchemy.orm", "jobs.records.models", "jobs.records.lifecycle",
+             "pydantic_settings", "celery", "kombu")
 
 # Runs `berth ARGS...` in this process, then writes the exit code and, for each forbidden module that
 # was imported, the stack of berth's own frames at its first import.

@@ -36,20 +36,21 @@ BREAKS = [
      "worker.engine.scheduler -> jobs.records.models"),
     ("worker/engine/scheduler.py", "from worker.consumer.loop import EngineWorker", "worker's wings in layers",
      "worker.engine.scheduler -> worker.consumer.loop"),
-    ("worker/model/tokenizer.py", "from worker.engine.structured.grammar import compiler_for", "worker's wings in layers",
-     "worker.model.tokenizer -> worker.engine.structured.grammar"),
+    ("worker/model/tokenizer.py", "from worker.engine.structured.grammar import compiler_for",
+     "worker's wings in layers", "worker.model.tokenizer -> worker.engine.structured.grammar"),
     ("jobs/http/app.py", "from jobs.queue_door.events import EventRelay", "jobs: the CLI over three independent doors",
      "jobs.http.app -> jobs.queue_door.events"),
-    ("jobs/pipeline/celery_tasks.py", "from jobs.queue_door.events import EventRelay", "jobs: the CLI over three independent doors",
-     "jobs.pipeline.celery_tasks -> jobs.queue_door.events"),
-    ("jobs/lines/validate.py", "from jobs.records.models import RequestRow", "jobs: the CLI over three independent doors",
-     "jobs.lines.validate -> jobs.records.models"),
+    ("jobs/pipeline/celery_tasks.py", "from jobs.queue_door.events import EventRelay",
+     "jobs: the CLI over three independent doors", "jobs.pipeline.celery_tasks -> jobs.queue_door.events"),
+    ("jobs/lines/validate.py", "from jobs.records.models import RequestRow",
+     "jobs: the CLI over three independent doors", "jobs.lines.validate -> jobs.records.models"),
     ("jobs/pipeline/retry.py", "from jobs.hosting.engine_worker import engine_worker",
      "jobs: the CLI over three independent doors", "jobs.pipeline.retry -> jobs.hosting.engine_worker"),
     ("worker/messaging/topology.py", "from worker.consumer.loop import EngineWorker", "worker's wings in layers",
      "worker.messaging.topology -> worker.consumer.loop"),
     ("jobs/records/job_errors.py", "from jobs.records.status import JobView", "no import circle",
-     "No cycles are allowed in jobs.records.\nIt could be made acyclic by removing 1 dependency:\n\n- .status -> .job_errors"),
+     "No cycles are allowed in jobs.records.\nIt could be made acyclic by removing 1 dependency:\n\n"
+     "- .status -> .job_errors"),
 ]
 
 

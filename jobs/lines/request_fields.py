@@ -71,9 +71,11 @@ ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot b
                                    "berth's text ends before the stop string"),
     "add_generation_prompt": ({CHAT_URL: True}, "berth's chat template always opens the assistant's turn"),
     "continue_final_message": ({CHAT_URL: False}, "berth's chat template always opens a new assistant turn"),
-    "add_special_tokens": ({CHAT_URL: False, COMPLETIONS_URL: True, EMBEDDINGS_URL: True}, "berth tokenizes with vLLM's default"),
+    "add_special_tokens": ({CHAT_URL: False, COMPLETIONS_URL: True, EMBEDDINGS_URL: True},
+                           "berth tokenizes with vLLM's default"),
     "return_tokens_as_token_ids": ({CHAT_URL: False, COMPLETIONS_URL: False}, "berth returns tokens as text"),
-    "priority": ({CHAT_URL: 0, COMPLETIONS_URL: 0, EMBEDDINGS_URL: 0}, "a job's priority is set on the job (berth submit --priority)"),
+    "priority": ({CHAT_URL: 0, COMPLETIONS_URL: 0, EMBEDDINGS_URL: 0},
+                 "a job's priority is set on the job (berth submit --priority)"),
     "modalities": ({CHAT_URL: ["text"]}, "berth generates text only"),
     # embeddings (vLLM's extra fields)
     "normalize": ({EMBEDDINGS_URL: True}, "berth's vectors are always of unit length"),

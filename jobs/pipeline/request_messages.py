@@ -12,7 +12,8 @@ from worker.messaging.topology import request_body
 
 
 def params_to_dict(params: SamplingParams) -> dict:
-    """The parameters as the JSON a request row holds; ``jobs.hosting.database_ledger.params_from_dict`` reads it back."""
+    """The parameters as the JSON a request row holds; ``jobs.hosting.database_ledger.params_from_dict``
+    reads it back."""
     values = {f.name: getattr(params, f.name) for f in fields(params)}  # its fields are immutable: no deep copy
     values["structured"] = asdict(params.structured) if params.structured is not None else None
     if params.embedding is None:

@@ -102,7 +102,8 @@ def create_job_from(db: Database, files: JobFiles, source: BinaryIO, input_name:
     try:
         with db.session() as s, s.begin():
             tenant = tenant_id(s, spec.tenant)
-            s.execute(select(Tenant.id).where(Tenant.id == tenant).with_for_update())  # one submit of a tenant at a time
+            # one submit of a tenant at a time
+            s.execute(select(Tenant.id).where(Tenant.id == tenant).with_for_update())
             _check_in_flight(s, spec.tenant, settings.max_jobs_in_flight)  # again: others may have won the race
             s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
                       completion_window=spec.completion_window, metadata_=dict(spec.metadata),

@@ -324,7 +324,8 @@ class QueueDoor:
 
     def serve(self) -> None:
         """Run until SIGTERM or SIGINT."""
-        previous = {sig: signal.signal(sig, lambda *_: self.stop_event.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, lambda *_: self.stop_event.set())
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
         self.start()
         try:
             while not self.stop_event.wait(1.0):

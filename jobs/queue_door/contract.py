@@ -93,7 +93,8 @@ def read_submit(body: bytes | str, content_type: str | None, max_bytes: int,
     error = best_match(validator(SUBMIT_SCHEMA).iter_errors(data))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "the message"
-        raise SubmitRefused(f"{where}: {error.message}"[:MAX_REASON] + " (see jobs/queue_door/schemas/job-submit.v1.json)")
+        raise SubmitRefused(f"{where}: {error.message}"[:MAX_REASON]
+                            + " (see jobs/queue_door/schemas/job-submit.v1.json)")
     try:
         window_seconds(data.get("completion_window", "24h"))
     except ValueError as exc:

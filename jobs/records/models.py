@@ -84,7 +84,8 @@ class Job(Base):
     failed: Mapped[int] = mapped_column(Integer, default=0)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # of prompt_tokens, from a cache
+    # of prompt_tokens, from a cache
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[float] = mapped_column(Float, default=now)
     in_progress_at: Mapped[float | None] = mapped_column(Float)
     finalizing_at: Mapped[float | None] = mapped_column(Float)
@@ -159,7 +160,8 @@ class Result(Base):
     error: Mapped[dict | None] = mapped_column(JSON)  # {"code", "message"}
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # prompt tokens from a prefix cache
+    # prompt tokens from a prefix cache
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[float] = mapped_column(Float, default=now)
 

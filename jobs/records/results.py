@@ -1,4 +1,5 @@
-"""Each request's one outcome, as the jobs database keeps it (``jobs.hosting.database_ledger`` writes it for the workers).
+"""Each request's one outcome, as the jobs database keeps it (``jobs.hosting.database_ledger`` writes it for the
+workers).
 
 An outcome is a result row and the job's counters, in one transaction. ``results.request_id`` is
 unique and the insert skips a conflict, so a second outcome for a request (a redelivered message,

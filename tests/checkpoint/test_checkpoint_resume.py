@@ -166,7 +166,8 @@ def test_a_checkpoint_of_another_model_or_corrupt_is_ignored(tiny_loaded, store,
     assert "request 1 starts over: its checkpoint cannot be read" in text
 
 
-def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, pointers, killed_half_way, undisturbed, caplog):
+def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, pointers, killed_half_way, undisturbed,
+                                                        caplog):
     state = killed_half_way["1"]
     victim = state.samples[0].block_hashes[1]
     run = runs_holding(state)[victim]
@@ -190,7 +191,8 @@ def test_a_reference_to_a_missing_segment_or_another_key_starts_over(tiny_loaded
     assert outputs == undisturbed
     assert _restores(metrics, "loaded") == 1
     assert "request 0 starts over: the segment of its checkpoint" in caplog.text
-    assert "request 1 starts over: its checkpoint cannot be read: 'jobs/batch_1/input.jsonl@0+100' is not" in caplog.text
+    assert ("request 1 starts over: its checkpoint cannot be read: 'jobs/batch_1/input.jsonl@0+100' is not"
+            in caplog.text)
 
 
 _forged = [0]
@@ -215,8 +217,8 @@ def _forge(store, pointers, state: RequestCheckpoint, kv_runs=None, **changes) -
     pointers[state.request_id] = str(StateRef(key, *where[state.request_id]))
 
 
-def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, store, pointers, killed_half_way, undisturbed,
-                                                                  caplog):
+def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, store, pointers, killed_half_way,
+                                                                 undisturbed, caplog):
     """Anyone with the store can write a checkpoint: one the engine could never have written is
     ignored, never run (too many tokens ran past max_tokens; an id past the vocabulary crashed the step)."""
     states = [killed_half_way[str(i)] for i in range(3)]
@@ -235,7 +237,8 @@ def test_forged_checkpoints_start_over_and_finish_as_a_clean_run(tiny_loaded, st
     assert "request 2 starts over: its checkpoint does not apply: sample 0: KV block 1 is named 0000" in text
 
 
-def test_a_checkpoint_holds_at_most_max_tokens_minus_one(tiny_loaded, store, pointers, killed_half_way, undisturbed, caplog):
+def test_a_checkpoint_holds_at_most_max_tokens_minus_one(tiny_loaded, store, pointers, killed_half_way, undisturbed,
+                                                         caplog):
     """The engine ends a sample in the step that reaches max_tokens, so it never checkpoints one
     that long: a state one token short resumes (and samples the last one), a state at max_tokens is forged."""
     states = [killed_half_way[str(i)] for i in range(2)]

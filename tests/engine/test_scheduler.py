@@ -187,7 +187,8 @@ def test_higher_priority_job_finishes_first():
     low = [Request(f"low{i}", [1] * 10, SamplingParams(max_tokens=10), priority=0) for i in range(12)]
     high = [Request(f"high{i}", [2] * 10, SamplingParams(max_tokens=10), priority=5) for i in range(12)]
     done = finish_steps(fake_run(sched, {0: low + high}, steps=200))
-    assert max(v for k, v in done.items() if k.startswith("high")) < min(v for k, v in done.items() if k.startswith("low"))
+    assert (max(v for k, v in done.items() if k.startswith("high"))
+            < min(v for k, v in done.items() if k.startswith("low")))
 
 
 def test_aging_lets_low_priority_pass_a_stream_of_high_priority():

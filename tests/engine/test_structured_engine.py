@@ -179,7 +179,8 @@ SLOW_PATTERN = "([a-z]{1,50}){1,50}"  # nested counted repetitions in a schema's
 
 
 def slow_spec() -> StructuredOutput:
-    return StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": uuid.uuid4().hex[:6] + SLOW_PATTERN}))
+    return StructuredOutput("json_schema",
+                            json.dumps({"type": "string", "pattern": uuid.uuid4().hex[:6] + SLOW_PATTERN}))
 
 
 def test_a_compile_past_its_time_fails_its_request_alone(engine, chat, smol_loaded):

@@ -132,7 +132,8 @@ def test_the_issues_schema_of_2500_optional_properties_is_refused_before_it_comp
      SchemaBounds(optional_properties=20), "the object at $.properties.a has 29 optional properties"),
     ({"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(30)},
       "required": [f"k{i}" for i in range(30)]},
-     SchemaBounds(properties=20), "the schema has 30 properties, over the limit of 20 (BERTH_STRUCTURED_MAX_PROPERTIES)"),
+     SchemaBounds(properties=20),
+     "the schema has 30 properties, over the limit of 20 (BERTH_STRUCTURED_MAX_PROPERTIES)"),
     ({"$defs": {"n": {"anyOf": [{"type": "array", "items": {"type": "array", "items": {"type": "string"}}}]}},
       "$ref": "#/$defs/n"},
      SchemaBounds(depth=3), "the schema nests schemas 5 deep, over the limit of 3 (BERTH_STRUCTURED_MAX_DEPTH)"),
@@ -193,7 +194,8 @@ def test_the_deadline_counts_the_compile_not_the_wait_and_kills_its_process(smol
     rules = grammar.CompileRules(seconds=2)
     killed_before = len(compile_pool().stats.killed)
     started = time.monotonic()
-    slow = [compiler.submit(StructuredOutput("json_schema", json.dumps(slow_schema())), "solo", rules) for _ in range(2)]
+    slow = [compiler.submit(StructuredOutput("json_schema", json.dumps(slow_schema())), "solo", rules)
+            for _ in range(2)]
     quick = compiler.submit(StructuredOutput("json_schema", json.dumps(fresh_schema())), "solo", rules)
     assert quick.result(timeout=120) is not None
     waited = time.monotonic() - started

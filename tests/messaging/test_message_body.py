@@ -61,7 +61,8 @@ def test_any_body_with_any_properties_is_read_or_refused_never_an_error_of_anoth
     kinds = [None, "application/json", "application/JSON; charset=latin-1", "application/octet-stream", ""]
     samples = [GOOD, b"", b"null", b'"\xed\xa0\x80"', bytes(rng.randrange(256) for _ in range(64))]
     for _ in range(400):
-        body = rng.choice(samples) if rng.random() < 0.5 else bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        body = rng.choice(samples) if rng.random() < 0.5 else bytes(rng.randrange(256)
+                                                                    for _ in range(rng.randrange(40)))
         encoding = rng.choice(encodings)
         if rng.random() < 0.5:  # as a client library that decodes by content_encoding hands it over
             try:

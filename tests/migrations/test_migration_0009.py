@@ -25,7 +25,8 @@ ROWS = {  # a result without an id: PostgreSQL's sequence gives it, and the next
               "completion_window": "24h", "metadata": {}, "input_name": "in.jsonl", "input_key": f"jobs/{JOB}/in",
               "total": 2, "completed": 1, "failed": 0, "prompt_tokens": 3, "completion_tokens": 4, "created_at": T,
               "in_progress_at": T + 1, "expires_at": T + 86400}],
-    "requests": [{**REQUEST, "id": 1, "line": 1, "custom_id": "q1"}, {**REQUEST, "id": 2, "line": 2, "custom_id": "q2"}],
+    "requests": [{**REQUEST, "id": 1, "line": 1, "custom_id": "q1"},
+                 {**REQUEST, "id": 2, "line": 2, "custom_id": "q2"}],
     "results": [{"request_id": 1, "job_id": JOB, "status": "completed", "response": {"status_code": 200},
                  "error": None, "prompt_tokens": 3, "completion_tokens": 4, "worker": "old-host:7", "created_at": T}],
 }

@@ -104,7 +104,8 @@ def test_the_checkpoints_are_stored_as_each_case_says(tmp_path, smol_tokenizer):
     assert set(tensors(build("mistral-window-bf16", smol_tokenizer, tmp_path / "b")).values()) == {"BF16"}
     qwen2 = tensors(build("qwen2-biases-fp16", smol_tokenizer, tmp_path / "c"))
     assert set(qwen2.values()) == {"F16"} and "model.layers.0.self_attn.k_proj.bias" in qwen2
-    assert "model.layers.1.self_attn.q_norm.weight" in tensors(build("qwen3-qknorm-yarn", smol_tokenizer, tmp_path / "d"))
+    assert "model.layers.1.self_attn.q_norm.weight" in tensors(build("qwen3-qknorm-yarn", smol_tokenizer,
+                                                                     tmp_path / "d"))
     phi3 = tensors(build("phi3-fused-partial", smol_tokenizer, tmp_path / "e"))
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= phi3.keys()
 
@@ -209,7 +210,8 @@ def test_weights_in_the_compute_dtype_are_the_files_pages(tmp_path, smol_tokeniz
     loaded = load_model(str(path), dtype)
     spans = _mapped_files()
     assert all(_file_backed(t, path, spans) == mapped for t in loaded.weights.values())
-    model = DecoderModel(loaded.config, loaded.weights, dtype, torch.device("cpu"), select_ops("torch", torch.device("cpu")))
+    model = DecoderModel(loaded.config, loaded.weights, dtype, torch.device("cpu"),
+                         select_ops("torch", torch.device("cpu")))
     assert model.embed.data_ptr() == loaded.weights["model.embed_tokens.weight"].data_ptr()
 
 

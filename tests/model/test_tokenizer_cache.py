@@ -11,7 +11,8 @@ def test_a_gguf_tokenizer_is_converted_once_and_cached_unchanged(tmp_path, monke
     [entry] = (tmp_path / "tokenizers").iterdir()
     cached = load_tokenizer(smol_path)
     assert cached.name_or_path == str(entry), "the second load should come from the cache"
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, 日本語 and code: x += 1"}]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Ünïcode, 日本語 and code: x += 1"}]
     texts = [t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) for t in (converted, cached)]
     assert texts[0] == texts[1]
     assert converted(texts[0])["input_ids"] == cached(texts[1])["input_ids"]

@@ -56,7 +56,8 @@ def write_gguf(path: Path, model, arch: str, qtype=Q.F32, tokenizer=(), seed: in
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
         scale = config.max_position_embeddings / config.original_max_position_embeddings
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)))
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale)
+                                                       / math.log(config.original_max_position_embeddings)))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for name, tensor in model.state_dict().items():
@@ -137,7 +138,8 @@ def llama3_rope_factors(config) -> np.ndarray:
         elif wavelength > low_wavelength:
             factors.append(rope["factor"])
         else:
-            smooth = (old_context / wavelength - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            smooth = ((old_context / wavelength - rope["low_freq_factor"])
+                      / (rope["high_freq_factor"] - rope["low_freq_factor"]))
             factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
     return np.array(factors, dtype=np.float32)
 
@@ -149,8 +151,10 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              bos_token_id=1, eos_token_id=2, pad_token_id=2)
 # case -> (GGUF architecture, transformers class, config fields)
 FAMILIES = {
-    "llama": ("llama", "LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=2048))),
+    "llama": ("llama", "LlamaForCausalLM", dict(head_dim=16, tie_word_embeddings=False, rope_theta=10000.0,
+                                                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                                  high_freq_factor=4.0,
+                                                                  original_max_position_embeddings=2048))),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)),
     "phi3": ("phi3", "Phi3ForCausalLM", dict(tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=32,

@@ -35,7 +35,8 @@ def test_a_batch_through_postgresql_and_rabbitmq(tmp_path, tiny_llama_dir, pg_ur
     env = {**os.environ, **tiny_env(settings)}
     worker = [sys.executable, "-m", "jobs.cli", "worker"]
     procs = [spawn(worker, env, tmp_path / "worker0.log"), spawn(worker, env, tmp_path / "worker1.log"),
-             spawn([sys.executable, "-m", "celery", "-A", "jobs.pipeline.celery_tasks", "worker", "--pool=solo", "--loglevel=WARNING",
+             spawn([sys.executable, "-m", "celery", "-A", "jobs.pipeline.celery_tasks", "worker",
+                    "--pool=solo", "--loglevel=WARNING",
                      "--without-gossip", "--without-mingle", "--without-heartbeat"], env, tmp_path / "celery.log")]
     try:
         with serving(settings) as server:

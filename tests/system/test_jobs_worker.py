@@ -1,6 +1,6 @@
 """The engine worker under stress, on RabbitMQ and PostgreSQL: told to stop mid-job it finishes what
-runs (the default 60 s drain) and hands the rest back without counting an attempt; cut off from the broker mid-job (its own end of the link
-shut, or the connection closed by RabbitMQ itself, at default settings: what RabbitMQ's 30-minute
+runs (the default 60 s drain) and hands the rest back without counting an attempt; cut off from the broker mid-job (its
+own end of the link shut, or the connection closed by RabbitMQ itself, at default settings: what RabbitMQ's 30-minute
 consumer_timeout does to a channel, without waiting half an hour) it reconnects, keeps its requests
 running, and every request still gets exactly one result."""
 

@@ -49,7 +49,8 @@ _DATABASE_ID = re.compile(r"[0-9]{1,30}")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _RUN_MAGIC = b"berth-kvrun\x01"
 _SEGMENT_MAGIC = b"berth-segment\x01\n"
-_REF = re.compile(rf"({re.escape(SEGMENT_PREFIX)}[A-Za-z0-9_-]{{1,64}}/[0-9]{{1,20}}\.seg)@([0-9]{{1,15}})\+([0-9]{{1,12}})")
+_REF = re.compile(rf"({re.escape(SEGMENT_PREFIX)}[A-Za-z0-9_-]{{1,64}}/[0-9]{{1,20}}\.seg)"
+                  rf"@([0-9]{{1,15}})\+([0-9]{{1,12}})")
 MAX_STATE_BYTES = 64 << 20  # a ref naming a longer range is not one berth wrote
 RUN_BLOCKS = 8  # blocks a KV run holds at most: one aligned window of its chain (128 tokens at block size 16)
 

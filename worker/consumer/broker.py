@@ -272,7 +272,8 @@ class BrokerLink:
             if self._dead is None:
                 self._dead = connect(self.settings, confirm=True)
             Producer(self._dead.default_channel).publish(
-                raw_body(delivery.body, delivery.content_encoding), exchange=self.topology.dead_exchange, routing_key=self.topology.dead_queue.routing_key,
+                raw_body(delivery.body, delivery.content_encoding), exchange=self.topology.dead_exchange,
+                routing_key=self.topology.dead_queue.routing_key,
                 declare=[self.topology.dead_queue], delivery_mode=2,
                 content_type=delivery.content_type or "application/data",
                 content_encoding=delivery.content_encoding or "binary",

@@ -93,7 +93,8 @@ def parse_message(payload: object) -> InteractiveMessage:
                          "and body")
     request_id, tenant, url, body = (payload.get(k) for k in ("request_id", "tenant", "url", "body"))
     if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
-        raise BadMessage(f"request_id must be 'i-' and 1 to 64 letters, digits, '_' or '-', not {str(request_id)[:80]!r}")
+        raise BadMessage("request_id must be 'i-' and 1 to 64 letters, digits, '_' or '-', "
+                         f"not {str(request_id)[:80]!r}")
     if not isinstance(tenant, str) or not TENANT.fullmatch(tenant):
         raise BadMessage(f"tenant must be a string of 1 to 200 printable characters, not {str(tenant)[:80]!r}")
     if url not in URLS:

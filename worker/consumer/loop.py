@@ -132,7 +132,8 @@ class EngineWorker:
         log.info("worker %s consuming %s.requests.%s.* (prefetch %d)%s: ready, %.1fs since the process started",
                  self.name, self.settings.queue_prefix, self.engine.model_name, self.window,
                  f" and {self.broker.topology.interactive_queue(self.engine.model_name).name} (prefetch "
-                 f"{self.broker.interactive_prefetch})" if self.consumes_interactive_queue else "", seconds_since_start())
+                 f"{self.broker.interactive_prefetch})" if self.consumes_interactive_queue else "",
+                 seconds_since_start())
         drain_deadline = None
         next_control = next_depth = 0.0
         graceful = False

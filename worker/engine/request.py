@@ -76,7 +76,8 @@ class SamplingParams:
     # Logits processing before the draw (worker/engine/penalties.py); the defaults change nothing.
     frequency_penalty: float = 0.0  # OpenAI: minus this times each token's count in the output so far
     presence_penalty: float = 0.0  # OpenAI: minus this for each token in the output so far
-    repetition_penalty: float = 1.0  # vLLM / transformers: logits of prompt and output tokens divided (or, < 0, multiplied)
+    # vLLM / transformers: logits of prompt and output tokens divided (or, < 0, multiplied)
+    repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias) pairs added to the logits
     min_p: float = 0.0  # vLLM / transformers: drop tokens less likely than min_p times the top token
     # How the answer is read back, not how tokens are drawn: the tool-call format (jobs/lines/tool_formats.py) whose

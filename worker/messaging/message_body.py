@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 
-UTF8_ENCODINGS = frozenset({"", "utf-8", "utf8", "binary", "identity"})  # bodies whose bytes are read as UTF-8 as they are
+# bodies whose bytes are read as UTF-8 as they are
+UTF8_ENCODINGS = frozenset({"", "utf-8", "utf8", "binary", "identity"})
 
 
 class UnreadableBody(ValueError):

@@ -117,7 +117,8 @@ class Topology:
 
     def interactive_queue(self, model: str) -> Queue:
         """The model's interactive requests (see the module's docstring); its messages are transient."""
-        return Queue(f"{self.prefix}.interactive.{model}", Exchange(""), routing_key=f"{self.prefix}.interactive.{model}",
+        return Queue(f"{self.prefix}.interactive.{model}", Exchange(""),
+                     routing_key=f"{self.prefix}.interactive.{model}",
                      durable=True, queue_arguments={"x-queue-type": "classic"})
 
     @property

@@ -134,5 +134,6 @@ def render(source: str, messages: list[dict], *, add_generation_prompt: bool, sp
         if not isinstance(message, dict):
             raise TypeError(f"chat messages must be objects, not {type(message).__name__}")
         chat.append(_message(_plain(message)))
-    return compile_template(source).render(messages=chat, tools=_plain(tools) if tools is not None else None, documents=None,
+    return compile_template(source).render(messages=chat,
+                                           tools=_plain(tools) if tools is not None else None, documents=None,
                                            add_generation_prompt=add_generation_prompt, **_plain(special_tokens))

@@ -102,7 +102,8 @@ def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     storage, end = first.untyped_storage(), first.data_ptr()
     for t in tensors:
         if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
-                or not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr()):
+                or not t.is_contiguous() or t.data_ptr() != end
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
         end += t.numel() * t.element_size()
     if end > storage.data_ptr() + storage.nbytes():
@@ -152,7 +153,8 @@ class DecoderModel:
                 window=windows[i]))
         self.cos, self.sin = rotary_tables(config, self.head_dim, device, dtype)  # [positions, rotary dim]
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
-        self.fused = elementwise if elementwise is not None and not arch.qk_norm and elementwise.takes(self.cos) else None
+        self.fused = (elementwise if elementwise is not None and not arch.qk_norm and elementwise.takes(self.cos)
+                      else None)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -223,7 +225,8 @@ class DecoderModel:
         if nd == q.shape[0]:
             return self.ops.decode(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens,
                                    self.scale, window)
-        own = {}  # the chunks' own rows as the cache holds them: a quantized cache's rounded, for the whole step at once
+        # the chunks' own rows as the cache holds them: a quantized cache's rounded, for the whole step at once
+        own = {}
         if key is not None and self.ops.prefill_reads_own_rows:
             fmt = kv_quant.row_format(k_cache)
             own = {"key": key[nd:], "value": value[nd:]} if fmt is None else {

@@ -46,7 +46,8 @@ def test_generate_cli_orders_outputs_and_reports_bad_lines(tmp_path):
     assert 2 <= b["usage"]["completion_tokens"] <= 12
     c = answered[2]["response"]["body"]["choices"][0]
     assert c["text"] and len(c["logprobs"]["tokens"]) == len(c["logprobs"]["top_logprobs"]) <= 5
-    errors = {e["error"]["line"]: e["error"] for e in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
+    errors = {e["error"]["line"]: e["error"]
+              for e in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
     assert set(errors) == {2, 5, 6, 7, 8, 9}
     assert "not valid JSON" in errors[2]["message"]
     assert "duplicate custom_id" in errors[5]["message"]

@@ -153,7 +153,8 @@ def test_housekeeping_runs_on_while_an_ingest_it_resumed_runs(tmp_path, tiny_lla
     def silent_job(name: str, custom_id: str) -> str:
         """A job whose submitter died before dispatching its ingest, long ago."""
         path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({**request_line(i), "custom_id": f"{custom_id}-{i}"}) + "\n" for i in range(2)))
+        path.write_text("".join(json.dumps({**request_line(i), "custom_id": f"{custom_id}-{i}"}) + "\n"
+                                for i in range(2)))
         job_id = create_job(db, files, path, TINY_NAME, JobSpec(tenant=name))
         with db.session() as s, s.begin():
             s.execute(update(Job).where(Job.id == job_id).values(created_at=now() - 200))

@@ -51,7 +51,8 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_pa
         second = until("the bar moving on", lambda: (p := progress()) > first and p)
         assert first < second < 60
         points = until("two points on each chart", lambda: (n := [int(svg.get_attribute("data-points")) for svg in
-                                                                   browser.find_elements(By.CSS_SELECTOR, "#charts svg")])
+                                                                   browser.find_elements(By.CSS_SELECTOR,
+                                                                                         "#charts svg")])
                         and min(n) >= 2 and n)
         assert len(points) == 2  # one worker: tokens/s and KV use
         worker_row = browser.find_element(By.CSS_SELECTOR, "#workers tbody tr").text

@@ -213,7 +213,8 @@ def test_a_json_body_over_the_default_limit_is_a_413_in_openais_body(served):
     _error(status, answer, "request_too_large")
 
     with TestClient(server.app) as c:  # sent in chunks, no length: counted as it is read
-        answer = c.post("/v1/batches", headers=auth, content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]))
+        answer = c.post("/v1/batches", headers=auth,
+                        content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]))
     _error(answer.status_code, answer.json(), "request_too_large")
 
 

@@ -33,7 +33,8 @@ def test_cache_salt_reaches_the_workers_claim(tmp_path, monkeypatch, tiny_llama_
     db = open_database(settings.database_url)
     with db.session() as s:
         rows = {(r.job_id, r.custom_id): r for r in s.scalars(select(RequestRow))}
-        errors = sorted((e.line, e.param) for e in s.scalars(select(LineErrorRow).where(LineErrorRow.job_id == alice.id)))
+        errors = sorted((e.line, e.param)
+                        for e in s.scalars(select(LineErrorRow).where(LineErrorRow.job_id == alice.id)))
     assert errors == [(3, "body.cache_salt"), (4, "body.cache_salt"), (5, "body.cache_salt")]
     assert rows[(alice.id, "q0")].cache_salt == "salt:s3cret" and rows[(alice.id, "q1")].cache_salt is None
 

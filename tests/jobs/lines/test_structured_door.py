@@ -64,7 +64,8 @@ def _bad(param: str, says: str, **fields):
 
 
 @pytest.mark.parametrize("fields, param, says", [
-    _bad("body.response_format.type", 'must be "text", "json_object" or "json_schema"', response_format={"type": "xml"}),
+    _bad("body.response_format.type", 'must be "text", "json_object" or "json_schema"',
+         response_format={"type": "xml"}),
     _bad("body.response_format", "must be an object", response_format="json"),
     _bad("body.response_format.json_schema", "missing or not an object", response_format={"type": "json_schema"}),
     _bad("body.response_format.json_schema.name", "missing or not 1 to 64 letters",
@@ -130,7 +131,8 @@ def test_the_constraint_survives_the_request_row_and_old_rows_still_load(tmp_pat
     settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
                              storage_url=f"file://{tmp_path / 'store'}")
     lines = [structured_line(custom_id="choice", guided_choice=["yes", "no"]),
-             structured_line(custom_id="schema", response_format=_schema_format(PERSON)), structured_line(custom_id="free")]
+             structured_line(custom_id="schema", response_format=_schema_format(PERSON)),
+             structured_line(custom_id="free")]
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     job = api.submit(path, settings, eager=True)

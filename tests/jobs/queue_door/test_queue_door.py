@@ -71,7 +71,8 @@ def test_a_job_published_twice_by_another_producer_runs_once_and_its_events_come
     assert (job.tenant, job.priority, job.metadata) == ("alice", 3, {"order": "1"})
     events = tap.of_job(job_id)
     keys = [key for key, *_ in events]
-    assert keys == ["alice.job.validating", "alice.job.in_progress", "alice.job.finalizing", "alice.job.completed"], keys
+    assert keys == ["alice.job.validating", "alice.job.in_progress", "alice.job.finalizing",
+                    "alice.job.completed"], keys
     for key, body, headers, properties in events:
         _valid_event(body)
         assert headers["tenant"] == "alice" and properties.delivery_mode == 2

@@ -85,7 +85,8 @@ ROWS_0001 = [  # what a database made at revision 0001 holds, written with plain
     "INSERT INTO tenants (id, name, weight, created_at) VALUES (1, 'team-a', 2.0, {t0})",
     "INSERT INTO jobs (id, tenant_id, model, status, priority, completion_window, metadata, input_name, input_key, "
     "total, completed, failed, prompt_tokens, completion_tokens, created_at, in_progress_at, expires_at) VALUES "
-    "('batch_running', 1, 'm', 'in_progress', 4, '24h', '{{\"k\": \"v\"}}', 'a.jsonl', 'jobs/batch_running/input.jsonl', "
+    "('batch_running', 1, 'm', 'in_progress', 4, '24h', '{{\"k\": \"v\"}}', 'a.jsonl', "
+    "'jobs/batch_running/input.jsonl', "
     "10, 4, 1, 400, 120, {t0}, {t0} + 10, {t0} + 86400)",
     "INSERT INTO jobs (id, tenant_id, model, status, priority, completion_window, metadata, input_name, input_key, "
     "output_key, total, completed, failed, prompt_tokens, completion_tokens, created_at, in_progress_at, "

@@ -40,7 +40,8 @@ __all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "Gramm
            "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
-FILL_THREADS = 1  # the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/HISTORY.md)
+# the step's mask fill: a second thread cost more than it gave on 2 shared cores (benchmarks/HISTORY.md)
+FILL_THREADS = 1
 DEFAULT_RULES = CompileRules.of(Settings.model_construct())
 _numbers = itertools.count(1)  # a Compiler's vocabulary key: unique in the process
 

@@ -203,8 +203,8 @@ class CompileServer:
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[3])  # the folder holding worker/: this very code runs there
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.engine.structured.grammar_server", str(theirs.fileno()),
-                                      str(COMPILE_THREADS)], pass_fds=[theirs.fileno()], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.engine.structured.grammar_server",
+                                      str(theirs.fileno()), str(COMPILE_THREADS)], pass_fds=[theirs.fileno()], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())

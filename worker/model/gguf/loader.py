@@ -1,6 +1,6 @@
 """Read a model from a GGUF file: its config (``worker.model.model_config``, the fields the transformers
-config class of its family would hold), its weights under the names and shapes of that family's Hugging Face checkpoint in the compute dtype,
-and its tokenizer.
+config class of its family would hold), its weights under the names and shapes of that family's Hugging Face checkpoint
+in the compute dtype, and its tokenizer.
 
 The families are those of llama.cpp's converter (``convert_hf_to_gguf.py``) that berth runs:
 ``llama`` (Llama 2 and 3.x, Mistral), ``qwen2``, ``qwen3`` and ``phi3``. What the converter did is
