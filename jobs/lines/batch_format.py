@@ -132,7 +132,7 @@ def _completion_ids(line: BatchLine, tokenizer, limit: int) -> list[int]:
             raise LineError(line.line, "body.prompt", why, line.custom_id)
         try:
             return list(tokenizer(prompt)["input_ids"])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 (whatever the tokenizer raises on a user's text is the line's error)
             raise LineError(line.line, "body.prompt", f"the tokenizer refused it: {exc}"[:500],
                             line.custom_id) from None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -150,7 +150,9 @@ def sampling_params(line: BatchLine, request_id: str, vocab_size: int | None = N
     chat = line.url == CHAT_URL
     vocab = vocab_size if vocab_size is not None else 1 << 62
     limit = token_limit if token_limit is not None else vocab
-    g = lambda name, types, default=None, check=None, why="": _get(line, name, types, default, check, why)  # noqa
+    def g(name, types, default=None, check=None, why=""):  # one field of this line's body, checked
+        return _get(line, name, types, default, check, why)
+
     if g("stream", bool, False, why="false"):
         raise LineError(line.line, "body.stream", "streaming is not available in a batch", line.custom_id)
     max_tokens = g("max_tokens", int, None, lambda v: v >= 1, "an integer >= 1")

@@ -30,7 +30,9 @@ def embedding_request(line: BatchLine, tokenizer, model_name: str, max_model_len
     """The engine request of an embeddings line; ``LineError`` naming the field for a bad one.
     ``token_limit``: token ids must be below it (default: the tokenizer's size); ``hidden_size``: the
     model's, which ``dimensions`` may not pass."""
-    error = lambda param, why, code="invalid_request": LineError(line.line, param, why, line.custom_id, code)  # noqa
+    def error(param, why, code="invalid_request"):  # this line's error
+        return LineError(line.line, param, why, line.custom_id, code)
+
     if (unknown := unknown_field(line.url, line.body)) is not None:
         raise error(*unknown)
     body = line.body
@@ -107,7 +109,7 @@ def _text_ids(line: BatchLine, where: str, text: str, tokenizer, limit: int) -> 
         raise LineError(line.line, where, why, line.custom_id)
     try:
         ids = list(tokenizer(text)["input_ids"])
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 (whatever the tokenizer raises on a user's text is the line's error)
         raise LineError(line.line, where, f"the tokenizer refused it: {exc}"[:500], line.custom_id) from None
     if not ids:
         raise LineError(line.line, where, "it has no tokens: give some text", line.custom_id)

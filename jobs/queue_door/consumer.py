@@ -119,7 +119,7 @@ class SubmitConsumer:
             try:
                 if closing is not None:
                     (closing.close if isinstance(closing, Publisher) else closing.release)()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 (closing a link that may be broken already: nothing left to do)
                 pass
         self.connection = self._publisher = None
 

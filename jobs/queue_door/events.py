@@ -164,7 +164,7 @@ class EventRelay:
         if self._publisher is not None:
             try:
                 self._publisher.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 (closing a link that may be broken already: nothing left to do)
                 pass
             self._publisher = None
 

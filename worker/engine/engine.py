@@ -312,7 +312,7 @@ class Engine:
             mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
                                                       self.grammars.vocab_size)) if constrained else None
             sampled = sample(logits, [self._sample_row(s) for s in rows], mask)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 (a failed step is split to find its cause: isolation.py)
             return outputs + self._step_failed([item for item in scheduled if item[0].request.params.embedding is None],
                                                scheduler, exc)
         return outputs + self._finish_rows(rows, sampled, scheduler)
