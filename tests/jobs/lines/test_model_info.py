@@ -32,8 +32,9 @@ def test_a_first_burst_on_a_cold_cache_builds_the_tokenizer_once_without_error(t
             inside.remove(path)
 
     monkeypatch.setattr(tokenizer, "load_tokenizer", slow_load)
+    # a served name of its own: facts no test has built yet in this process
     settings = tiny_settings(tiny_llama_dir).model_copy(update={"model_name": f"cold-{uuid.uuid4().hex}"})
-    ready = threading.Barrier(THREADS)  # (a served name of its own: a key no test built yet)
+    ready = threading.Barrier(THREADS)
 
     def first_request():
         ready.wait()  # all at once, as the first burst after a start
