@@ -1,7 +1,9 @@
 """The dashboard at ``/``: jobs with live progress, each job's errors, and the engine workers with an
 hour of tokens/s and KV use. Server-rendered, polled every two seconds; a browser signs in with an API
-key and sees its tenant's jobs. Every value is text, never markup: escaped templates, data as JSON, a
-Content-Security-Policy without inline scripts (docs/http-api.md).
+key and sees its tenant's jobs, and only them: the fleet (workers, their load) is the operator's, shown
+on ``berth serve --open`` (the local server, everyone's jobs) to a browser without a key. Every value is
+text, never markup: escaped templates, data as JSON, a Content-Security-Policy without inline scripts
+(docs/http-api.md).
 """
 
 from __future__ import annotations
@@ -48,11 +50,16 @@ def job_summary(v: JobView) -> dict:
 
 
 def dashboard_data(db: Database, tenant: str | None) -> dict:
+    """What ``tenant`` sees: its jobs, no fleet (another tenant's load is none of its business, and
+    tells it what the others run). ``None`` (the operator, on an open server): every job and the fleet."""
     t = now()
-    return {"now": t, "jobs": [job_summary(v) for v in list_jobs(db, tenant, None, JOBS_SHOWN)],
-            "workers": [w.to_dict() for w in workers.list_workers(db)],
-            "series": {wid: [[round(at - t, 1), tps, round(kv, 4)] for at, tps, kv in points]
-                       for wid, points in workers.samples(db, t - workers.HISTORY).items()}}
+    data = {"now": t, "jobs": [job_summary(v) for v in list_jobs(db, tenant, None, JOBS_SHOWN)],
+            "fleet": tenant is None}
+    if tenant is None:
+        data["workers"] = [w.to_dict() for w in workers.list_workers(db)]
+        data["series"] = {wid: [[round(at - t, 1), tps, round(kv, 4)] for at, tps, kv in points]
+                          for wid, points in workers.samples(db, t - workers.HISTORY).items()}
+    return data
 
 
 def job_errors(files: JobFiles, view: JobView, limit: int = ERRORS_SHOWN) -> list[dict]:

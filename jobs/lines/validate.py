@@ -7,9 +7,9 @@ files: ``berth generate`` and a job's ingest both use it. Whole-file limits rais
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,8 +57,28 @@ class ModelInfo:
                    limits.max_file_lines, StructuredLimits.of(limits), engine.model_config.hidden_size)
 
 
-@functools.lru_cache(maxsize=4)
+_MODEL_INFOS = 4  # models whose facts are kept
+_model_infos: dict[tuple[str, str, int], ModelInfo] = {}
+_model_infos_lock = threading.Lock()
+
+
 def _model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
+    """The model's facts, built once per process: the threads of a first burst wait for the one
+    building them (building at once, they imported transformers at once, and it failed them)."""
+    key = (path, name, max_model_len)
+    info = _model_infos.get(key)
+    if info is None:
+        with _model_infos_lock:
+            info = _model_infos.get(key)
+            if info is None:
+                info = _build_model_info(path, name, max_model_len)
+                if len(_model_infos) >= _MODEL_INFOS:
+                    _model_infos.pop(next(iter(_model_infos)))  # the oldest
+                _model_infos[key] = info
+    return info
+
+
+def _build_model_info(path: str, name: str, max_model_len: int) -> ModelInfo:
     from worker.model.loader import load_config  # torch: paid where lines are checked, not where jobs are read
     from worker.model.tokenizer import load_tokenizer
 

@@ -13,9 +13,11 @@ import logging
 import random
 import threading
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
 
 from sqlalchemy import update
 
@@ -70,6 +72,26 @@ def signed_headers(secret: str, body: bytes, event_type: str, event_id: str, at:
     timestamp = int(time.time() if at is None else at)
     return {TIMESTAMP_HEADER: str(timestamp), SIGNATURE_V2_HEADER: sign_v2(secret, timestamp, body),
             SIGNATURE_HEADER: sign(secret, body), "X-Berth-Event": event_type, "X-Berth-Event-Id": event_id}
+
+
+def url_host(url: str) -> str:
+    """What a log line may say of a webhook URL: its host (and port), never its path, query or user
+    part, which often carry the receiver's credentials."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "(a URL that cannot be read)"
+    if not host:
+        return "(a URL without a host)"
+    return f"{host[:100]}:{port}" if port else host[:100]
+
+
+def _without_url(text: str, url: str) -> str:
+    """``text`` (a reason, which may quote the URL as the tenant sent it) with the URL put as its host."""
+    for quoted in (repr(url[:200]), url[:200], url):
+        text = text.replace(quoted, url_host(url))
+    return text
 
 
 @dataclass(frozen=True)
@@ -156,8 +178,11 @@ class WebhookSender:
         except asyncio.CancelledError:  # the sender stops: the event is due again at once, this try uncounted
             self.finished.append({"id": d.event_id, "webhook_due_at": now()})
             raise
-        except Exception as exc:
-            log.exception("webhook of job %s (event %d): could not be sent", d.job_id, d.event_id)
+        except Exception as exc:  # noqa: BLE001 (one webhook's bug fails that webhook, logged with its frames)
+            # the frames, not exc_info: an exception's message may quote the URL
+            log.error("webhook of job %s (event %d) to %s: could not be sent (%s: %s)\n%s", d.job_id, d.event_id,
+                      url_host(d.url), type(exc).__name__, _without_url(str(exc)[:300], d.url),
+                      "".join(traceback.format_tb(exc.__traceback__)).rstrip())
             error, refused = f"berth could not send it ({type(exc).__name__}: {str(exc)[:300]})", False
         self.finished.append(self._outcome(d, error, refused))
         lingering = [asyncio.wrap_future(job) for job in lookups if not job.done()]
@@ -185,7 +210,8 @@ class WebhookSender:
             return {"id": d.event_id, "webhook_attempts": attempts, "webhook_due_at": None, "webhook_sent_at": now(),
                     "webhook_error": None}
         give_up = refused or attempts >= self.settings.webhook_max_attempts
-        log.warning("webhook of job %s (event %d) to %s: %s; %s", d.job_id, d.event_id, d.url[:200], error,
+        log.warning("webhook of job %s (event %d) to %s: %s; %s", d.job_id, d.event_id, url_host(d.url),
+                    _without_url(error, d.url),
                     "given up" if give_up else f"attempt {attempts}, trying again")
         return {"id": d.event_id, "webhook_attempts": attempts, "webhook_error": error,
                 "webhook_due_at": None if give_up else now() + self.retry_delay(attempts)}

@@ -20,6 +20,7 @@ from worker.checkpoint.format import (
     SampleCheckpoint,
     StateRef,
     decode_run,
+    encode_run,
     encode_segment,
     kv_key,
     request_digest,
@@ -180,6 +181,24 @@ def test_a_corrupt_kv_block_is_recomputed_from_there_on(tiny_loaded, store, poin
         outputs, _, _ = _resume(tiny_loaded, store, READ, pointers)
     assert outputs == undisturbed
     assert f"the KV run {run.hex()} cannot be read back (not a berth KV run: checksum mismatch)" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_a_kv_run_of_another_dtype_is_refused_and_recomputed(tiny_loaded, store, pointers, killed_half_way, undisturbed,
+                                                             caplog, dtype):
+    """A run of the engine's shape in another dtype, well formed and checksummed (anyone with store
+    access can write one): refused as unreadable, never converted into the float32 cache."""
+    state = killed_half_way["1"]
+    run = runs_holding(state)[state.samples[0].block_hashes[0]]
+    key = kv_key(state.fingerprint, run)
+    hashes, data = decode_run(store.get(key))
+    assert data.dtype == torch.float32
+    store.put(key, encode_run(hashes, data.to(dtype)))
+    with caplog.at_level(logging.WARNING, "berth.checkpoint"):
+        outputs, _, _ = _resume(tiny_loaded, store, READ, pointers)
+    assert outputs == undisturbed
+    name = str(dtype).removeprefix("torch.")
+    assert f"the KV run {run.hex()} cannot be read back (KV blocks of dtype {name}, not float32)" in caplog.text
 
 
 def test_a_reference_to_a_missing_segment_or_another_key_starts_over(tiny_loaded, store, pointers, killed_half_way,

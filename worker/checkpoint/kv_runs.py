@@ -1,7 +1,8 @@
 """KV runs read back from the store and judged: one reader for a resume (``resume.Restorer``) and for
 the fleet's prefix cache (``prefix_store.PrefixStore``). A run is named by its last block's hash under
 the model's fingerprint (``format.kv_key``); anyone with store access can write one, so a run whose
-blocks are not the engine's shape is refused as ``CorruptCheckpoint``."""
+blocks are not the engine's shape and dtype is refused as ``CorruptCheckpoint`` (the request recomputes
+them): a copy into the cache would convert another dtype's values silently."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ class KvRunReader:
     def __init__(self, kv: KVView, store: ObjectStore, fingerprint: str):
         self.store = store
         self.fingerprint = fingerprint
-        self.block_shape = kv.block_shape
+        probe = kv.read_blocks([0])  # one block as the engine's cache holds it (the writer's copies too)
+        self.block_shape = tuple(probe[:, :, 0].shape)
+        self.block_dtype = probe.dtype
 
     def read(self, last: bytes) -> KvRunRead:
         """The run named ``last``; raises ``ObjectNotFound``, ``StorageError`` or ``CorruptCheckpoint``."""
@@ -37,6 +40,9 @@ class KvRunReader:
         run_hashes, data = decode_run(raw)
         if tuple(data[:, :, 0].shape) != self.block_shape:
             raise CorruptCheckpoint(f"KV blocks of shape {tuple(data[:, :, 0].shape)}, not {self.block_shape}")
+        if data.dtype != self.block_dtype:
+            raise CorruptCheckpoint(f"KV blocks of dtype {str(data.dtype).removeprefix('torch.')}, not "
+                                    f"{str(self.block_dtype).removeprefix('torch.')}")
         return KvRunRead(run_hashes, data, len(raw))
 
 

@@ -46,7 +46,7 @@ function renderWorkers(data) {
   }
   document.getElementById("charts").innerHTML = charts.join("");
 }
-function render(data) { renderJobs(data); renderWorkers(data); }
+function render(data) { renderJobs(data); if (data.fleet) renderWorkers(data); }  // the fleet: the operator's
 render(JSON.parse(document.getElementById("state").textContent));
 setInterval(() => fetch("/dashboard/data.json", {credentials: "same-origin"})
   .then(r => r.ok ? r.json() : null).then(d => d && render(d)).catch(() => {}), 2000);

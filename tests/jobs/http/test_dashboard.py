@@ -1,6 +1,7 @@
 """The dashboard in a real browser (Debian's headless Chromium through Selenium): while a job runs,
-its progress bar advances between two reads and the worker's charts have points. The test saves a
-screenshot (``dashboard.png``) of what a person sees."""
+its progress bar advances between two reads for its tenant, who sees no fleet, and the worker's
+charts have points for the operator (``--open``, no key). The test saves a screenshot
+(``dashboard.png``) of what the operator sees."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def browser():
     driver.quit()
 
 
-def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_path, tiny_llama_dir, browser,
-                                                                           monkeypatch):
+def test_the_dashboard_shows_a_running_job_advance_and_the_operator_the_workers_charts(tmp_path, tiny_llama_dir,
+                                                                                        browser, monkeypatch):
     monkeypatch.setattr(consumer, "HEARTBEAT_INTERVAL", 1.0)  # points on the charts within seconds
     settings = embedded_settings(tiny_llama_dir, tmp_path, max_num_seqs=4)
     lines = [{"custom_id": f"story-{i}", "method": "POST", "url": "/v1/completions",
@@ -33,12 +34,11 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_pa
     path = tmp_path / "stories.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     key = key_for(settings, "alice")
-    with serving(settings) as server:
+    with serving(settings, open_access=True) as server:
         c = client(server, key)
         batch = c.batches.create(input_file_id=upload(c, path).id, endpoint="/v1/completions",
                                  completion_window="24h")
-        browser.get(f"{server.url}/")  # not signed in: the sign-in page
-        assert browser.current_url.endswith("/dashboard/login")
+        browser.get(f"{server.url}/dashboard/login")  # the tenant
         browser.find_element(By.NAME, "key").send_keys(key)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         until("the job's row", lambda: browser.find_elements(By.ID, f"job-{batch.id}"))
@@ -50,10 +50,17 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_workers_charts(tmp_pa
         first = until("the first finished requests", progress)
         second = until("the bar moving on", lambda: (p := progress()) > first and p)
         assert first < second < 60
-        points = until("two points on each chart", lambda: (n := [int(svg.get_attribute("data-points")) for svg in
-                                                                   browser.find_elements(By.CSS_SELECTOR,
-                                                                                         "#charts svg")])
-                        and min(n) >= 2 and n)
+        assert browser.find_elements(By.ID, "workers") == [] and browser.find_elements(By.ID, "charts") == []
+        browser.find_element(By.CSS_SELECTOR, "header button[type=submit]").click()  # Sign out
+        until("the sign-in page", lambda: browser.current_url.endswith("/dashboard/login"))
+        browser.get(f"{server.url}/")  # the operator: no key on the open server
+        until("the job's row", lambda: browser.find_elements(By.ID, f"job-{batch.id}"))
+
+        def chart_points() -> list[int]:
+            charts = browser.find_elements(By.CSS_SELECTOR, "#charts svg")
+            return [int(svg.get_attribute("data-points")) for svg in charts]
+
+        points = until("two points on each chart", lambda: (n := chart_points()) and min(n) >= 2 and n)
         assert len(points) == 2  # one worker: tokens/s and KV use
         worker_row = browser.find_element(By.CSS_SELECTOR, "#workers tbody tr").text
         assert TINY_NAME in worker_row and "cpu" in worker_row

@@ -3,8 +3,10 @@ Chromium through Selenium) where it matters:
 
 - a tenant's values are text: a job whose model is ``</script><script>alert(document.cookie)</script>``
   and a worker whose model is an ``<img onerror>`` run no script, on the tenant's own page and on
-  ``--open`` (which shows every tenant), and show as the text they are; the pages carry a CSP that
-  runs no inline script. (``dashboard_xss.png`` is what a person sees.)
+  ``--open`` (which shows every tenant, and the fleet), and show as the text they are; the pages carry
+  a CSP that runs no inline script. (``dashboard_xss.png`` is what a person sees.)
+- a tenant sees its own jobs and nothing of the fleet (workers, their load) or of another tenant;
+  ``--open`` shows the operator, a browser without a key, everything;
 - ``--open`` answers only its own names: a page that rebinds its name to 127.0.0.1 reads nothing;
 - a state-changing request from another site (a form a page posts, with the visitor's browser) is
   refused, while the openai client and the dashboard's own forms go through;
@@ -24,7 +26,7 @@ from selenium.webdriver.common.by import By
 from sqlalchemy import update
 
 from jobs.records.db import open_database
-from jobs.records.models import Job, WorkerRow, now
+from jobs.records.models import Job, WorkerRow, WorkerSample, now
 from tests.support.browser import chromium, until
 from tests.support.jobs_env import write_requests
 from tests.support.serving import client, embedded_settings, key_for, serving, upload
@@ -60,15 +62,19 @@ def _hostile_job(settings, tmp_path) -> str:
     return batch.id
 
 
-def _inert(browser, url: str, job_id: str) -> None:
-    """On the index and the job's page: no script ran, and the values show as the text they are."""
+def _inert(browser, url: str, job_id: str, fleet: bool) -> None:
+    """On the index and the job's page: no script ran, and the values show as the text they are
+    (the workers' too where the page shows the ``fleet``)."""
     browser.get(url + "/")
     until("the page", lambda: browser.execute_script("return document.readyState") == "complete")
     time.sleep(2.5)  # one poll of data.json redraws the rows
     assert browser.execute_script("return window.__ran") == []
     state = json.loads(browser.find_element(By.ID, "state").get_attribute("textContent"))
     assert [j["model"] for j in state["jobs"] if j["id"] == job_id] == [SCRIPT]
-    assert IMG in browser.find_element(By.ID, "workers").text
+    if fleet:
+        assert IMG in browser.find_element(By.ID, "workers").text
+    else:
+        assert "workers" not in state and browser.find_elements(By.ID, "workers") == []
     assert browser.find_elements(By.CSS_SELECTOR, "#workers img") == []
     inline = browser.execute_script(
         "return [...document.scripts].filter(s => !s.src && s.type !== 'application/json').length")
@@ -100,9 +106,9 @@ def test_a_tenants_markup_is_inert_text_on_its_own_page_and_on_open(tmp_path, ti
         browser.find_element(By.NAME, "key").send_keys(key)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         until("the index", lambda: browser.find_elements(By.ID, f"job-{job_id}"))
-        _inert(browser, server.url, job_id)
+        _inert(browser, server.url, job_id, fleet=False)
         browser.get(f"{server.url}/")
-        until("the workers table", lambda: IMG in browser.find_element(By.ID, "workers").text)
+        until("the index", lambda: browser.find_elements(By.ID, f"job-{job_id}"))
         browser.save_screenshot(str(tmp_path / "dashboard_xss.png"))
         browser.get(f"{server.url}/dashboard/jobs/{job_id}")
         browser.save_screenshot(str(tmp_path / "dashboard_xss_job.png"))
@@ -113,7 +119,57 @@ def test_a_tenants_markup_is_inert_text_on_its_own_page_and_on_open(tmp_path, ti
             assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp, path
     browser.delete_all_cookies()
     with serving(settings, worker=False, open_access=True) as server:  # every tenant's jobs, no key
-        _inert(browser, server.url, job_id)
+        _inert(browser, server.url, job_id, fleet=True)
+
+
+FLEET = "gpu-node-7.fleet.internal"
+
+
+def test_a_tenant_sees_its_own_jobs_and_no_fleet_and_open_shows_the_operator_everything(tmp_path, tiny_llama_dir):
+    """The finding: every tenant's dashboard showed the whole fleet's workers and their load. Now a
+    tenant's pages and data.json hold its own jobs only; a browser without a key on ``--open`` (the
+    operator, on the local server) sees every job and the fleet."""
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
+    keys = {name: key_for(settings, name) for name in ("alice", "bob")}
+    jobs = {}
+    with serving(settings, worker=False) as server:
+        for name, key in keys.items():
+            c = client(server, key)
+            jobs[name] = c.batches.create(input_file_id=upload(c, write_requests(tmp_path / f"{name}.jsonl", 2)).id,
+                                          endpoint="/v1/completions", completion_window="24h").id
+    with open_database(settings.database_url).session() as s, s.begin():
+        s.add(WorkerRow(id=f"{FLEET}:4242", host=FLEET, model="fleet-model-x", device="cuda:0", running=3, waiting=9,
+                        kv_blocks_used=77, kv_blocks_free=1, output_tokens_per_second=123.0, started_at=now(),
+                        seen_at=now()))
+        s.add(WorkerSample(worker_id=f"{FLEET}:4242", at=now(), output_tokens_per_second=123.0, kv_blocks_used=77,
+                           kv_blocks_free=1))
+
+    def pages(server, key: str | None) -> tuple[str, dict]:
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/", headers=auth)
+        index = conn.getresponse()
+        html = index.read().decode()
+        conn.close()
+        status, data, _ = _request(server, "GET", "/dashboard/data.json", auth)
+        assert index.status == status == 200
+        return html, data
+
+    for open_access in (False, True):  # a key names its tenant on --open too
+        with serving(settings, worker=False, open_access=open_access) as server:
+            html, data = pages(server, keys["alice"])
+            everything = html + json.dumps(data)
+            assert jobs["alice"] in everything and [j["id"] for j in data["jobs"]] == [jobs["alice"]]
+            for other in (jobs["bob"], "bob", FLEET, "fleet-model-x", "cuda:0"):
+                assert other not in everything, other
+            assert "workers" not in data and "series" not in data and 'id="workers"' not in html
+            bobs_page = f"/dashboard/jobs/{jobs['bob']}"
+            assert _request(server, "GET", bobs_page, {"Authorization": f"Bearer {keys['alice']}"})[0] == 404
+    with serving(settings, worker=False, open_access=True) as server:
+        html, data = pages(server, None)
+        assert {j["id"] for j in data["jobs"]} == set(jobs.values())
+        assert [w["id"] for w in data["workers"]] == [f"{FLEET}:4242"] and list(data["series"]) == [f"{FLEET}:4242"]
+        assert 'id="workers"' in html
 
 
 def _request(server, method: str, path: str, headers: dict | None = None, body: bytes | None = None,

@@ -6,6 +6,7 @@ and a signature over a timestamp that a receiver can refuse replays by. SQLite, 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -269,3 +270,42 @@ def test_the_post_connects_to_the_address_that_was_checked_without_a_second_look
     assert asked == ["rebind.test"] and len(receiver.got) == 1 and receiver.got[0][0]["Host"] == (
         f"rebind.test:{receiver.port}")
     assert _events(db, job_id)[0].webhook_sent_at is not None
+
+
+def test_a_failing_webhooks_log_lines_name_its_host_never_its_path_or_query(tmp_path, monkeypatch, caplog):
+    """A webhook URL often is a credential itself (a token in its path or query): a failed attempt
+    logs the host it went to, and neither the URL nor a reason quoting it."""
+    import jobs.queue_door.webhooks as webhooks
+
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    secrets = ["hook-path-s3cret", "query-t0ken", "bug-path-s3cret", "bug-query-t0ken", "inside-s3cret", "inside-t0ken"]
+    settings = _settings(tmp_path, webhook_allow="127.0.0.1")
+    db = open_database(settings.database_url)
+    create_failed_job(db, "alice", "refused", webhook_url=f"http://127.0.0.1:{closed}/hook-path-s3cret?sig=query-t0ken")
+    create_failed_job(db, "alice", "refused", webhook_url="http://10.0.0.1/inside-s3cret?sig=inside-t0ken")
+    sender = WebhookSender(settings, db)
+    with caplog.at_level(logging.WARNING, "berth.webhooks"):
+        assert sender.send_due() == 2
+
+        async def broken_post(destination, url, *args):  # a bug whose message quotes the URL
+            raise RuntimeError(f"cannot post to {url}")
+
+        monkeypatch.setattr(webhooks, "post", broken_post)
+        create_failed_job(db, "alice", "refused", webhook_url="https://hooks.example.com/bug-path-s3cret?k=bug-query-t0ken")
+        assert sender.send_due() == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "berth.webhooks"]
+    assert len(lines) == 4, lines  # the two failed attempts, the bug and its outcome
+    text = "\n".join(lines)
+    assert f"to 127.0.0.1:{closed}: ConnectionRefusedError" in text
+    assert "to 10.0.0.1: webhook_url 10.0.0.1:" in text and "is a private address" in text
+    assert "to hooks.example.com: could not be sent (RuntimeError: cannot post to hooks.example.com)" in text
+    assert [s for s in secrets if s in text] == []
+    (bug,) = (e for e in _events(db, _last_job(db)) if e.webhook_error)
+    assert "bug-path-s3cret" in bug.webhook_error  # the tenant's own record keeps its URL's reason whole
+
+
+def _last_job(db) -> str:
+    with db.session() as s:
+        return s.scalars(select(Job.id).order_by(Job.created_at.desc())).first()
