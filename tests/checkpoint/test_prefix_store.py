@@ -101,8 +101,8 @@ def _fleet(settings, tenants_jobs: list[tuple[str, list]], loaded_engine):
             a_broker.publish_request(rid, job, tenant)
     threads = [_start(a, over)]
     store = open_store(settings.storage_url)
-    _wait(lambda: len(list(store.list(KV_PREFIX))) >= RUNS * len(tenants_jobs) and a.checkpoints.writer.flush(0.01),
-          what="worker A's prefix runs on the store")
+    _wait(lambda: (len(list(store.list(KV_PREFIX))) >= RUNS * len(tenants_jobs)
+                   and a.store.checkpointer.writer.flush(0.01)), what="worker A's prefix runs on the store")
     for tenant, reqs in tenants_jobs:
         for k, (rid, job) in enumerate(reqs[2:]):
             (b_broker if k % 3 else a_broker).publish_request(rid, job, tenant)
@@ -137,10 +137,11 @@ def test_a_shared_system_prompt_is_computed_once_for_the_fleet(tmp_path, text_id
     shared = SHARED_BLOCKS * 16
     computed = a.engine.stats.prompt_tokens_computed + b.engine.stats.prompt_tokens_computed
     assert computed == prompt + (LINES - 1) * (prompt - shared), "the shared prompt was computed more than once"
-    assert b.prefixes.loaded_blocks == SHARED_BLOCKS and a.prefixes.loaded_blocks == 0
+    assert b.store.prefixes.loaded_blocks == SHARED_BLOCKS and a.store.prefixes.loaded_blocks == 0
     assert b.engine.stats.prompt_tokens_computed == b.engine.stats.requests_finished * (prompt - shared)
     assert b.engine.stats.requests_finished > 0 and a.engine.stats.requests_finished > 2
-    assert a.prefixes.published_runs == RUNS and b.prefixes.published_runs == 0  # B's were on the store already
+    # B's were on the store already
+    assert a.store.prefixes.published_runs == RUNS and b.store.prefixes.published_runs == 0
     runs = list(open_store(settings.storage_url).list(KV_PREFIX))
     assert len(runs) == RUNS, runs
 
@@ -180,7 +181,7 @@ def test_tenants_share_the_prefix_store_only_within_a_cache_group(tmp_path, text
     prompt, shared = SYSTEM + 30, SHARED_BLOCKS * 16
     computed = a.engine.stats.prompt_tokens_computed + b.engine.stats.prompt_tokens_computed
     assert computed == 2 * (prompt + (LINES - 1) * (prompt - shared)), "not once per tenant"
-    assert b.prefixes.loaded_blocks == 2 * SHARED_BLOCKS  # each tenant's own runs
+    assert b.store.prefixes.loaded_blocks == 2 * SHARED_BLOCKS  # each tenant's own runs
     assert len(list(open_store(settings.storage_url).list(KV_PREFIX))) == 2 * RUNS
 
 
@@ -198,7 +199,7 @@ def _run_grouped(settings, jobs, loaded_engine, tmp_path):
         a_broker.publish_request(rid, job, alice)
     threads = [_start(a, over)]
     store = open_store(settings.storage_url)
-    _wait(lambda: len(list(store.list(KV_PREFIX))) >= RUNS and a.checkpoints.writer.flush(0.01), what="runs")
+    _wait(lambda: len(list(store.list(KV_PREFIX))) >= RUNS and a.store.checkpointer.writer.flush(0.01), what="runs")
     for rid, job in bob_reqs:
         b_broker.publish_request(rid, job, bob)
     threads.append(_start(b, over))
@@ -208,7 +209,7 @@ def _run_grouped(settings, jobs, loaded_engine, tmp_path):
     prompt, shared = SYSTEM + 30, SHARED_BLOCKS * 16
     computed = a.engine.stats.prompt_tokens_computed + b.engine.stats.prompt_tokens_computed
     assert computed == prompt + (2 * LINES - 1) * (prompt - shared), "the group's prompt was computed more than once"
-    assert b.prefixes.loaded_blocks == SHARED_BLOCKS
+    assert b.store.prefixes.loaded_blocks == SHARED_BLOCKS
     assert len(list(store.list(KV_PREFIX))) == RUNS
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.consumer_fakes import FakeEngine, Row, make_worker, run_until_done
+from worker.checkpoint.connector import StoreConnector
 from worker.config import Settings
 from worker.consumer import suspects
 from worker.consumer.ledger import Claim, Death
@@ -169,7 +170,7 @@ def test_poison_is_a_request_whose_worker_keeps_dying_alone_without_progress(led
     for i in (1, 2):  # where their checkpoints are, as their rows record it
         ledger.rows[i].checkpoint = f"checkpoints/v2/states/w/{i:010d}.seg@0+10"
     worker = make_worker(ledger, broker)
-    worker.checkpoints, worker.restorer = FakeCheckpoints(), FakeRestorer({"1": [7] * 5, "2": [7] * 8})
+    worker.store = StoreConnector(FakeCheckpoints(), FakeRestorer({"1": [7] * 5, "2": [7] * 8}))
     run_until_done(worker, ledger, [1, 2, 3, 4])
 
     poison = ledger.rows[1].outcome
@@ -198,7 +199,7 @@ def test_a_redelivered_request_is_read_back_from_where_its_row_says_and_only_the
     asked = []
     restorer.submit = lambda request, where: (asked.append((request.request_id, where)),
                                               restorer.fetching.append(request))
-    worker.checkpoints, worker.restorer = FakeCheckpoints(), restorer
+    worker.store = StoreConnector(FakeCheckpoints(), restorer)
     run_until_done(worker, ledger, [1, 2])
     assert asked == [("1", ref)]
     assert ledger.rows[1].outcome.completed and ledger.rows[2].outcome.completed

@@ -1,5 +1,5 @@
-"""The engine worker's optional parts when a worker has none (null objects): no checkpoints, no
-restorer, no prefix store, no live callers' inbox, no interactive queue. Each does nothing, so the
+"""The engine worker's optional parts when a worker has none (null objects): no object store (no
+checkpoints, restores or shared prefixes), no live callers' inbox, no interactive queue. Each does nothing, so the
 loop calls its parts the same way whichever it has; ``EngineWorker.__init__`` is the one place that
 decides which it has."""
 
@@ -11,8 +11,16 @@ from worker.engine.engine import Engine
 from worker.engine.request import Request, RequestOutput
 
 
-class NoCheckpoints:
-    store_up = False  # nothing is restored from or looked up in a store
+class NoStore:
+    """No object store: nothing checkpointed, restored or shared; every request starts now."""
+
+    def begin(self, request: Request, checkpoint: str | None) -> bool:
+        return False
+
+    reading = False
+
+    def ready(self) -> list[Request]:
+        return []
 
     def after_step(self) -> None:
         pass
@@ -27,38 +35,6 @@ class NoCheckpoints:
         pass
 
     def close(self, timeout: float) -> None:
-        pass
-
-
-class NoRestorer:
-    pending = 0
-
-    def submit(self, request: Request, ref: str) -> None:
-        raise RuntimeError("no checkpoints to restore from")  # never asked: ``NoCheckpoints.store_up`` is False
-
-    def ready(self) -> list[Request]:
-        return []
-
-    def observe_step(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class NoPrefixes:
-    pending = 0
-
-    def submit(self, request: Request) -> bool:
-        return False  # nothing to look up: add it to the engine now
-
-    def ready(self) -> list[Request]:
-        return []
-
-    def after_step(self) -> None:
-        pass
-
-    def close(self) -> None:
         pass
 
 

@@ -15,13 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from storage import open_store
-from worker.checkpoint.checkpointer import Checkpointer
-from worker.checkpoint.prefix_store import PrefixStore
-from worker.checkpoint.resume import Restorer
+from worker.checkpoint.connector import StoreConnector
 from worker.config import Settings
 from worker.consumer import admission, suspects
-from worker.consumer.absent import NoCheckpoints, NoInbox, NoPrefixes, NoRemote, NoRestorer
+from worker.consumer.absent import NoInbox, NoRemote, NoStore
 from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
 from worker.consumer.database_health import DOWN, DatabaseHealth
@@ -94,15 +91,9 @@ class EngineWorker:
         self.database = DatabaseHealth(self.name, self.metrics)
         self.outcomes = OutcomeBook(ledger, self.database, self.metrics, self.name)
         self.housekeeper = Housekeeper(list(chores))
-        self.checkpoints: Checkpointer | NoCheckpoints = NoCheckpoints()
-        self.restorer: Restorer | NoRestorer = NoRestorer()
-        self.prefixes: PrefixStore | NoPrefixes = NoPrefixes()
+        self.store: StoreConnector | NoStore = NoStore()  # checkpoints, restores and shared prefixes
         if settings.checkpoint_interval:
-            store = open_store(settings.storage_url)
-            self.checkpoints = Checkpointer(self.engine, store, settings, self.metrics, on_durable=self._checkpointed)
-            self.restorer = Restorer(self.engine, store, self.checkpoints, self.metrics)
-            if settings.prefix_store_on():
-                self.prefixes = PrefixStore(self.engine, store, self.checkpoints, self.metrics)
+            self.store = StoreConnector.open(self.engine, settings, self.metrics, self._checkpointed)
         self.kv_capacity = self.engine.kv_usage()["blocks_total"] * self.engine.settings.block_size
         self.inflight: dict[str, Inflight] = {}
         self.incoming: list[Delivery] = []
@@ -144,7 +135,7 @@ class EngineWorker:
                     self._idle(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
                 if not self.database.ready() and not busy:
                     self._idle(IDLE_WAIT)  # no database and nothing to run: the same
-                wait = 0 if busy else RESTORE_WAIT if self._restoring() else IDLE_WAIT
+                wait = 0 if busy else RESTORE_WAIT if self.store.reading else IDLE_WAIT
                 self._receive(wait)
                 self._record([])  # outcomes kept while the database was down, when a try is due
                 self._admit()
@@ -175,7 +166,7 @@ class EngineWorker:
             self.interactive.fail_all("the server's engine worker stopped", close=True)
             self.housekeeper.stop()
             if graceful:  # what is handed back continues from here elsewhere
-                self.checkpoints.save_all(CHECKPOINT_FLUSH)
+                self.store.save_all(CHECKPOINT_FLUSH)
             self._hand_back(count_attempt=not graceful)
             self._close()
             for sig, handler in previous_handlers.items():
@@ -257,23 +248,16 @@ class EngineWorker:
                                                priority=claim.priority, tenant=claim.tenant,
                                                cache_salt=claim.cache_salt), delivery)
                 self.inflight[item.request.request_id] = item
-                store_up = self.checkpoints.store_up
-                if claim.checkpoint and store_up:
-                    self.restorer.submit(item.request, claim.checkpoint)  # begins once it is read (``_add_restored``)
-                elif not (store_up and self.prefixes.submit(item.request)):
+                if not self.store.begin(item.request, claim.checkpoint):  # else it begins once read (_add_restored)
                     starting.append(item)
         self._record(failures)
         self._begin(starting)
 
-    def _restoring(self) -> bool:
-        """Requests are being read from the store: checkpoints to resume, or prompt prefixes."""
-        return self.restorer.pending > 0 or self.prefixes.pending > 0
-
     def _add_restored(self) -> None:
-        if not self._restoring():
+        if not self.store.reading:
             return
         ready = []
-        for request in self.restorer.ready() + self.prefixes.ready():
+        for request in self.store.ready():
             item = self.inflight.get(request.request_id)
             if item is not None and item.request is request:  # not dropped or handed back meanwhile
                 ready.append(item)
@@ -346,9 +330,7 @@ class EngineWorker:
             self.interactive.fail_all("the engine failed a step: try again")
             return
         self.metrics.observe_step(self.engine, time.perf_counter() - t0)
-        self.checkpoints.after_step()
-        self.restorer.observe_step()
-        self.prefixes.after_step()
+        self.store.after_step()
         self.suspects.after_step()
         self.interactive.after_step(outputs)
         done = []
@@ -377,7 +359,7 @@ class EngineWorker:
                     self.broker.ack(delivery)  # its outcome is committed: the message has done its work
             else:
                 self.broker.ack(delivery)
-            self.checkpoints.finished(p.engine_id)
+            self.store.finished(p.engine_id)
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:
@@ -417,7 +399,7 @@ class EngineWorker:
                 self.engine.abort(engine_id)
                 self.broker.ack(item.delivery)
                 del self.inflight[engine_id]
-                self.checkpoints.finished(engine_id)
+                self.store.finished(engine_id)
 
     def _follow_tenants(self) -> None:
         """Consume the queue of every tenant with live jobs for this model; set their weights."""
@@ -458,7 +440,7 @@ class EngineWorker:
             self.engine.abort(engine_id)
             self.broker.requeue(item.delivery)
             del self.inflight[engine_id]
-            self.checkpoints.released(engine_id)
+            self.store.released(engine_id)
         if not only_unstarted:
             for delivery in self.incoming:
                 self.broker.requeue(delivery)
@@ -466,7 +448,5 @@ class EngineWorker:
 
     def _close(self) -> None:
         self.engine.on_start = None
-        self.restorer.close()
-        self.prefixes.close()
-        self.checkpoints.close(CHECKPOINT_FLUSH)
+        self.store.close(CHECKPOINT_FLUSH)
         self.broker.close()
