@@ -16,7 +16,6 @@ from worker.checkpoint.writer import CheckpointWriter, KvRun, Snapshot
 from worker.config import Settings
 from worker.engine.engine import Engine
 from worker.engine.kv_view import RequestState
-from worker.engine.request import Request
 from worker.metrics import WorkerMetrics
 
 
@@ -112,9 +111,9 @@ class Checkpointer:
     def _forget_ended(self) -> None:
         """Drop the bookkeeping of requests no longer in the engine (the writer's threads add to
         ``durable_tokens`` too: only single-key operations on it here)."""
-        live = self.engine.requests
+        holds = self.engine.kv.holds
         for book in (self._progress, self.writer.durable_tokens):
-            for request_id in [r for r in list(book) if r not in live]:
+            for request_id in [r for r in list(book) if not holds(r)]:
                 book.pop(request_id, None)
 
     # ---- snapshots
@@ -122,11 +121,10 @@ class Checkpointer:
         """Requests with progress since their last snapshot that can be resumed (and, on the way, the
         gauge of tokens not yet in a recorded state)."""
         found, behind = [], 0
-        for request_id, request in self.engine.requests.items():
-            tokens = sum(s.num_output_tokens for s in request.sequences)
+        for request_id, tokens, resumable in self.engine.kv.progress():
             last = self._progress.setdefault(request_id, _Progress(0, now))
             behind += tokens - self.writer.durable_tokens.get(request_id, 0)
-            if tokens > last.tokens and _resumable(request):
+            if tokens > last.tokens and resumable:
                 found.append(request_id)
         self.metrics.checkpoint_lag_tokens.set(behind)
         return found
@@ -198,11 +196,3 @@ class Checkpointer:
 def _remaining_steps(state: RequestState) -> int:
     """Steps the request has at most left: its longest sample's tokens to go."""
     return max(state.params.max_tokens - len(s.output_token_ids) for s in state.samples)
-
-
-def _resumable(request: Request) -> bool:
-    """Embeddings requests are never checkpointed: their KV lives only as long as their prefill; nor
-    interactive ones: their caller is gone with the worker, and nobody would resume them."""
-    p = request.params
-    return (p.logprobs is None and p.embedding is None and not request.interactive
-            and not any(s.is_finished for s in request.sequences))

@@ -5,7 +5,7 @@ back by content address, prefix-cache look-ups, and prompt prefixes found shared
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +72,16 @@ class KVView:
     def block_shape(self) -> tuple[int, ...]:
         """A block's shape in ``read_blocks``'s copies: ``[layers, 2, block_size, kv_heads, head_dim]``."""
         return tuple(self.read_blocks([0])[:, :, 0].shape)
+
+    def holds(self, request_id: str) -> bool:
+        """The request is in the engine (running, waiting or preempted)."""
+        return request_id in self.requests
+
+    def progress(self) -> Iterator[tuple[str, int, bool]]:
+        """Each request in the engine: its id, its output tokens so far (all samples), and whether a
+        checkpoint could resume it (``resumable``)."""
+        for request_id, request in self.requests.items():
+            yield request_id, sum(s.num_output_tokens for s in request.sequences), resumable(request)
 
     def request_state(self, request_id: str) -> RequestState | None:
         """What a checkpoint of a request holds: its tokens so far and its computed full blocks."""
@@ -153,3 +163,11 @@ def fingerprint(model_path: str, settings: Settings) -> str:
     if settings.weight_dtype != "auto":  # int8 weights compute other keys and values than exact ones
         h.update(f":weights={settings.weight_dtype}".encode())
     return h.hexdigest()[:32]
+
+
+def resumable(request: Request) -> bool:
+    """Embeddings requests are never checkpointed: their KV lives only as long as their prefill; nor
+    interactive ones: their caller is gone with the worker, and nobody would resume them."""
+    p = request.params
+    return (p.logprobs is None and p.embedding is None and not request.interactive
+            and not any(s.is_finished for s in request.sequences))
