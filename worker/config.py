@@ -191,6 +191,12 @@ class Settings(BaseModel):
                                   text=True)
     max_jobs_in_flight: int = setting(
         100, "A tenant's jobs validating or in progress at once; the next submit is refused.")
+    tenant_max_enqueued_tokens: int = setting(
+        200_000_000, "A tenant's enqueued tokens per model at most: the prompt tokens and max_tokens (times n) of its "
+        "lines not yet done, as OpenAI's Batch API limits an organization's. A batch or queue submit that would pass "
+        "it fails with token_limit_exceeded; the room comes back as lines finish. The default is about a day of one "
+        "GPU's work on an 8B model, more than a 24h window lets a tenant finish; `berth tenant NAME "
+        "--enqueued-token-limit N` sets a tenant's own (0: no limit).")
 
     # --- berth serve: what one request may send and one tenant may keep
     http_max_body_bytes: int = setting(
@@ -322,7 +328,7 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("tenant_max_storage_bytes", "tenant_max_files")
+    @field_validator("tenant_max_storage_bytes", "tenant_max_files", "tenant_max_enqueued_tokens")
     @classmethod
     def _quota(cls, v):
         if v < 0:

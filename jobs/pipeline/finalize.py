@@ -60,20 +60,20 @@ def finalize(db: Database, files: JobFiles, job_id: str) -> JobStatus | None:
             target = JobStatus.EXPIRED if job.expired_at is not None else JobStatus.COMPLETED
         if target in _CLOSE_CODES:
             code = _CLOSE_CODES[target][0]
-            closed = _fail_unfinished(s, job_id, *_CLOSE_CODES[target])  # first a write: SQLite's lock is held
-            unread = _close_unread(s, files, job, code, _UNREAD[target]) if job.in_progress_at is None else 0
+            closed = fail_unfinished(s, job_id, *_CLOSE_CODES[target])  # first a write: SQLite's lock is held
+            unread = close_unread(s, files, job, code, _UNREAD[target]) if job.in_progress_at is None else 0
             s.execute(update(Job).where(Job.id == job_id)
                       .values(total=Job.total + unread, failed=Job.failed + closed + unread))
     output_key, errors_key = write_outputs(db, files, job_id)
     with db.session() as s, s.begin():
         stamp = getattr(Job, f"{target.value}_at")
         s.execute(update(Job).where(Job.id == job_id, Job.status == leaving).values(
-            {Job.status: target, Job.output_key: output_key, Job.errors_key: errors_key,
+            {Job.status: target, Job.output_key: output_key, Job.errors_key: errors_key, Job.enqueued_tokens: 0,
              stamp: stamp if target is JobStatus.EXPIRED else now()}))
     return target
 
 
-def _fail_unfinished(session, job_id: str, code: str, message: str) -> int:
+def fail_unfinished(session, job_id: str, code: str, message: str) -> int:
     """Give every request of the job still without an outcome a failed one; how many there were."""
     unfinished = (select(RequestRow.id, RequestRow.job_id, literal(ResultStatus.FAILED.value),
                          literal({"code": code, "message": message}, JSON), literal(0), literal(0), literal(now()))
@@ -83,7 +83,7 @@ def _fail_unfinished(session, job_id: str, code: str, message: str) -> int:
     return len(session.scalars(insert(Result).from_select(columns, unfinished).returning(Result.request_id)).all())
 
 
-def _close_unread(session, files: JobFiles, job: Job, code: str, message: str) -> int:
+def close_unread(session, files: JobFiles, job: Job, code: str, message: str) -> int:
     """The lines of a job stopped during its ingest that were never stored become line errors with
     ``code``; how many. The ingest stores lines in order and stores nothing once the job left
     ``validating``, so they are the lines after the last one stored."""

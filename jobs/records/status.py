@@ -35,6 +35,7 @@ COLUMNS = {
     "endpoint": "endpoint", "input_file_id": "input_file_id", "output_file_id": "output_file_id",
     "error_file_id": "error_file_id", "message_id": "submit_message_id",
     "output_expires_after": "output_expires_after", "cached_tokens": "cached_tokens",
+    "error_code": "error_code", "enqueued_tokens": "enqueued_tokens",
 }
 _ORM_ATTRIBUTE = {"metadata": "metadata_"}  # where the model's attribute is not named as its column
 _SELECT = ("SELECT " + ", ".join(f"jobs.{c}" for c in COLUMNS.values()) + ", tenants.name AS tenant_name "
@@ -76,6 +77,8 @@ class JobView:
     message_id: str | None = None  # the AMQP message_id of a job submitted through the queue
     output_expires_after: int | None = None  # seconds its output and errors files are kept once written
     cached_tokens: int = 0  # of prompt_tokens, taken from a prefix cache (OpenAI's usage.input_tokens_details)
+    error_code: str | None = None  # OpenAI's code for ``error`` (token_limit_exceeded); None: the file was bad
+    enqueued_tokens: int = 0  # what its lines not yet done hold of its tenant's token budget (jobs.records.budgets)
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -137,7 +140,9 @@ class JobView:
             "tenant": self.tenant, "priority": self.priority, "completion_window": self.completion_window,
             "metadata": self.metadata, "input_file": self.input_name,
             "output_file": self.output_key, "error_file": self.errors_key,
-            "errors": None if self.error is None else {"data": [{"code": "job_failed", "message": self.error}]},
+            "errors": None if self.error is None else {"data": [{"code": self.error_code or "job_failed",
+                                                                  "message": self.error}]},
+            "enqueued_tokens": self.enqueued_tokens,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
             "progress": round(self.progress, 6), "message_id": self.message_id,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
