@@ -17,17 +17,15 @@ are queued.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.records.db import Database
-from jobs.records.models import Job, JobStatus, Tenant
-from jobs.records.tenants import TenantNotFound, check_tenant_name, tenant_id
+from jobs.records.models import Job, Tenant
+from jobs.records.status import HOLDING, Budget, budgets  # noqa: F401 (the read side, in SQLAlchemy's core)
+from jobs.records.tenants import check_tenant_name, tenant_id
 
 TOKEN_LIMIT_CODE = "token_limit_exceeded"  # OpenAI's code, in the Batch object's errors
-HOLDING = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS, JobStatus.FINALIZING, JobStatus.CANCELLING)
 
 
 class TokenLimitExceeded(Exception):
@@ -79,37 +77,3 @@ def set_token_limit(db: Database, name: str, limit: int | None) -> None:
     check_tenant_name(name)
     with db.session() as s, s.begin():  # a tenant's limit may be set before its first job
         s.execute(update(Tenant).where(Tenant.id == tenant_id(s, name)).values(enqueued_token_limit=limit))
-
-
-@dataclass(frozen=True)
-class Budget:
-    tenant: str
-    limit: int  # 0: none
-    own_limit: bool  # set for the tenant, not the setting's default
-    enqueued: dict[str, int]  # model -> its enqueued tokens, for the models it has jobs of not yet over
-
-    def describe(self, model: str | None = None) -> str:
-        limit = f"{self.limit:,}" if self.limit else "no limit"
-        source = "" if self.own_limit else " (BERTH_TENANT_MAX_ENQUEUED_TOKENS)"
-        models = [model] if model is not None else sorted(self.enqueued)
-        held = ", ".join(f"{self.enqueued.get(m, 0):,} of {m}" for m in models) or "none"
-        return f"enqueued tokens {held}; limit {limit} per model{source}"
-
-
-def budgets(db: Database, default_limit: int, tenant: str | None = None) -> list[Budget]:
-    """Each tenant's limit and enqueued tokens per model (only ``tenant``'s if given)."""
-    with db.session() as s:
-        query = select(Tenant.id, Tenant.name, Tenant.enqueued_token_limit).order_by(Tenant.name)
-        if tenant is not None:
-            query = query.where(Tenant.name == tenant)
-        tenants = s.execute(query).all()
-        if tenant is not None and not tenants:
-            raise TenantNotFound(tenant)
-        held: dict[int, dict[str, int]] = {}
-        for tenant_id, model, tokens in s.execute(
-                select(Job.tenant_id, Job.model, func.sum(Job.enqueued_tokens))
-                .where(Job.status.in_(HOLDING), Job.tenant_id.in_([t.id for t in tenants]))
-                .group_by(Job.tenant_id, Job.model)):
-            held.setdefault(tenant_id, {})[model] = int(tokens or 0)
-    return [Budget(t.name, default_limit if t.enqueued_token_limit is None else int(t.enqueued_token_limit),
-                   t.enqueued_token_limit is not None, held.get(t.id, {})) for t in tenants]

@@ -91,3 +91,41 @@ def test_the_default_limit_holds(tmp_path, tiny_llama_dir):
         s.execute(update(Job).where(Job.id == first).values(enqueued_tokens=default - 5))
     refused = get_job(db, _submit(settings, path))
     assert refused.status is JobStatus.FAILED and refused.error_code == TOKEN_LIMIT_CODE
+
+
+def test_the_cli_sets_the_limit_refuses_past_it_and_shows_it(tmp_path, tiny_llama_dir, monkeypatch):
+    """`berth tenant NAME --enqueued-token-limit N` sets it and shows it; `berth submit` of a batch past it
+    makes a job that fails with token_limit_exceeded; `berth status` says why and shows the budget."""
+    from click.testing import CliRunner
+
+    from jobs.cli import main
+    from tests.support.jobs_env import tiny_env
+
+    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
+                             storage_url=f"file://{tmp_path / 'store'}")
+    for name, value in tiny_env(settings).items():
+        if value != "None":
+            monkeypatch.setenv(name, value)
+    runner = CliRunner()
+    path = write_requests(tmp_path / "requests.jsonl", 3, max_tokens=8)
+
+    shown = runner.invoke(main, ["tenant", "carol", "--enqueued-token-limit", "20"])
+    assert shown.exit_code == 0, shown.output
+    assert "tenant carol: enqueued tokens none; limit 20 per model" in shown.output
+
+    submitted = runner.invoke(main, ["submit", str(path), "--tenant", "carol"])
+    assert submitted.exit_code == 0, submitted.output
+    job_id = submitted.output.strip().splitlines()[-1]
+    status = runner.invoke(main, ["status", job_id])
+    assert status.exit_code == 0, status.output
+    assert "failed" in status.output and "Enqueued token limit reached for tiny-llama" in status.output
+    assert "budget    tenant carol: enqueued tokens 0 of tiny-llama; limit 20 per model" in status.output
+    as_json = runner.invoke(main, ["status", job_id, "--json"])
+    assert '"code": "token_limit_exceeded"' in as_json.output
+
+    again = runner.invoke(main, ["tenant", "carol", "--enqueued-token-limit", "default"])
+    assert f"limit {settings.tenant_max_enqueued_tokens:,} per model (BERTH_TENANT_MAX_ENQUEUED_TOKENS)" in again.output
+    accepted = runner.invoke(main, ["submit", str(path), "--tenant", "carol"])
+    job_id = accepted.output.strip().splitlines()[-1]
+    status = runner.invoke(main, ["status", job_id])
+    assert "in_progress" in status.output and "limit 200,000,000 per model" in status.output
