@@ -159,7 +159,7 @@ def job_spec(flags: dict):
 # already imported, never imported to be named: an error of a module nobody imported cannot have been
 # raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
 USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"),
-               ("jobs.records.job_errors", "JobStateError"),
+               ("jobs.records.job_errors", "JobStateError"), ("jobs.records.storage_quota", "QuotaExceeded"),
                ("jobs.records.job_errors", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
                ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
 

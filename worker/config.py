@@ -209,6 +209,10 @@ class Settings(BaseModel):
     tenant_max_files: int = setting(
         10_000, "How many files a tenant may keep; 0: no limit. An upload past this or tenant_max_storage_bytes "
         "is a 413 until files are deleted.")
+    job_input_retention_seconds: int = setting(
+        30 * 86400, "How long a job's copy of its input file is kept after the job ends (30 days, OpenAI's longest "
+        "expires_after), or less when its output_expires_after is shorter: it counts in its tenant's storage quota "
+        "until then, and a retry of the job needs it.")
     # --- berth serve: browsers (the dashboard)
     http_secure_cookies: bool = setting(
         False, "Send the sign-in cookie over HTTPS only: set it when berth serve is behind TLS.")
@@ -395,7 +399,8 @@ class Settings(BaseModel):
     @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
                      "max_file_lines", "max_file_bytes", "max_jobs_in_flight", "max_submit_bytes",
                      "webhook_max_attempts", "structured_max_schema_bytes", "structured_max_regex_bytes",
-                     "structured_max_grammar_bytes", "structured_max_choices", "structured_compile_seconds")
+                     "structured_max_grammar_bytes", "structured_max_choices", "structured_compile_seconds",
+                     "job_input_retention_seconds")
     @classmethod
     def _positive(cls, v):
         if v < 1:

@@ -274,12 +274,12 @@ def _refuse(db: Database, files: JobFiles, job_id: str, error: str, code: str) -
         unread = close_unread(s, files, job, code, error)
         s.execute(update(Job).where(Job.id == job_id).values(
             total=Job.total + unread, failed=Job.failed + closed + unread, enqueued_tokens=0))
-    output_key, errors_key = write_outputs(db, files, job_id)
+    outputs = write_outputs(db, files, job_id)
     with db.session() as s, s.begin():
         if hold_validating(s, job_id):
-            s.execute(update(Job).where(Job.id == job_id).values(
-                status=JobStatus.FAILED, failed_at=now(), error=error, error_code=code, output_key=output_key,
-                errors_key=errors_key, enqueued_tokens=0))
+            s.execute(update(Job).where(Job.id == job_id).values({
+                Job.status: JobStatus.FAILED, Job.failed_at: now(), Job.error: error, Job.error_code: code,
+                **outputs.columns(), Job.enqueued_tokens: 0}))
     return []
 
 
@@ -298,7 +298,8 @@ def _close_validation(db: Database, files: JobFiles, job_id: str, error: str | N
             s.execute(update(Job).where(Job.id == job_id)
                       .values(status=JobStatus.IN_PROGRESS, in_progress_at=now()))
             return mark_finalizing(s, [job_id])
-        _, errors_key = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
+        outputs = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
         s.execute(update(Job).where(Job.id == job_id).values(
-            status=JobStatus.FAILED, failed_at=now(), error=error, errors_key=errors_key, enqueued_tokens=0))
+            status=JobStatus.FAILED, failed_at=now(), error=error, errors_key=outputs.errors_key,
+            errors_bytes=outputs.errors_bytes, enqueued_tokens=0))
     return []

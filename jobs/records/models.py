@@ -110,6 +110,11 @@ class Job(Base):
     # enqueued-token limit for its model (``jobs.records.budgets``); 0 once the job is over
     enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     error_code: Mapped[str | None] = mapped_column(String(64))  # OpenAI's code for ``error`` (None: invalid_file)
+    # What its copy of its input, its output and its errors file hold in the store (its tenant's storage
+    # quota, ``jobs.records.storage_quota``); 0 once deleted
+    input_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    output_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    errors_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class RequestRow(Base):

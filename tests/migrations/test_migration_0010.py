@@ -1,7 +1,8 @@
 """Migration 0010 (token budgets: tenants' enqueued-token limits, the tokens a job and a line hold, a
-job's error code) on a database made at 0009 holding a job mid-run: every row and value is kept, the
-tenant takes the default limit, the job and its lines from before hold no tokens (an old job is not
-counted against its tenant), and a later outcome of an old line leaves its job at none."""
+job's error code; the bytes a job stores) on a database made at 0009 holding a job mid-run: every row
+and value is kept, the tenant takes the default limit, the job and its lines from before hold no
+tokens and count no bytes (an old job is not counted against its tenant), and a later outcome of an
+old line leaves its job at none."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_0010_keeps_every_row_and_an_old_job_holds_no_tokens(backend, tmp_path, 
     after = upgraded(url, "0009", ROWS)
     assert [r["enqueued_token_limit"] for r in after["tenants"]] == [None]
     assert [(r["enqueued_tokens"], r["error_code"]) for r in after["jobs"]] == [(0, None)]
+    assert [(r["input_bytes"], r["output_bytes"], r["errors_bytes"]) for r in after["jobs"]] == [(0, 0, 0)]
     assert [r["tokens"] for r in after["requests"]] == [0, 0]
     try:
         db = open_database(url)

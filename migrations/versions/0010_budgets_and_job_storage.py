@@ -2,9 +2,12 @@
 setting's default, 0: no limit), jobs.enqueued_tokens (the prompt tokens and max_tokens of a job's lines
 not yet done, given back as each ends and wholly when the job ends), requests.tokens (what one line
 holds of it), and jobs.error_code (OpenAI's code for why a whole job failed: token_limit_exceeded).
+Storage counted whole: jobs.input_bytes, output_bytes and errors_bytes, what a job's copy of its input
+and its output and errors files hold in the store (counted in its tenant's storage quota, 0 once
+deleted).
 
-Jobs and requests from before hold no enqueued tokens: a job already running when berth is upgraded is
-not counted against its tenant's limit.
+Jobs and requests from before hold no enqueued tokens and count no bytes: a job already running when
+berth is upgraded is not counted against its tenant's limits, and its input is not expired.
 
 Revision ID: 0010
 Revises: 0009
@@ -27,10 +30,14 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("enqueued_tokens", sa.BigInteger(), nullable=False, server_default="0"))
     op.add_column("jobs", sa.Column("error_code", sa.String(64), nullable=True))
     op.add_column("requests", sa.Column("tokens", sa.BigInteger(), nullable=False, server_default="0"))
+    for column in ("input_bytes", "output_bytes", "errors_bytes"):
+        op.add_column("jobs", sa.Column(column, sa.BigInteger(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    op.drop_column("jobs", "error_code")  # plain DROP COLUMNs (SQLite 3.35+): the triggers stay
+    for column in ("errors_bytes", "output_bytes", "input_bytes"):
+        op.drop_column("jobs", column)  # plain DROP COLUMNs (SQLite 3.35+): the triggers stay
+    op.drop_column("jobs", "error_code")
     op.drop_column("jobs", "enqueued_tokens")
     with op.batch_alter_table("requests") as t:
         t.drop_column("tokens")
