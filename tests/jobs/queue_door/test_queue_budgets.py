@@ -5,6 +5,8 @@ lines finish."""
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import select
 
 from jobs import api
@@ -12,7 +14,7 @@ from jobs.records.budgets import TOKEN_LIMIT_CODE, set_token_limit
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow, ResultStatus
 from jobs.records.results import ResultRecord, record_outcomes
-from tests.support.jobs_env import write_requests
+from tests.support.jobs_env import request_line, write_requests
 from tests.support.rabbitmq import EventTap, door_settings, job_of, publish, start_door, submit_body
 
 
@@ -49,3 +51,22 @@ def test_a_submit_past_the_enqueued_token_limit_fails_with_token_limit_exceeded_
         tap.wait_for(lambda key, b: key == "alice.job.in_progress" and b["job_id"] == third)
     finally:
         door.stop()
+
+
+def test_inline_inputs_count_in_the_storage_quota(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
+    """A queue submit's inline requests are stored as its job's input, and count in the tenant's storage
+    quota like an upload (issue 34, finding 3): before, a tenant with no file at all could fill the store."""
+    lines = [request_line(i) for i in range(20)]
+    size = sum(len(json.dumps(r, ensure_ascii=False).encode()) + 1 for r in lines)
+    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix, tenant_max_storage_bytes=int(1.5 * size))
+    api.allow_broker_user("guest", "alice", settings)
+    door = start_door(settings)
+    try:
+        publish(queue_prefix, submit_body(requests=lines), "m-fits")
+        fits = api.status(job_of(settings, "m-fits"), settings)
+        publish(queue_prefix, submit_body(requests=lines), "m-over")
+        over = api.status(job_of(settings, "m-over"), settings)
+    finally:
+        door.stop()
+    assert fits.status is not JobStatus.FAILED, fits.error
+    assert over.status is JobStatus.FAILED and "does not fit your storage quota" in over.error
