@@ -129,3 +129,24 @@ def test_the_cli_sets_the_limit_refuses_past_it_and_shows_it(tmp_path, tiny_llam
     job_id = accepted.output.strip().splitlines()[-1]
     status = runner.invoke(main, ["status", job_id])
     assert "in_progress" in status.output and "limit 200,000,000 per model" in status.output
+
+
+def test_the_engine_workers_metrics_show_each_tenants_enqueued_tokens_and_limit(tmp_path, tiny_llama_dir):
+    from prometheus_client import generate_latest
+
+    from jobs.hosting.database_ledger import JobsLedger
+    from worker.metrics import WorkerMetrics
+
+    settings = tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
+                             storage_url=f"file://{tmp_path / 'store'}")
+    job_id = _submit(settings, write_requests(tmp_path / "requests.jsonl", 2))
+    db = open_database(settings.database_url)
+    set_token_limit(db, "bob", 0)  # a tenant without live jobs is not shown
+    held = get_job(db, job_id).enqueued_tokens
+    ledger = JobsLedger(settings, None, TINY_NAME, eager_tasks=True)
+    assert ledger.token_budgets(TINY_NAME) == {"alice": (held, settings.tenant_max_enqueued_tokens)}
+    metrics = WorkerMetrics()
+    metrics.set_budgets(ledger.token_budgets(TINY_NAME))
+    page = generate_latest(metrics.registry).decode()
+    assert f'berth_tenant_enqueued_tokens{{tenant="alice"}} {float(held)}' in page
+    assert 'berth_tenant_enqueued_token_limit{tenant="alice"} 2e+08' in page  # 200,000,000 by default
