@@ -21,7 +21,7 @@ from jobs.records.db import open_database, upgrade
 from jobs.records.job_errors import JobStateError
 from jobs.records.job_files import JobFiles
 from jobs.records.job_status import JobStatus
-from jobs.records.status import JobView, get_job
+from jobs.records.status import Budget, JobView, budgets, get_job
 from jobs.records.status import list_jobs as query_jobs
 from worker.config import Settings
 
@@ -153,6 +153,20 @@ def set_tenant_cache_group(name: str, group: str | None, settings: Settings | No
     from jobs.records.tenants import set_cache_group
 
     set_cache_group(open_database((settings or Settings()).database_url), name, group)
+
+
+def set_tenant_token_limit(name: str, limit: int | None, settings: Settings | None = None) -> None:
+    """A tenant's enqueued tokens per model at most (0: no limit; None: BERTH_TENANT_MAX_ENQUEUED_TOKENS)."""
+    from jobs.records.budgets import set_token_limit
+
+    set_token_limit(open_database((settings or Settings()).database_url), name, limit)
+
+
+def tenant_budget(name: str, settings: Settings | None = None) -> Budget:
+    """The tenant's enqueued-token limit and its enqueued tokens per model (read with SQLAlchemy's core)."""
+    settings = settings or Settings()
+    [budget] = budgets(open_database(settings.database_url), settings.tenant_max_enqueued_tokens, name)
+    return budget
 
 
 def allow_broker_user(user: str, tenant: str, settings: Settings | None = None) -> None:

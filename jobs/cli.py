@@ -159,8 +159,8 @@ def job_spec(flags: dict):
 # already imported, never imported to be named: an error of a module nobody imported cannot have been
 # raised, and importing them all would cost `berth status` the engine (torch) and the line checks.
 USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"),
-               ("jobs.records.job_errors", "JobStateError"),
-               ("jobs.records.tenants", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
+               ("jobs.records.job_errors", "JobStateError"), ("jobs.records.storage_quota", "QuotaExceeded"),
+               ("jobs.records.job_errors", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
                ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
 
 
@@ -222,7 +222,11 @@ def status(job_id, watch, as_json, **flags):
     with user_errors():
         if watch:
             watch_job(lambda: api.status(job_id, settings))
-        _print_job(api.status(job_id, settings), as_json)
+        view = api.status(job_id, settings)
+        _print_job(view, as_json)
+        if not as_json:
+            budget = api.tenant_budget(view.tenant, settings)
+            click.echo(f"budget    tenant {view.tenant}: {budget.describe(view.model)}")
 
 
 @main.command(name="list")
@@ -277,22 +281,35 @@ def cancel(job_id, **flags):
 @click.option("--weight", type=float,
               help="its share of the engines against other tenants' (default 1; 2 = twice the seats)")
 @click.option("--cache-group", help="share cached prompt prefixes with the tenants of this group ('': its own again)")
+@click.option("--enqueued-token-limit", "token_limit", metavar="TOKENS|default",
+              help="its enqueued tokens per model at most: prompt tokens and max_tokens of its lines not yet done "
+                   "(0: no limit; default: BERTH_TENANT_MAX_ENQUEUED_TOKENS)")
 @service_options
-def tenant(name, weight, cache_group, **flags):
-    """Set a tenant's share of the engines (running workers apply it within a second), or the group of
-    tenants it shares cached prompt prefixes with (requests admitted from then on)."""
+def tenant(name, weight, cache_group, token_limit, **flags):
+    """Set a tenant's share of the engines (running workers apply it within a second), the group of
+    tenants it shares cached prompt prefixes with (requests admitted from then on), or its enqueued-token
+    limit (batches checked from then on); then show its enqueued tokens and limit."""
     from jobs import api
 
-    if weight is None and cache_group is None:
-        raise click.UsageError("give --weight, --cache-group or both")
+    limit = None
+    if token_limit is not None and token_limit != "default":
+        try:
+            limit = int(token_limit.replace(",", "").replace("_", ""))
+        except ValueError:
+            raise click.BadParameter(f"{token_limit!r}: give a number of tokens, 0 (no limit) or 'default'",
+                                     param_hint="--enqueued-token-limit") from None
+    settings = settings_from(flags)
     with user_errors():
         if weight is not None:
-            api.set_tenant_weight(name, weight, settings_from(flags))
+            api.set_tenant_weight(name, weight, settings)
             click.echo(f"tenant {name}: weight {weight:g}")
         if cache_group is not None:
-            api.set_tenant_cache_group(name, cache_group or None, settings_from(flags))
+            api.set_tenant_cache_group(name, cache_group or None, settings)
             click.echo(f"tenant {name}: " + (f"shares cached prefixes with group {cache_group}" if cache_group
                                              else "its cached prefixes are its own"))
+        if token_limit is not None:
+            api.set_tenant_token_limit(name, limit, settings)
+        click.echo(f"tenant {name}: {api.tenant_budget(name, settings).describe()}")
 
 
 @main.command()

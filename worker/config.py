@@ -191,6 +191,12 @@ class Settings(BaseModel):
                                   text=True)
     max_jobs_in_flight: int = setting(
         100, "A tenant's jobs validating or in progress at once; the next submit is refused.")
+    tenant_max_enqueued_tokens: int = setting(
+        200_000_000, "A tenant's enqueued tokens per model at most: the prompt tokens and max_tokens (times n) of its "
+        "lines not yet done, as OpenAI's Batch API limits an organization's. A batch or queue submit that would pass "
+        "it fails with token_limit_exceeded; the room comes back as lines finish. The default is about a day of one "
+        "GPU's work on an 8B model, more than a 24h window lets a tenant finish; `berth tenant NAME "
+        "--enqueued-token-limit N` sets a tenant's own (0: no limit).")
 
     # --- berth serve: what one request may send and one tenant may keep
     http_max_body_bytes: int = setting(
@@ -203,6 +209,10 @@ class Settings(BaseModel):
     tenant_max_files: int = setting(
         10_000, "How many files a tenant may keep; 0: no limit. An upload past this or tenant_max_storage_bytes "
         "is a 413 until files are deleted.")
+    job_input_retention_seconds: int = setting(
+        30 * 86400, "How long a job's copy of its input file is kept after the job ends (30 days, OpenAI's longest "
+        "expires_after), or less when its output_expires_after is shorter: it counts in its tenant's storage quota "
+        "until then, and a retry of the job needs it.")
     # --- berth serve: browsers (the dashboard)
     http_secure_cookies: bool = setting(
         False, "Send the sign-in cookie over HTTPS only: set it when berth serve is behind TLS.")
@@ -322,7 +332,7 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("tenant_max_storage_bytes", "tenant_max_files")
+    @field_validator("tenant_max_storage_bytes", "tenant_max_files", "tenant_max_enqueued_tokens")
     @classmethod
     def _quota(cls, v):
         if v < 0:
@@ -389,7 +399,8 @@ class Settings(BaseModel):
     @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
                      "max_file_lines", "max_file_bytes", "max_jobs_in_flight", "max_submit_bytes",
                      "webhook_max_attempts", "structured_max_schema_bytes", "structured_max_regex_bytes",
-                     "structured_max_grammar_bytes", "structured_max_choices", "structured_compile_seconds")
+                     "structured_max_grammar_bytes", "structured_max_choices", "structured_compile_seconds",
+                     "job_input_retention_seconds")
     @classmethod
     def _positive(cls, v):
         if v < 1:

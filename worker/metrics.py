@@ -162,6 +162,12 @@ class WorkerMetrics:
         self.computed_tokens = Counter("berth_computed_tokens", "Tokens run through the model, by class "
                                        "(interactive, batch) and kind (prompt; output: a decode's input or a "
                                        "recomputed output token)", ["class", "kind"], registry=r)
+        self.enqueued_tokens = Gauge("berth_tenant_enqueued_tokens", "A tenant's enqueued tokens of this worker's "
+                                     "model: the prompt tokens and max_tokens of its lines not yet done (its token "
+                                     "budget), for the tenants with live jobs of it", ["tenant"], registry=r)
+        self.enqueued_token_limit = Gauge("berth_tenant_enqueued_token_limit", "A tenant's enqueued tokens per model "
+                                          "at most (0: no limit); a batch past it fails with token_limit_exceeded",
+                                          ["tenant"], registry=r)
         self._last = (0, 0, 0)  # engine totals last seen: output tokens, prompt tokens, preemptions
         self._last_computed: dict[tuple[str, str], int] = {}
         self._last_by_tenant: dict[str, int] = {}
@@ -218,6 +224,14 @@ class WorkerMetrics:
         self.worker_deaths.clear()
         for host, n in by_host.items():
             self.worker_deaths.labels(host).set(n)
+
+    def set_budgets(self, budgets: dict[str, tuple[int, int]]) -> None:
+        """Tenant -> (enqueued tokens, limit), as just read (tenants without live jobs drop out)."""
+        self.enqueued_tokens.clear()
+        self.enqueued_token_limit.clear()
+        for tenant, (enqueued, limit) in budgets.items():
+            self.enqueued_tokens.labels(tenant).set(enqueued)
+            self.enqueued_token_limit.labels(tenant).set(limit)
 
     def observe_kv(self, engine) -> None:
         """Every second or so: ``kv_usage`` walks the block tables, too slow for every step. The occupancy

@@ -28,6 +28,7 @@ from jobs.records.db import open_database
 from jobs.records.lifecycle import LIVE
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.records.results import ResultRecord, record_outcomes
+from jobs.records.status import budgets
 from jobs.records.tenants import live_tenants
 from worker.config import Settings
 from worker.consumer.ledger import Claim, Death, Heartbeat, LedgerDown, Outcome
@@ -77,6 +78,7 @@ class JobsLedger:
     def __init__(self, settings: Settings, tokenizer, model_name: str, eager_tasks: bool | None = None):
         """``eager_tasks``: run the finalize tasks in this process (default: when the broker is embedded)."""
         self.db = open_database(settings.database_url)
+        self.token_limit = settings.tenant_max_enqueued_tokens
         self.tasks = make_app(settings, eager_tasks)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -197,6 +199,11 @@ class JobsLedger:
     @_translated
     def live_tenants(self, model: str) -> dict[str, float]:
         return live_tenants(self.db, model)
+
+    @_translated
+    def token_budgets(self, model: str) -> dict[str, tuple[int, int]]:
+        return {b.tenant: (b.enqueued[model], b.limit) for b in budgets(self.db, self.token_limit)
+                if model in b.enqueued}
 
     @_translated
     def heartbeat(self, beat: Heartbeat) -> None:

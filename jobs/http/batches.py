@@ -36,8 +36,8 @@ def batch_object(view: JobView) -> dict:
     """The job as OpenAI's Batch object (its file ids made by ``jobs.http.files.attach_job_files``)."""
     errors = None
     if view.error is not None:
-        errors = {"object": "list", "data": [{"code": "invalid_file", "message": view.error, "param": None,
-                                              "line": None}]}
+        errors = {"object": "list", "data": [{"code": view.error_code or "invalid_file", "message": view.error,
+                                              "param": None, "line": None}]}
     stamps = {f"{name}_at": _stamp(getattr(view, f"{name}_at")) for name in (
         "created", "in_progress", "expires", "finalizing", "completed", "failed", "expired", "cancelling",
         "cancelled")}

@@ -78,7 +78,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
 
     @app.task(name=EXPIRE_FILES, shared=False)
     def expire_stored_files() -> None:
-        expire_files(db(), open_store(settings.storage_url))
+        expire_files(db(), open_store(settings.storage_url), input_retention=settings.job_input_retention_seconds)
 
     @app.task(name=CHECKPOINT_GC, shared=False)
     def collect_checkpoint_garbage() -> None:

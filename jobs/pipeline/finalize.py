@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from sqlalchemy import insert, literal, select, update
 from sqlalchemy.types import JSON
@@ -60,20 +61,20 @@ def finalize(db: Database, files: JobFiles, job_id: str) -> JobStatus | None:
             target = JobStatus.EXPIRED if job.expired_at is not None else JobStatus.COMPLETED
         if target in _CLOSE_CODES:
             code = _CLOSE_CODES[target][0]
-            closed = _fail_unfinished(s, job_id, *_CLOSE_CODES[target])  # first a write: SQLite's lock is held
-            unread = _close_unread(s, files, job, code, _UNREAD[target]) if job.in_progress_at is None else 0
+            closed = fail_unfinished(s, job_id, *_CLOSE_CODES[target])  # first a write: SQLite's lock is held
+            unread = close_unread(s, files, job, code, _UNREAD[target]) if job.in_progress_at is None else 0
             s.execute(update(Job).where(Job.id == job_id)
                       .values(total=Job.total + unread, failed=Job.failed + closed + unread))
-    output_key, errors_key = write_outputs(db, files, job_id)
+    outputs = write_outputs(db, files, job_id)
     with db.session() as s, s.begin():
         stamp = getattr(Job, f"{target.value}_at")
         s.execute(update(Job).where(Job.id == job_id, Job.status == leaving).values(
-            {Job.status: target, Job.output_key: output_key, Job.errors_key: errors_key,
+            {Job.status: target, **outputs.columns(), Job.enqueued_tokens: 0,
              stamp: stamp if target is JobStatus.EXPIRED else now()}))
     return target
 
 
-def _fail_unfinished(session, job_id: str, code: str, message: str) -> int:
+def fail_unfinished(session, job_id: str, code: str, message: str) -> int:
     """Give every request of the job still without an outcome a failed one; how many there were."""
     unfinished = (select(RequestRow.id, RequestRow.job_id, literal(ResultStatus.FAILED.value),
                          literal({"code": code, "message": message}, JSON), literal(0), literal(0), literal(now()))
@@ -83,7 +84,7 @@ def _fail_unfinished(session, job_id: str, code: str, message: str) -> int:
     return len(session.scalars(insert(Result).from_select(columns, unfinished).returning(Result.request_id)).all())
 
 
-def _close_unread(session, files: JobFiles, job: Job, code: str, message: str) -> int:
+def close_unread(session, files: JobFiles, job: Job, code: str, message: str) -> int:
     """The lines of a job stopped during its ingest that were never stored become line errors with
     ``code``; how many. The ingest stores lines in order and stores nothing once the job left
     ``validating``, so they are the lines after the last one stored."""
@@ -105,22 +106,37 @@ def _close_unread(session, files: JobFiles, job: Job, code: str, message: str) -
     return n
 
 
-def write_outputs(db: Database, files: JobFiles, job_id: str) -> tuple[str | None, str | None]:
-    """Write the job's output and errors files; their keys (None for a file with no line)."""
-    output = _write(files, keys.output_key(job_id), _output_lines(db, job_id))
-    errors = _write(files, keys.errors_key(job_id),
-                    (line for _, line in heapq.merge(_line_errors(db, job_id), _failed_lines(db, job_id),
-                                                     key=lambda item: item[0])))
-    return output, errors
+class Outputs(NamedTuple):
+    """A job's output and errors files as written: their keys (None for a file with no line) and sizes."""
+
+    output_key: str | None
+    errors_key: str | None
+    output_bytes: int
+    errors_bytes: int
+
+    def columns(self) -> dict:
+        """The job's columns that say where they are and what they hold (its tenant's storage quota)."""
+        return {Job.output_key: self.output_key, Job.errors_key: self.errors_key,
+                Job.output_bytes: self.output_bytes, Job.errors_bytes: self.errors_bytes}
 
 
-def _write(files: JobFiles, key: str, lines: Iterator[dict]) -> str | None:
-    n = 0
+def write_outputs(db: Database, files: JobFiles, job_id: str) -> Outputs:
+    """Write the job's output and errors files."""
+    output, output_bytes = _write(files, keys.output_key(job_id), _output_lines(db, job_id))
+    errors, errors_bytes = _write(files, keys.errors_key(job_id),
+                                  (line for _, line in heapq.merge(_line_errors(db, job_id), _failed_lines(db, job_id),
+                                                                   key=lambda item: item[0])))
+    return Outputs(output, errors, output_bytes, errors_bytes)
+
+
+def _write(files: JobFiles, key: str, lines: Iterator[dict]) -> tuple[str | None, int]:
+    n = size = 0
     with files.writer(key) as f:
         for line in lines:
-            f.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
-            n += 1
-    return key if n else None
+            data = json.dumps(line, ensure_ascii=False).encode() + b"\n"
+            f.write(data)
+            n, size = n + 1, size + len(data)
+    return (key, size) if n else (None, 0)
 
 
 def _results(db: Database, job_id: str, status: ResultStatus):

@@ -19,9 +19,10 @@ from sqlalchemy.orm import Session
 
 from jobs.lines.batch_format import LineError
 from jobs.lines.validate import InputError, LineValidator, RawLine, model_info, read_lines
-from jobs.pipeline.finalize import write_outputs
+from jobs.pipeline.finalize import close_unread, fail_unfinished, write_outputs
 from jobs.pipeline.publish import Publisher
 from jobs.pipeline.request_messages import RequestMessage, params_to_dict
+from jobs.records import budgets
 from jobs.records.db import Database
 from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import mark_finalizing
@@ -78,7 +79,10 @@ def _ingest(db: Database, files: JobFiles, settings: Settings, job_id: str, inpu
             with files.open(input_key) as f:
                 lines = (raw for raw in read_lines(f) if raw.number > last_line)
                 while chunk := list(itertools.islice(lines, CHUNK_LINES)):
-                    rows = _store_chunk(db, target, validator, chunk)
+                    try:
+                        rows = _store_chunk(db, target, validator, chunk, settings.tenant_max_enqueued_tokens)
+                    except budgets.TokenLimitExceeded as exc:
+                        return _refuse(db, files, job_id, str(exc), exc.code)
                     if rows is None:  # the job was cancelled or expired: its finalize closes the rest
                         return []
                     publish(db, publisher, [target.message(r) for r in rows])
@@ -149,9 +153,11 @@ def _check(validator: LineValidator, job_id: str, chunk: list[RawLine]) -> tuple
     for raw in chunk:
         try:
             custom_id, url, request = validator.check(raw)
+            params = params_to_dict(request.params)
             requests.append({"job_id": job_id, "line": raw.number, "custom_id": custom_id, "url": url,
-                             "prompt_token_ids": request.prompt_token_ids, "params": params_to_dict(request.params),
-                             "cache_salt": request.cache_salt, "attempts": 0, "created_at": created})
+                             "prompt_token_ids": request.prompt_token_ids, "params": params,
+                             "cache_salt": request.cache_salt, "attempts": 0, "created_at": created,
+                             "tokens": budgets.line_tokens(len(request.prompt_token_ids), params)})
         except LineError as e:
             errors.append(_error_row(job_id, e.line, e.custom_id, e.message, e.code, e.param))
         except InputError:  # the whole file is refused (a request past the line limit)
@@ -169,23 +175,25 @@ def _caused_by_rows(exc: Exception) -> bool:
                                                             and not isinstance(exc, DBAPIError))
 
 
-def _store_chunk(db: Database, target: JobTarget, validator: LineValidator, chunk: list[RawLine]
-                 ) -> list[RequestRow] | None:
-    """Store the chunk's lines not stored yet; the new request rows (None: the job is no longer validating)."""
+def _store_chunk(db: Database, target: JobTarget, validator: LineValidator, chunk: list[RawLine],
+                 token_limit: int = 0) -> list[RequestRow] | None:
+    """Store the chunk's lines not stored yet; the new request rows (None: the job is no longer validating).
+    ``budgets.TokenLimitExceeded`` (nothing stored) when they would pass the tenant's enqueued-token limit
+    (``token_limit``, the default of a tenant without its own)."""
     requests, errors = _check(validator, target.job_id, chunk)
     lines = [raw.number for raw in chunk]
     try:
-        return _insert(db, target.job_id, lines, requests, errors, one_by_one=False)
+        return _insert(db, target.job_id, lines, requests, errors, one_by_one=False, token_limit=token_limit)
     except Exception as exc:
         if not _caused_by_rows(exc):
             raise
         log.warning("job %s lines %d-%d: the database refused the chunk (%s); storing it line by line",
                     target.job_id, lines[0], lines[-1], _describe(exc))
-        return _insert(db, target.job_id, lines, requests, errors, one_by_one=True)
+        return _insert(db, target.job_id, lines, requests, errors, one_by_one=True, token_limit=token_limit)
 
 
 def _insert(db: Database, job_id: str, lines: list[int], requests: list[dict], errors: list[dict],
-            one_by_one: bool) -> list[RequestRow] | None:
+            one_by_one: bool, token_limit: int = 0) -> list[RequestRow] | None:
     with db.session() as s, s.begin():
         if not hold_validating(s, job_id):
             return None
@@ -193,6 +201,7 @@ def _insert(db: Database, job_id: str, lines: list[int], requests: list[dict], e
         requests = [r for r in requests if r["line"] > last]
         errors = [e for e in errors if e["line"] > last]
         new_lines = sum(1 for n in lines if n > last)
+        budgets.check_room(s, job_id, sum(r["tokens"] for r in requests), token_limit)
         if one_by_one:
             requests, ids = _insert_each(s, requests, errors)
             errors.sort(key=lambda e: e["line"])
@@ -202,7 +211,8 @@ def _insert(db: Database, job_id: str, lines: list[int], requests: list[dict], e
             if errors:
                 s.execute(insert(LineErrorRow), errors)
         s.execute(update(Job).where(Job.id == job_id)
-                  .values(total=Job.total + new_lines, failed=Job.failed + len(errors)))
+                  .values(total=Job.total + new_lines, failed=Job.failed + len(errors),
+                          enqueued_tokens=Job.enqueued_tokens + sum(r["tokens"] for r in requests)))
     return [RequestRow(id=i, **r) for i, r in zip(ids, requests)]
 
 
@@ -252,6 +262,27 @@ def publish_unpublished(db: Database, publisher: Publisher, job_id: str) -> int:
     return publish(db, publisher, [target.message(r) for r in rows])
 
 
+def _refuse(db: Database, files: JobFiles, job_id: str, error: str, code: str) -> list[str]:
+    """The job fails, as OpenAI fails a batch past a limit, with ``code``: its lines stored so far fail with
+    it (those already queued are skipped by the workers, as a cancelled job's are), and the lines not read
+    become line errors with it, so every input line is in the errors file; it holds no tokens."""
+    with db.session() as s, s.begin():
+        if not hold_validating(s, job_id):
+            return []
+        job = s.get(Job, job_id)
+        closed = fail_unfinished(s, job_id, code, error)
+        unread = close_unread(s, files, job, code, error)
+        s.execute(update(Job).where(Job.id == job_id).values(
+            total=Job.total + unread, failed=Job.failed + closed + unread, enqueued_tokens=0))
+    outputs = write_outputs(db, files, job_id)
+    with db.session() as s, s.begin():
+        if hold_validating(s, job_id):
+            s.execute(update(Job).where(Job.id == job_id).values({
+                Job.status: JobStatus.FAILED, Job.failed_at: now(), Job.error: error, Job.error_code: code,
+                **outputs.columns(), Job.enqueued_tokens: 0}))
+    return []
+
+
 def _close_validation(db: Database, files: JobFiles, job_id: str, error: str | None) -> list[str]:
     """Every line is stored: the job goes in progress, or fails when it has no valid line. Under the
     job's lock, so that a cancel or another ingest in between changes nothing twice."""
@@ -267,7 +298,8 @@ def _close_validation(db: Database, files: JobFiles, job_id: str, error: str | N
             s.execute(update(Job).where(Job.id == job_id)
                       .values(status=JobStatus.IN_PROGRESS, in_progress_at=now()))
             return mark_finalizing(s, [job_id])
-        _, errors_key = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
+        outputs = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
         s.execute(update(Job).where(Job.id == job_id).values(
-            status=JobStatus.FAILED, failed_at=now(), error=error, errors_key=errors_key))
+            status=JobStatus.FAILED, failed_at=now(), error=error, errors_key=outputs.errors_key,
+            errors_bytes=outputs.errors_bytes, enqueued_tokens=0))
     return []

@@ -17,6 +17,7 @@ from jobs.records.job_files import JobFiles, input_key
 from jobs.records.lifecycle import JobStateError
 from jobs.records.models import LineErrorRow, RequestRow, Result, ResultStatus
 from jobs.records.status import JobView
+from storage import ObjectNotFound
 from worker.config import Settings
 
 UNREAD_CODES = ("batch_cancelled", "batch_expired")  # line errors of lines never read, not bad lines
@@ -42,10 +43,14 @@ def retry_job(db: Database, files: JobFiles, settings: Settings, job: JobView) -
     spec = JobSpec(tenant=job.tenant, priority=job.priority, completion_window=job.completion_window,
                    metadata=job.metadata, endpoint=job.endpoint)
     with tempfile.TemporaryFile() as tmp:
-        with files.open(input_key(job.id)) as src:
-            for raw in read_lines(src):
-                if raw.number in lines and raw.data is not None:
-                    tmp.write(raw.data + b"\n")
+        try:
+            with files.open(input_key(job.id)) as src:
+                for raw in read_lines(src):
+                    if raw.number in lines and raw.data is not None:
+                        tmp.write(raw.data + b"\n")
+        except ObjectNotFound:
+            raise JobStateError(f"job {job.id}'s copy of its input has expired (BERTH_JOB_INPUT_RETENTION_SECONDS, or "
+                                "with its outputs): submit its failed lines again as a new file") from None
         tmp.seek(0)
         name = job.input_name.removesuffix(".jsonl")[:480] + ".retry.jsonl"
         return create_job_from(db, files, tmp, name, job.model, spec, settings)

@@ -3,7 +3,9 @@ well under a second whatever the file's size; the lines are checked and queued b
 
 A submit is refused at once, with the limit and the setting that raises it, when the file is over
 ``Settings.max_file_bytes`` or holds a request past line ``max_file_lines`` (``InputError``), or
-when the tenant already has ``max_jobs_in_flight`` jobs validating or in progress (``JobRefused``).
+when the tenant already has ``max_jobs_in_flight`` jobs validating or in progress (``JobRefused``), or
+when the job's copy of its input does not fit the tenant's storage quota (``QuotaExceeded``, which
+counts every byte a tenant stores: ``jobs.records.storage_quota``).
 A job submitted through the queue (``jobs.queue_door.consumer``) is made the same way from its input
 stream, and carries its message's id (unique per tenant: a message that comes twice makes one job).
 """
@@ -26,6 +28,7 @@ from jobs.records.db import Database
 from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import window_seconds
 from jobs.records.models import Job, JobStatus, Tenant, now
+from jobs.records.storage_quota import check_room, hold_tenant
 from jobs.records.tenants import check_tenant_name, tenant_id
 from worker.config import Settings
 from worker.messaging.topology import MAX_PRIORITY
@@ -77,6 +80,17 @@ def create_job(db: Database, files: JobFiles, path: str | Path, model: str, spec
         return create_job_from(db, files, src, path.name, model, spec, limits)
 
 
+class _Counted:
+    """A writer that counts the bytes written through it."""
+
+    def __init__(self, out: BinaryIO):
+        self.out, self.bytes = out, 0
+
+    def write(self, data: bytes) -> int:
+        self.bytes += len(data)
+        return self.out.write(data)
+
+
 class DuplicateSubmit(Exception):
     """A job with this submit message id exists already (the message came twice): ``job_id``."""
 
@@ -97,21 +111,23 @@ def create_job_from(db: Database, files: JobFiles, source: BinaryIO, input_name:
         _check_in_flight(s, spec.tenant, settings.max_jobs_in_flight)  # before the copy: refuse at once
     job_id = new_job_id()
     with files.writer(keys.input_key(job_id)) as out:
-        copy_checked(source, out, settings.max_file_bytes, settings.max_file_lines)
+        counted = _Counted(out)
+        copy_checked(source, counted, settings.max_file_bytes, settings.max_file_lines)
+        size = counted.bytes
     created = now()
     try:
         with db.session() as s, s.begin():
             tenant = tenant_id(s, spec.tenant)
-            # one submit of a tenant at a time
-            s.execute(select(Tenant.id).where(Tenant.id == tenant).with_for_update())
+            hold_tenant(s, tenant)  # one submit of a tenant at a time (SQLite too: an UPDATE takes its lock)
             _check_in_flight(s, spec.tenant, settings.max_jobs_in_flight)  # again: others may have won the race
+            check_room(s, tenant, size, settings, listed=False)  # its copy of its input counts in its quota
             s.add(Job(id=job_id, tenant_id=tenant, model=model, status=JobStatus.VALIDATING, priority=spec.priority,
                       completion_window=spec.completion_window, metadata_=dict(spec.metadata),
                       input_name=input_name[:500], input_key=keys.input_key(job_id), total=0, completed=0, failed=0,
                       prompt_tokens=0, completion_tokens=0, created_at=created,
                       expires_at=created + window_seconds(spec.completion_window), endpoint=spec.endpoint,
                       input_file_id=input_file_id, submit_message_id=message_id, webhook_url=webhook_url,
-                      output_expires_after=spec.output_expires_after))
+                      output_expires_after=spec.output_expires_after, input_bytes=size))
     except BaseException as exc:
         try:
             files.store.delete(keys.input_key(job_id))

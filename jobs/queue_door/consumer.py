@@ -36,6 +36,7 @@ from jobs.queue_door.webhooks import WebhookSender
 from jobs.records.db import open_database
 from jobs.records.job_files import JobFiles
 from jobs.records.models import Job, JobStatus
+from jobs.records.storage_quota import QuotaExceeded
 from jobs.records.tenants import tenant_of_broker_user
 from storage import ObjectNotFound, StorageError, check_key
 from worker.config import ConfigError, Settings
@@ -217,7 +218,7 @@ class SubmitConsumer:
                 stack.callback(source.close)
                 return create_job_from(self.db, self.files, source, name, message.model, spec, self.settings,
                                        message_id=message_id, webhook_url=message.webhook_url)
-        except (InputError, JobRefused, ObjectNotFound, StorageError) as exc:
+        except (InputError, JobRefused, QuotaExceeded, ObjectNotFound, StorageError) as exc:
             raise SubmitRefused(str(exc)) from None
 
     def _input(self, message: SubmitMessage, tenant: str) -> tuple[BinaryIO, str]:

@@ -45,6 +45,7 @@ def job_event_body(event: JobEvent, job: Job, tenant: str, store_url: str) -> di
         "usage": {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens},
         "output_file": event.output_key, "error_file": event.errors_key,
         "output_url": url(event.output_key), "error_url": url(event.errors_key), "error": event.error,
+        "error_code": job.error_code if event.error is not None else None,
     }
 
 

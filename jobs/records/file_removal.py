@@ -1,13 +1,16 @@
 """Removing a file of the Files API: deleted by its tenant, or expired at its ``expires_at``
-(``expire_files``, periodic). Content first, then the row; a job's own copy of its input stays, and a
-removed output leaves its batch showing an id that is then a 404 (docs/http-api.md).
+(``expire_files``, periodic). Content first, then the row; a job's own copy of its input stays while
+the job does, and a removed output leaves its batch showing an id that is then a 404 (docs/http-api.md).
+A job's copy of its input expires with the job: with its outputs (``output_expires_after``) or
+``input_retention`` seconds after it ended, whichever comes first (then a retry of it says its input
+is gone). Each removal zeroes the bytes the job's row counted for it (``jobs.records.storage_quota``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import case, delete, func, or_, select, update
 
 from jobs.records.db import Database
 from jobs.records.job_files import input_key
@@ -18,6 +21,7 @@ from storage.base import ObjectStore
 log = logging.getLogger("berth.files")
 
 BATCH = 500  # files removed per query
+INPUT_RETENTION = 30 * 86400  # Settings.job_input_retention_seconds's default
 
 
 def remove_file(db: Database, store: ObjectStore, file_id: str | None, key: str, job_id: str | None) -> None:
@@ -29,12 +33,15 @@ def remove_file(db: Database, store: ObjectStore, file_id: str | None, key: str,
         if file_id is not None:
             s.execute(delete(FileRow).where(FileRow.id == file_id))
         if job_id is not None:
-            s.execute(update(Job).where(Job.id == job_id, Job.output_key == key).values(output_key=None))
-            s.execute(update(Job).where(Job.id == job_id, Job.errors_key == key).values(errors_key=None))
+            s.execute(update(Job).where(Job.id == job_id, Job.output_key == key).values(output_key=None,
+                                                                                         output_bytes=0))
+            s.execute(update(Job).where(Job.id == job_id, Job.errors_key == key).values(errors_key=None,
+                                                                                         errors_bytes=0))
 
 
-def expire_files(db: Database, store: ObjectStore, at: float | None = None) -> int:
-    """Remove every file whose time has come (``at``: now); how many."""
+def expire_files(db: Database, store: ObjectStore, at: float | None = None,
+                 input_retention: float = INPUT_RETENTION) -> int:
+    """Remove every file whose time has come (``at``: now), jobs' copies of their inputs included; how many."""
     at = now() if at is None else at
     removed = 0
     while True:
@@ -48,6 +55,7 @@ def expire_files(db: Database, store: ObjectStore, at: float | None = None) -> i
         if len(rows) < BATCH:
             break
     removed += _expire_unshown_outputs(db, store, at)
+    removed += _expire_job_inputs(db, store, at, input_retention)
     if removed:
         log.info("expired %d files", removed)
     return removed
@@ -69,5 +77,26 @@ def _expire_unshown_outputs(db: Database, store: ObjectStore, at: float) -> int:
             for key in filter(None, keys):
                 remove_file(db, store, rows.get((job_id, key)), key, job_id)
                 removed += 1
+        if len(jobs) < BATCH:
+            return removed
+
+
+def _expire_job_inputs(db: Database, store: ObjectStore, at: float, retention: float) -> int:
+    """Delete the copies of their inputs of the jobs that ended ``output_expires_after`` (if shorter) or
+    ``retention`` seconds before ``at``; and their rows in the Files API, where a CLI job's input got one."""
+    ended = func.coalesce(Job.completed_at, Job.failed_at, Job.cancelled_at, Job.expired_at)
+    kept = case((Job.output_expires_after < retention, Job.output_expires_after), else_=retention)
+    final = [status for status in JobStatus if status.is_final]
+    removed = 0
+    while True:
+        with db.session() as s:
+            jobs = s.execute(select(Job.id, Job.input_key).where(
+                Job.input_bytes > 0, Job.status.in_(final), ended + kept <= at).limit(BATCH)).all()
+        for job_id, key in jobs:
+            store.delete(key)
+            with db.session() as s, s.begin():
+                s.execute(delete(FileRow).where(FileRow.job_id == job_id, FileRow.key == key))
+                s.execute(update(Job).where(Job.id == job_id).values(input_bytes=0))
+            removed += 1
         if len(jobs) < BATCH:
             return removed

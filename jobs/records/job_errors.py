@@ -15,3 +15,8 @@ class JobNotFound(LookupError):
 
 class JobStateError(RuntimeError):
     """The job is not in a state that allows what was asked."""
+
+
+class TenantNotFound(LookupError):
+    def __init__(self, name: str):
+        super().__init__(f"no tenant {name!r}: a tenant is created by its first job (`berth submit --tenant`)")

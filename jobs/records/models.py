@@ -60,6 +60,8 @@ class Tenant(Base):
     # Tenants with the same group share cached prompt prefixes (the engine's and the fleet's prefix store);
     # None: its prefixes are its own (``jobs.records.tenants.set_cache_group``)
     cache_group: Mapped[str | None] = mapped_column(String(64))
+    # Its enqueued tokens per model at most (``jobs.records.budgets``); None: BERTH_TENANT_MAX_ENQUEUED_TOKENS, 0: none
+    enqueued_token_limit: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Job(Base):
@@ -105,6 +107,15 @@ class Job(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text)  # where its events are POSTed, if anywhere
     # OpenAI's output_expires_after: its output and errors files are deleted this long after they are written
     output_expires_after: Mapped[int | None] = mapped_column(Integer)
+    # The prompt tokens and max_tokens of its lines stored and not yet done: what it holds of its tenant's
+    # enqueued-token limit for its model (``jobs.records.budgets``); 0 once the job is over
+    enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    error_code: Mapped[str | None] = mapped_column(String(64))  # OpenAI's code for ``error`` (None: invalid_file)
+    # What its copy of its input, its output and its errors file hold in the store (its tenant's storage
+    # quota, ``jobs.records.storage_quota``); 0 once deleted
+    input_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    output_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    errors_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class RequestRow(Base):
@@ -145,6 +156,8 @@ class RequestRow(Base):
     # The line's cache_salt as the engine keys it ("salt:<text>"): requests with the same one share cached
     # prefixes, whatever their tenant; None: the tenant's (or its group's) own
     cache_salt: Mapped[str | None] = mapped_column(String(300))
+    # What the line holds of its tenant's enqueued tokens until it is done: its prompt tokens and n * max_tokens
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Result(Base):

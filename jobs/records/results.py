@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from jobs.records.db import Database
 from jobs.records.lifecycle import mark_finalizing
-from jobs.records.models import Job, Result, ResultStatus, now
+from jobs.records.models import Job, RequestRow, Result, ResultStatus, now
 
 
 @dataclass
@@ -59,13 +59,24 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
                 c[2] += o.prompt_tokens
                 c[3] += o.completion_tokens
                 c[4] += o.cached_tokens
+        done = given_back(s, new)
         for job_id in sorted(counts):  # one order for every writer: no deadlocks between workers
             completed, failed, prompt, completion, cached = counts[job_id]
             s.execute(update(Job).where(Job.id == job_id).values(
                 completed=Job.completed + completed, failed=Job.failed + failed,
                 prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion,
-                cached_tokens=Job.cached_tokens + cached))
+                cached_tokens=Job.cached_tokens + cached, enqueued_tokens=Job.enqueued_tokens - done.get(job_id, 0)))
         return Recorded(new, mark_finalizing(s, list(counts)))
+
+
+def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:
+    """Job id -> the enqueued tokens its requests ``request_ids`` held (``jobs.records.budgets``), which
+    their outcomes give back to their tenant."""
+    if not request_ids:
+        return {}
+    return {job_id: int(tokens or 0) for job_id, tokens in session.execute(
+        select(RequestRow.job_id, func.sum(RequestRow.tokens)).where(RequestRow.id.in_(sorted(request_ids)))
+        .group_by(RequestRow.job_id))}
 
 
 def insert_results(session: Session, rows: list[dict]) -> set[int]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import text
 
 from jobs.records.db import Database
-from jobs.records.job_errors import JobNotFound
+from jobs.records.job_errors import JobNotFound, TenantNotFound
 from jobs.records.job_status import JobStatus
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ COLUMNS = {
     "endpoint": "endpoint", "input_file_id": "input_file_id", "output_file_id": "output_file_id",
     "error_file_id": "error_file_id", "message_id": "submit_message_id",
     "output_expires_after": "output_expires_after", "cached_tokens": "cached_tokens",
+    "error_code": "error_code", "enqueued_tokens": "enqueued_tokens",
 }
 _ORM_ATTRIBUTE = {"metadata": "metadata_"}  # where the model's attribute is not named as its column
 _SELECT = ("SELECT " + ", ".join(f"jobs.{c}" for c in COLUMNS.values()) + ", tenants.name AS tenant_name "
@@ -76,6 +77,8 @@ class JobView:
     message_id: str | None = None  # the AMQP message_id of a job submitted through the queue
     output_expires_after: int | None = None  # seconds its output and errors files are kept once written
     cached_tokens: int = 0  # of prompt_tokens, taken from a prefix cache (OpenAI's usage.input_tokens_details)
+    error_code: str | None = None  # OpenAI's code for ``error`` (token_limit_exceeded); None: the file was bad
+    enqueued_tokens: int = 0  # what its lines not yet done hold of its tenant's token budget (jobs.records.budgets)
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -137,7 +140,9 @@ class JobView:
             "tenant": self.tenant, "priority": self.priority, "completion_window": self.completion_window,
             "metadata": self.metadata, "input_file": self.input_name,
             "output_file": self.output_key, "error_file": self.errors_key,
-            "errors": None if self.error is None else {"data": [{"code": "job_failed", "message": self.error}]},
+            "errors": None if self.error is None else {"data": [{"code": self.error_code or "job_failed",
+                                                                  "message": self.error}]},
+            "enqueued_tokens": self.enqueued_tokens,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
             "progress": round(self.progress, 6), "message_id": self.message_id,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -173,3 +178,45 @@ def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None 
     with db.engine.connect() as conn:
         rows = conn.execute(text(query), params).mappings().all()
     return [JobView.of_columns(row, row["tenant_name"]) for row in rows]
+
+
+# The states of a job that may hold enqueued tokens (jobs.records.budgets): a job that ended holds none.
+HOLDING = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS, JobStatus.FINALIZING, JobStatus.CANCELLING)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A tenant's token budget (``jobs.records.budgets``) as ``berth tenant``, ``berth status`` and the
+    metrics show it."""
+
+    tenant: str
+    limit: int  # its enqueued tokens per model at most; 0: none
+    own_limit: bool  # set for the tenant, not BERTH_TENANT_MAX_ENQUEUED_TOKENS
+    enqueued: dict[str, int]  # model -> its enqueued tokens, for the models of its jobs not yet over
+
+    def describe(self, model: str | None = None) -> str:
+        limit = f"{self.limit:,}" if self.limit else "no limit"
+        source = "" if self.own_limit else " (BERTH_TENANT_MAX_ENQUEUED_TOKENS)"
+        models = [model] if model is not None else sorted(self.enqueued)
+        held = ", ".join(f"{self.enqueued.get(m, 0):,} of {m}" for m in models) or "none"
+        return f"enqueued tokens {held}; limit {limit} per model{source}"
+
+
+def budgets(db: Database, default_limit: int, tenant: str | None = None) -> list[Budget]:
+    """Each tenant's enqueued-token limit and enqueued tokens per model (only ``tenant``'s if given:
+    ``TenantNotFound`` if it has none)."""
+    holding = ", ".join(f"'{state.value}'" for state in HOLDING)
+    where, params = ("WHERE tenants.name = :tenant", {"tenant": tenant}) if tenant is not None else ("", {})
+    with db.engine.connect() as conn:
+        tenants = conn.execute(text(f"SELECT id, name, enqueued_token_limit FROM tenants {where} ORDER BY name"),
+                               params).all()
+        held: dict[int, dict[str, int]] = {}
+        for tenant_id, model, tokens in conn.execute(text(
+                "SELECT jobs.tenant_id, jobs.model, SUM(jobs.enqueued_tokens) FROM jobs JOIN tenants ON "
+                f"tenants.id = jobs.tenant_id {where} {'AND' if where else 'WHERE'} jobs.status IN ({holding}) "
+                "GROUP BY jobs.tenant_id, jobs.model"), params):
+            held.setdefault(tenant_id, {})[model] = int(tokens or 0)
+    if tenant is not None and not tenants:
+        raise TenantNotFound(tenant)
+    return [Budget(name, default_limit if limit is None else int(limit), limit is not None, held.get(tenant_id, {}))
+            for tenant_id, name, limit in tenants]

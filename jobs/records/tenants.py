@@ -20,15 +20,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs.records.db import Database
+from jobs.records.job_errors import TenantNotFound
 from jobs.records.lifecycle import LIVE
 from jobs.records.models import BrokerUser, Job, Tenant, now
 
+__all__ = ["TenantNotFound", "allow_broker_user", "check_tenant_name", "live_tenants", "remove_broker_user",
+           "set_cache_group", "set_weight", "tenant_id", "tenant_of_broker_user", "webhook_secret"]
+
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-@")
-
-
-class TenantNotFound(LookupError):
-    def __init__(self, name: str):
-        super().__init__(f"no tenant {name!r}: a tenant is created by its first job (`berth submit --tenant`)")
 
 
 def tenant_id(session: Session, name: str) -> int:

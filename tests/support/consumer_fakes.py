@@ -156,6 +156,10 @@ class FakeLedger:
         self._check()
         return {r.tenant: 1.0 for r in self.rows.values() if r.job_live and r.model == model}
 
+    def token_budgets(self, model):
+        self._check()
+        return {}
+
     def heartbeat(self, beat):
         self._check()
         self.beats.append(beat)

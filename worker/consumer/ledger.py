@@ -147,5 +147,8 @@ class Ledger(Protocol):
     def live_tenants(self, model: str) -> dict[str, float]:
         """Tenant -> weight, for the tenants with live jobs of ``model``."""
 
+    def token_budgets(self, model: str) -> dict[str, tuple[int, int]]:
+        """Tenant -> (its enqueued tokens of ``model``, its limit; 0: none), for the tenants with live jobs of it."""
+
     def heartbeat(self, beat: Heartbeat) -> None:
         """The worker is alive and this is what it runs."""

@@ -378,6 +378,10 @@ class EngineWorker:
             depth = self.broker.depth()
             if depth is not None:
                 self.metrics.queue_depth.set(depth)
+            if self.settings.metrics_port and self.database.ready():  # the tenants' token budgets, for the page
+                budgets = self._ledger(self.ledger.token_budgets, self.engine.model_name)
+                if budgets is not DOWN:
+                    self.metrics.set_budgets(budgets)
 
     def _heartbeat(self) -> Heartbeat:
         kv = self.engine.kv_usage()

@@ -370,7 +370,9 @@ def test_a_batchs_output_files_expire_after_its_output_expires_after(tmp_path, t
         assert all(k and store.exists(k) for k in unseen_keys)
 
         assert expire_files(db, store, at=batch.completed_at + HOUR - 5) == 0
-        assert expire_files(db, store, at=time.time() + HOUR + 5) == 4
+        # their outputs and errors files, and (issue 34) their copies of their input, which expire with them
+        assert expire_files(db, store, at=time.time() + HOUR + 5) == 6
+        assert [store.exists(f"jobs/{b}/input.jsonl") for b in (batch.id, unseen, kept.id)] == [False, False, True]
         for file_id in (batch.output_file_id, batch.error_file_id):
             with pytest.raises(openai.NotFoundError):
                 c.files.retrieve(file_id)
