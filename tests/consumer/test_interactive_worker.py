@@ -134,3 +134,20 @@ def test_a_grammar_that_does_not_compile_reaches_its_caller_as_a_400(engine, tin
         assert isinstance(failed, Failed) and failed.code in ("request_rejected", "invalid_request"), failed
         assert "compile" in failed.reason, failed.reason
         assert isinstance(run.events("i-good")[-1], Done)
+
+
+def test_a_worker_holds_at_most_interactive_prefetch_requests(engine, tiny_llama_dir):
+    with Running(engine, tiny_llama_dir) as run:
+        held: list[int] = []
+        run.broker.on_reply = lambda: held.append(len(run.worker.remote.live))
+        ids = [f"i-{i}" for i in range(20)]
+        for i, rid in enumerate(ids):
+            run.broker.publish_interactive(rid, _chat(48, n=4), tenant=f"t{i % 6}")
+        run.until(lambda: all(run.ended(rid) for rid in ids), "all twenty answered", timeout=300)
+        print(f"live interactive requests held at once, at most: {max(held)} (interactive_prefetch "
+              f"{run.settings.interactive_prefetch}); unacked at most {run.broker.most_unacked}")
+        assert max(held) <= run.settings.interactive_prefetch
+        for rid in ids:  # each answered once, in full
+            events = run.events(rid)
+            assert sum(isinstance(e, Done) for e in events) == 1 and isinstance(events[-1], Done), rid
+            assert all(len(c.token_ids) == 48 for c in events[-1].output.completions)
