@@ -84,7 +84,8 @@ class Engine:
                                    settings.aging_steps, mode,
                                    interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
                                    interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks),
-                                   interactive_step_tokens=self.pace.tokens)
+                                   interactive_step_tokens=self.pace.tokens,
+                                   batch_floor=settings.interactive_batch_floor)
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = loaded.config.vocab_size
         self.hidden_size = loaded.config.hidden_size  # an embedding's length before ``dimensions`` cuts it
