@@ -190,8 +190,8 @@ def test_batch_work_keeps_its_floor_beside_streams_at_the_interactive_limit(tiny
     8 requests, each n=8: 64 decodes a step) filled the engine's first bound of 64 tokens, and batch work got
     none of a step (six such streams took a batch job from 537 to 98 tok/s). The engine's scheduler, at the
     defaults a user gets, keeps ``interactive_batch_floor`` of every step's tokens for batch work while it
-    waits, every stream still getting its token each step, and nothing preempted. The shares are the scheduler's, deterministic (``benchmarks/interactive_floor.py``
-    measures the tokens/s)."""
+    waits, every stream still getting its token each step, and nothing preempted. The shares are the
+    scheduler's, deterministic (``benchmarks/interactive_floor.py`` measures the tokens/s)."""
     from worker.engine.engine import Engine
 
     defaults = Settings()
