@@ -173,6 +173,12 @@ class Settings(BaseModel):
         "machine (learnt from the steps' own times). A live caller gets a token a step, so this is the time "
         "between its tokens that batch work may stretch. 0: no bound beyond max_num_batched_tokens.",
         cli="engine")
+    interactive_batch_floor: float = setting(
+        0.25, "The share of each step's tokens that batch work keeps while interactive requests run and batch "
+        "work waits: interactive work takes at most the rest of max_num_batched_tokens, and a step whose "
+        "interactive decodes fill the bound of interactive_step_seconds grows so that batch work still has "
+        "this share of it (the streams' steps take longer by up to floor / (1 - floor)). 0: batch work has "
+        "only what interactive work leaves of the bound, which many streams leave none of.", cli="engine")
     max_model_len: int = setting(0, "The most tokens (prompt and output) of one request; 0: the model's "
                                  "context length.")
 
@@ -413,6 +419,13 @@ class Settings(BaseModel):
         if not 0 <= v < 1:
             of = "max_num_seqs" if info.field_name == "interactive_seats" else "the KV cache's blocks"
             raise ValueError(f"{info.field_name} is a share of {of}: at least 0, under 1")
+        return v
+
+    @field_validator("interactive_batch_floor")
+    @classmethod
+    def _interactive_batch_floor(cls, v):
+        if not 0 <= v < 1:
+            raise ValueError("interactive_batch_floor is a share of a step's tokens: at least 0, under 1")
         return v
 
     @field_validator("queue_prefix")

@@ -237,12 +237,15 @@ def cache_salt(line: BatchLine) -> str | None:
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
                priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
-               structured_limits: StructuredLimits = DEFAULT_LIMITS, hidden_size: int | None = None) -> Request:
+               structured_limits: StructuredLimits = DEFAULT_LIMITS, hidden_size: int | None = None,
+               compile_grammar: bool = True) -> Request:
     """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
     tokenizer's size both. A structured-output constraint is checked and compiled last, once the
     cheaper checks passed. An embeddings line is ``jobs.lines.embeddings_format``'s (``hidden_size``: the
-    model's, the most ``dimensions`` it may ask for)."""
+    model's, the most ``dimensions`` it may ask for). ``compile_grammar=False``: the constraint is checked but
+    not compiled, for a caller that hands the request to an engine, which compiles it in the background
+    and fails the request with the reason if it does not compile (the worker's interactive queue)."""
     if line.url == EMBEDDINGS_URL:
         limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
         return embedding_request(line, tokenizer, model_name, max_model_len, request_id, priority, tenant, limit,
@@ -275,11 +278,12 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
                         f"the prompt is {len(ids)} tokens; with max_tokens {shown(params.max_tokens)} it exceeds the "
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
     try:
-        structured = structured_output(line.body, tokenizer, structured_limits, tenant)
+        structured = structured_output(line.body, tokenizer, structured_limits, tenant, compile_grammar)
         if structured is not None and tools.structured is not None:
             raise SpecError("body.tool_choice", "a required tool call is a constraint on the output, and so is "
                             "the structured output asked for: keep one of them")
-        compile_plan(tools, tokenizer, structured_limits, tenant)
+        if compile_grammar:
+            compile_plan(tools, tokenizer, structured_limits, tenant)
     except SpecError as exc:
         raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
     params = replace(params, structured=structured or tools.structured, tool_calls=tools.tool_calls)

@@ -62,9 +62,10 @@ DEFAULT_LIMITS = StructuredLimits.of(Settings.model_construct())
 
 
 def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_LIMITS,
-                      tenant: str = "default") -> StructuredOutput | None:
+                      tenant: str = "default", compile_grammar: bool = True) -> StructuredOutput | None:
     """The one constraint ``body`` asks for, checked and compiled for ``tokenizer`` (in ``tenant``'s
-    turn); None for none. Raises ``SpecError`` naming the field that is wrong."""
+    turn); None for none. Raises ``SpecError`` naming the field that is wrong. ``compile_grammar=False``: the
+    cheap checks only, the compile left to the engine (which fails the request if it does not compile)."""
     for name, why in _UNSUPPORTED.items():
         if body.get(name) is not None:
             raise SpecError(f"body.{name}", why)
@@ -76,6 +77,8 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
         return None
     param, kind, value = asked[0]
     spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
+    if not compile_grammar:
+        return spec
     from worker.engine.structured.grammar import (
         check,  # torch: paid by the first constraint, not by every door's import
     )

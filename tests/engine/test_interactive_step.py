@@ -183,3 +183,39 @@ def test_an_engine_bounds_its_steps_by_the_pace_while_an_interactive_request_run
 def test_a_negative_target_is_refused(value):
     with pytest.raises(ValueError, match="interactive_step_seconds"):
         Settings(interactive_step_seconds=value)
+
+
+def test_batch_work_keeps_its_floor_beside_streams_at_the_interactive_limit(tiny_llama_dir):
+    """Issue 34: another tenant's streams at the interactive limit (a worker's default interactive_prefetch of
+    8 requests, each n=8: 64 decodes a step) filled the engine's first bound of 64 tokens, and batch work got
+    none of a step (six such streams took a batch job from 537 to 98 tok/s). The engine's scheduler, at the
+    defaults a user gets, keeps ``interactive_batch_floor`` of every step's tokens for batch work while it
+    waits, every stream still getting its token each step, and nothing preempted. The shares are the
+    scheduler's, deterministic (``benchmarks/interactive_floor.py`` measures the tokens/s)."""
+    from worker.engine.engine import Engine
+
+    defaults = Settings()
+    floor = defaults.interactive_batch_floor
+    assert floor > 0
+    engine = Engine(tiny_settings(tiny_llama_dir))
+    sched = engine.scheduler
+    assert (sched.max_num_batched_tokens, sched.interactive_step_tokens) == (defaults.max_num_batched_tokens, 64)
+    batch = [_seq(i, 4) for i in range(40)] + [_seq(50 + i, 1500, max_tokens=4) for i in range(4)]
+    for s in batch:
+        sched.add(s)
+    _step(sched)
+    streams = [_seq(1000 + i, 4, interactive=True, max_tokens=30) for i in range(defaults.interactive_prefetch * 8)]
+    for s in streams:
+        s.request.tenant = "tenant-b"
+        sched.add(s)
+    shares = []
+    for _ in range(20):
+        given = _step(sched)
+        shares.append(given[False] / sum(given.values()))
+        assert given[True] == len(streams) or given[True] == 4 * len(streams)  # their prompts, then a token each
+        assert given[False] >= floor * sum(given.values()), given
+    print(f"batch work's share of each step beside {len(streams)} streams: {min(shares):.3f} at least "
+          f"(floor {floor})")
+    for _ in range(20):
+        _step(sched)
+    assert all(s.is_finished for s in streams) and sched.num_preemptions == 0

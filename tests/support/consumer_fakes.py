@@ -355,3 +355,78 @@ def run_until_done(worker, ledger, ids, limit=2000, hook=None):
         return all(ledger.rows[i].outcome is not None for i in ids) and not worker.inflight
 
     worker.run(until=until)
+
+
+class FakeInteractiveBroker(FakeBroker):
+    """``FakeBroker`` with a model's interactive queue as RabbitMQ runs it: a consumer takes messages
+    while it has fewer unacked than its prefetch (set when it starts), an ack frees a place, a
+    requeued message goes back to the head of the queue, a cancelled consumer takes none. Each reply
+    is kept with the time it was published: ``replies[correlation_id]`` is a list of
+    (seconds, seq, events)."""
+
+    def __init__(self, ledger: FakeLedger, interactive_prefetch: int = 8):
+        from worker.messaging.topology import Topology
+
+        super().__init__(ledger)
+        self.topology = Topology("test")
+        self.interactive_prefetch = interactive_prefetch
+        self.interactive_ready: list[bytes] = []
+        self.consumer_prefetch = interactive_prefetch  # of the consumer now, as it started
+        self.interactive_paused = False
+        self.unacked: list[FakeMessage] = []  # interactive messages delivered and neither acked nor requeued
+        self.aborts: list[str] = []
+        self.replies: dict[str, list[tuple[float, int, list]]] = {}
+        self.most_unacked = 0
+        self.consumer = 0  # the consumer now: a new one each time it starts again
+        self.on_reply = lambda: None  # called at each reply (on the loop's thread)
+
+    def publish_interactive(self, request_id: str, body: dict, tenant: str = "default",
+                            url: str = "/v1/chat/completions") -> None:
+        from worker.consumer.interactive_queue import message_body
+
+        self.interactive_ready.append(message_body(request_id, tenant, url, body))
+
+    def receive(self, limit, timeout):
+        return super().receive(limit, 0)  # interactive deliveries are taken by ``take_interactive``
+
+    def take_interactive(self):
+        out = []
+        while (self.interactive_ready and not self.interactive_paused
+               and sum(m.consumer == self.consumer for m in self.unacked if not m.acknowledged)
+               < self.consumer_prefetch):
+            body = self.interactive_ready.pop(0)
+            message = FakeMessage(self, self.channel)
+            message.body, message.consumer = body, self.consumer
+            self.unacked.append(message)
+            request_id = json.loads(body)["request_id"]
+            out.append(Delivery(body, "application/json", "utf-8", False, None, message,
+                                "amq.rabbitmq.reply-to.test", request_id))
+        self.unacked = [m for m in self.unacked if not m.acknowledged]
+        self.most_unacked = max(self.most_unacked, len(self.unacked))
+        aborts, self.aborts = self.aborts, []
+        return out, aborts
+
+    def interactive_room(self, room: int) -> None:
+        if room <= 0:
+            self.interactive_paused = True
+        elif self.interactive_paused:
+            self.interactive_paused, self.consumer_prefetch = False, min(room, self.interactive_prefetch)
+            self.consumer += 1
+
+    def requeue(self, delivery):
+        if self.is_current(delivery) and delivery.reply_to is not None:
+            delivery.message.acknowledged = True
+            self.interactive_ready.insert(0, delivery.body)
+            return
+        super().requeue(delivery)
+
+    def reply(self, reply_to, correlation_id, body) -> bool:
+        from worker.consumer.interactive_queue import read_reply
+
+        seq, events = read_reply(body)
+        self.replies.setdefault(correlation_id, []).append((time.monotonic(), seq, events))
+        self.on_reply()
+        return True
+
+    def cancel(self):
+        self.interactive_paused = True

@@ -5,7 +5,8 @@ same workers; a caller that leaves frees the KV blocks of the worker running its
 killed before a stream's first token is replaced by another (the stream completes), one killed
 after ends the stream with an error event and no text twice, and a batch job beside them loses
 nothing; a batch-only worker never takes an interactive request; bad messages put straight on the
-queue never affect a worker.
+queue never affect a worker; a worker holding grammars that compile for long stops at once on SIGTERM
+(issue 34).
 
 Every wait is on a condition, with generous deadlines: the machine is small and loaded."""
 
@@ -52,6 +53,7 @@ from tests.support.paths import ROOT
 from tests.support.processes import free_port
 from tests.support.rabbitmq import PIKA_URL
 from tests.support.serving import client, key_for, serving
+from worker.config import Settings
 from worker.messaging.topology import Topology
 
 DEADLINE = 240.0  # seconds for anything to happen: generous, the machine is loaded; never a sleep
@@ -408,6 +410,54 @@ def test_a_batch_only_worker_never_takes_interactive_requests(tmp_path, tiny_lla
                 assert raised.value.status_code == 503 and raised.value.body["code"] == "engine_unavailable"
             worker.stop()
         finally:
+            kill_if_running(worker.proc)
+
+
+SLOW_PATTERN = "([a-z]{1,20}){1,20}"  # issue 34's: 16 s of compile here unloaded, ~35 s beside two busy loops
+PROMPT_STOP = 30.0  # seconds from SIGTERM to exit, at most: the default drain_timeout is 60 s, so a worker that
+# exits within this one did not drain by timing out; the old code sat in one compile after another (113 s)
+
+
+def test_a_worker_stops_promptly_on_sigterm_whatever_grammars_are_queued(tmp_path, tiny_llama_dir):
+    """Issue 34: eight interactive requests each with a grammar that compiles for many seconds, taken by a
+    ``berth worker`` at the default ``interactive_prefetch`` and ``drain_timeout``, then SIGTERM: the
+    worker exits 0 within ``PROMPT_STOP`` and every request is back in the queue for another worker (none
+    had said anything). Before, the worker's door compiled each one on the loop thread, one after another,
+    and a stop waited for all of them (113 s here)."""
+    with _database() as (db_url, prefix):
+        settings = _settings(tiny_llama_dir, db_url, prefix, tmp_path).model_copy(update={"drain_timeout": 60.0})
+        assert settings.drain_timeout == Settings().drain_timeout  # the default a user gets
+        queue = Topology(prefix).interactive_queue(TINY_NAME)
+        worker = Worker(settings, tmp_path / "sigterm.log", drain_timeout=60)
+        conn = pika.BlockingConnection(pika.URLParameters(PIKA_URL))
+        try:
+            _until(worker.ready, "the worker ready", START, procs=[worker.proc])
+            channel = conn.channel()
+            channel.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True)
+            n = settings.interactive_prefetch
+            for i in range(n):
+                schema = {"type": "string", "pattern": f"{uuid.uuid4().hex[:8]}{SLOW_PATTERN}"}
+                body = {"model": TINY_NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+                channel.basic_publish("", queue.name, json.dumps({"request_id": f"i-slow{i}", "tenant": f"t{i}",
+                                      "url": "/v1/chat/completions", "body": body}).encode(),
+                                      pika.BasicProperties(reply_to="amq.rabbitmq.reply-to", correlation_id=f"s{i}",
+                                                           content_type="application/json"))
+            _until(lambda: channel.queue_declare(queue.name, passive=True).method.message_count == 0,
+                   "the worker took them", procs=[worker.proc])
+            time.sleep(1.0)  # in its hands: compiling
+            started = time.monotonic()
+            worker.proc.send_signal(signal.SIGTERM)
+            try:
+                code = worker.proc.wait(timeout=DEADLINE)
+            except subprocess.TimeoutExpired:
+                code = None
+            took = time.monotonic() - started
+            print(f"the worker exited {code} {took:.1f} s after SIGTERM with {n} grammars in its hands")
+            assert code == 0 and took <= PROMPT_STOP, f"exit {code} after {took:.1f}s: see {worker.log}"
+            assert channel.queue_declare(queue.name, passive=True).method.message_count == n  # all back
+        finally:
+            conn.close()
             kill_if_running(worker.proc)
 
 

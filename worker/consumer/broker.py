@@ -78,6 +78,7 @@ class BrokerLink:
         # the embedded transport has no direct reply-to: berth serve answers in its own process there
         self.interactive_prefetch = 0 if is_embedded(settings) else settings.interactive_prefetch
         self.interactive: kombu.Consumer | None = None  # the model's interactive queue (and the aborts)
+        self.interactive_paused = False  # its consumer cancelled: the worker holds all it may (``interactive_room``)
         self._interactive_received: list[Delivery] = []
         self._aborts: list[str] = []
         self._replies: kombu.Connection | None = None  # publishes interactive requests' events
@@ -117,6 +118,7 @@ class BrokerLink:
         self._interactive_received.clear()
         self._aborts.clear()
         self.interactive = self._consume_interactive() if self.interactive_prefetch else None
+        self.interactive_paused = False
         self.broken = False
         self.metrics.broker_up.set(1)
 
@@ -199,6 +201,26 @@ class BrokerLink:
         request_id = payload.get("request_id") if isinstance(payload, dict) else None
         if isinstance(request_id, str) and len(request_id) <= 200:
             self._aborts.append(request_id)
+
+    def interactive_room(self, room: int) -> None:
+        """Take at most ``room`` more interactive requests: at 0 the interactive queue's consumer is
+        cancelled (the aborts' goes on), and a cancelled one starts again with a prefetch of ``room``
+        once there is room (RabbitMQ applies a consumer's prefetch when it starts). Its prefetch alone
+        cannot bound what a worker holds: a request's message is acked at its first event (so that one
+        whose worker dies before any token goes to another), which frees its place in the prefetch
+        while the request still runs here. Deliveries that were on their way when it paused are the
+        caller's to requeue."""
+        if self.broken or self.interactive is None:
+            return
+        if room <= 0 and not self.interactive_paused:
+            with self._guard():
+                self.interactive.cancel()
+                self.interactive_paused = True
+        elif room > 0 and self.interactive_paused:
+            with self._guard():
+                self.interactive.qos(prefetch_count=min(room, self.interactive_prefetch))
+                self.interactive.consume()
+                self.interactive_paused = False
 
     def take_interactive(self) -> tuple[list[Delivery], list[str]]:
         """The interactive deliveries and aborts received since the last call (by ``receive``)."""
@@ -331,6 +353,7 @@ class BrokerLink:
                 self.consumer.cancel()
                 if self.interactive is not None:
                     self.interactive.cancel()
+                    self.interactive_paused = True  # for good: ``interactive_room`` starts it no more
 
     def close(self) -> None:
         self._release(self.connection)

@@ -8,7 +8,8 @@ request's id, whose body is JSON ``{request_id, tenant, url, body}`` (``message_
 body as the caller sent it. Never a pickled request: any producer with broker access can publish,
 so the worker checks the body again with the batch lines' own front door, which ``jobs`` hands it
 as a ``Door`` (``worker/`` imports nothing of ``jobs/``), just as a request queue's message is
-checked against its row.
+checked against its row. The door does the cheap checks only, on the loop's thread: a grammar is
+compiled by the engine in the background (``worker.engine.admission.GrammarWaits``), never here.
 
 ``RemoteRequests``, on the loop's thread (the one that owns the broker link), each iteration:
 
@@ -24,6 +25,9 @@ checked against its row.
   acked it, and the server ends the stream with an error event once the worker is silent for
   ``interactive_deadline`` seconds. So that silence means death, each live request that said nothing
   for ``KEEPALIVE`` seconds gets a reply with no events;
+- the worker holds at most ``interactive_prefetch`` live requests, acked or not: at that many the
+  queue's consumer pauses (``BrokerLink.interactive_room``) and resumes once one ends; a delivery
+  that came while it was full (on its way when it paused) is requeued, unread, for any worker;
 - an abort (the caller left: ``<prefix>.interactive.abort``) drops the request before the next step
   and acks its message; the ids of the last ``MAX_ABORTED`` aborts are kept, so a request whose
   caller left while it waited in the queue is not run when it comes;
@@ -186,6 +190,7 @@ class RemoteRequests:
         self.inbox, self.broker, self.door, self.metrics, self.name = inbox, broker, door, metrics, name
         self.max_bytes = max_body_bytes + MESSAGE_OVERHEAD
         self.live: dict[str, _Remote] = {}
+        self.limit = broker.interactive_prefetch  # live requests held at once, acked or not
         self.closed = False  # stopping: deliveries go back to the queue
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
@@ -202,6 +207,8 @@ class RemoteRequests:
                 self._drop(request_id)
         for delivery in deliveries:
             self._take(delivery)
+        if not self.closed:
+            self.broker.interactive_room(self.limit - len(self.live))
         self.metrics.interactive_live.set(len(self.live))
 
     def keepalive(self) -> None:
@@ -227,7 +234,7 @@ class RemoteRequests:
 
     # ---- in
     def _take(self, delivery: Delivery) -> None:
-        if self.closed:
+        if self.closed or len(self.live) >= self.limit:  # stopping, or holding all it may: for any worker
             self.broker.requeue(delivery)
             return
         reply_to = delivery.reply_to

@@ -84,7 +84,8 @@ class Engine:
                                    settings.aging_steps, mode,
                                    interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
                                    interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks),
-                                   interactive_step_tokens=self.pace.tokens)
+                                   interactive_step_tokens=self.pace.tokens,
+                                   batch_floor=settings.interactive_batch_floor)
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = loaded.config.vocab_size
         self.hidden_size = loaded.config.hidden_size  # an embedding's length before ``dimensions`` cuts it
@@ -153,8 +154,8 @@ class Engine:
             self._compiling.wait(timeout=0.05)
         outputs = []
         for request, exc in self._compiling.take_done():
-            if exc is not None:
-                outputs.append(self._fail(request, exc))
+            if exc is not None:  # a grammar that does not compile is the request's own: a 400
+                outputs.append(self._fail(request, exc, rejected=isinstance(exc, grammar.GrammarError)))
                 continue
             for seq in request.sequences:
                 self._home(request).add(seq)
@@ -389,11 +390,11 @@ class Engine:
         culprit = self.isolation.step_failed(scheduled, scheduler, exc)
         return [] if culprit is None else [self._fail(culprit, exc)]
 
-    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+    def _fail(self, request: Request, exc: Exception, rejected: bool = False) -> RequestOutput:
         self.abort(request.request_id)
         return RequestOutput(request.request_id, request.prompt_token_ids, [],
                              error=f"{type(exc).__name__}: {exc}"[:2000],
-                             rejected=isinstance(exc, (RequestRejected, grammar.GrammarDeadEnd)))
+                             rejected=isinstance(exc, (RequestRejected, grammar.GrammarDeadEnd)) or rejected)
 
     def _fork_if_due(self, seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
         """When an n > 1 request's prompt is computed, its other samples share the prompt's blocks."""

@@ -6,6 +6,7 @@ ahead of batch work. docs/engine.md says how tenants, priorities and the two cla
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -50,10 +51,14 @@ class _Step:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0,
-                 interactive_blocks: int = 0, interactive_step_tokens: int = 0):
+                 interactive_blocks: int = 0, interactive_step_tokens: int = 0, batch_floor: float = 0.0):
         """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive);
         ``interactive_blocks``: KV blocks that batch sequences never hold; ``interactive_step_tokens``: the
-        tokens of a step while interactive work is in the engine (0: ``max_num_batched_tokens``)."""
+        tokens of a step while interactive work is in the engine (0: ``max_num_batched_tokens``);
+        ``batch_floor``: the share of a step's tokens batch work keeps while interactive work runs and
+        batch work waits (``Settings.interactive_batch_floor``)."""
+        if not 0 <= batch_floor < 1:
+            raise ValueError(f"batch_floor is a share of a step's tokens: at least 0, under 1, not {batch_floor}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, not {preemption_mode!r}")
         self.bm = block_manager
@@ -63,6 +68,7 @@ class Scheduler:
         self.interactive_seats = interactive_seats
         self.interactive_blocks = interactive_blocks
         self.interactive_step_tokens = interactive_step_tokens or max_num_batched_tokens
+        self.batch_floor = batch_floor
         self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
         self.waiting = WaitingQueue(aging_steps, self.shares)
         self.fair = {False: TokenShares(self.shares), True: TokenShares(self.shares)}  # per class
@@ -141,13 +147,23 @@ class Scheduler:
             bound = self.interactive_step_tokens
             streaming = sum(len(s.token_ids) - s.num_computed_tokens == 1 for q in lanes[True].values() for s in q)
             given = budget if not streaming else max(bound, streaming)  # a prompt alone is not cut
+            floor = self.batch_floor if self._batch_waits(lanes[False]) else 0.0
+            if floor:  # interactive work never takes more than the rest of the whole budget
+                given = min(given, budget - math.ceil(floor * budget))
             used = given - self._serve(self._pass(True, lanes[True], out, below=batch), given)
-            budget = min(budget - used, max(0, bound - used))
+            budget, left = min(budget - used, max(0, bound - used)), budget - used
+            if floor:  # batch work's floor: at least ``floor`` of the step's tokens, beyond the bound if need be
+                budget = max(budget, min(left, math.ceil(used * floor / (1 - floor))))
         if self.interactive_blocks:
             batch.keep_free = self._batch_headroom()
         self._serve(batch, budget)
         out.copies = self.bm.take_copies()
         return out
+
+    def _batch_waits(self, running: dict[str, list[Sequence]]) -> bool:
+        """Batch work is running, waiting or swapped out."""
+        return bool(running or self.waiting.tenants(False)
+                    or any(not s.request.interactive for s in self.swapped))
 
     def _batch_headroom(self) -> int:
         """The free blocks batch work must leave: those held for interactive work that interactive
