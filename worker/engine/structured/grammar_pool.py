@@ -87,6 +87,11 @@ class CompilePool:
             self._cond.notify_all()
         return job.future
 
+    def queued(self, tenant: str) -> int:
+        """How many of ``tenant``'s jobs wait for a slot."""
+        with self._cond:
+            return len(self._queues.get(tenant, ()))
+
     def withdraw(self, job: CompileJob) -> bool:
         """Take ``job`` out of its tenant's queue and cancel its future; False once a slot took it."""
         with self._cond:
