@@ -210,6 +210,13 @@ class Settings(BaseModel):
         text=True)
     http_max_form_fields: int = setting(
         16, "Form fields of an upload besides its file (OpenAI's use 3) at most; 400 beyond.")
+    http_max_answer_tokens: int = setting(
+        262_144, "What one chat or completions answer may hold at most, as n x max_tokens x (1 + the logprobs "
+        "entries of a token: 1 + top_logprobs when logprobs are asked): 400 naming max_tokens beyond. The "
+        "default allows n 8 at max_tokens 32768 without logprobs, about 20 MB of JSON with top_logprobs 20.")
+    http_tenant_compiles: int = setting(
+        8, "Chat and completions requests of one tenant waiting for the compile of their structured output at "
+        "once; 429 beyond (a compile already done or asked for by another request does not count).")
     tenant_max_storage_bytes: int = setting(
         100 << 30, "A tenant's files (what GET /v1/files lists) at most; 0: no limit.", text=True)
     tenant_max_files: int = setting(
@@ -331,7 +338,8 @@ class Settings(BaseModel):
     def _http_bytes(cls, v):
         return int(parse_memory(v))
 
-    @field_validator("http_max_body_bytes", "http_max_form_fields", "webhook_senders", "webhook_tenant_in_flight")
+    @field_validator("http_max_body_bytes", "http_max_form_fields", "http_max_answer_tokens", "http_tenant_compiles",
+                     "webhook_senders", "webhook_tenant_in_flight")
     @classmethod
     def _at_least_one(cls, v):
         if v < 1:

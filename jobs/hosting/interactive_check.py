@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from jobs.lines.batch_format import BatchLine, LineError, to_request
+from jobs.lines.batch_format import BatchLine, LineError, check_request
 from jobs.lines.validate import ModelInfo
 from worker.config import Settings
 from worker.consumer.interactive_queue import Refused
@@ -34,9 +34,10 @@ class InteractiveDoor:
         info = self.info
         line = BatchLine(1, "request", url, body)
         try:
-            return to_request(line, info.tokenizer, info.name, info.max_model_len, request_id=request_id,
-                              tenant=tenant, vocab_size=info.vocab_size, structured_limits=info.structured_limits,
-                              hidden_size=info.hidden_size, compile_grammar=False)
+            # every check but the grammar's compile, which the engine does in the background (off this loop)
+            return check_request(line, info.tokenizer, info.name, info.max_model_len, request_id=request_id,
+                                 tenant=tenant, vocab_size=info.vocab_size, structured_limits=info.structured_limits,
+                                 hidden_size=info.hidden_size).request
         except LineError as exc:
             param = exc.param.removeprefix("body.") if exc.param else None
             raise Refused(f"{param}: {exc.message}" if param else exc.message, "invalid_request") from None

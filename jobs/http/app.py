@@ -237,7 +237,7 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
                                            retry))
 
     # ---- chat and completions, answered now (jobs.http.completions)
-    add_completion_routes(app, channel, lambda: model_info(settings), TenantName, model_name)
+    add_completion_routes(app, channel, lambda: model_info(settings), TenantName, model_name, settings)
 
     # ---- models
     def model_object() -> dict:

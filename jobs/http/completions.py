@@ -4,11 +4,16 @@ as a batch line is (``jobs.lines.batch_format.to_request``); the request runs th
 ``InteractiveChannel``, ahead of batch work; a caller that disconnects aborts it (docs/http-api.md).
 """
 
+import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -21,12 +26,15 @@ from jobs.http.completion_bodies import openapi_body
 from jobs.http.errors import ApiError, error_response
 from jobs.http.interactive_channel import InteractiveChannel, Subscription
 from jobs.http.schemas import ErrorBody
-from jobs.lines.batch_format import BatchLine, LineError, response_line, to_request
+from jobs.lines.batch_format import BatchLine, CheckedRequest, LineError, check_request, response_line
 from jobs.lines.batch_format import _logprobs as logprobs_object
 from jobs.lines.line_text import shown
 from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL
+from jobs.lines.structured_outputs import GrammarCheck
 from jobs.lines.validate import ModelInfo
+from worker.config import Settings
 from worker.consumer.interactive_inbox import Delta, Done, Failed
+from worker.engine.structured.grammar_compile import GrammarError
 
 log = logging.getLogger("berth.http")
 
@@ -36,9 +44,44 @@ _ANSWERS = {200: {"content": {"application/json": {"schema": {"type": "object"}}
 
 
 def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, model: Callable[[], ModelInfo],
-                          tenant_dependency, model_name: str | None = None) -> None:
+                          tenant_dependency, model_name: str | None = None, settings: Settings | None = None) -> None:
     """The two routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's;
-    ``model_name``, the served model's, is the one the OpenAPI document names (``jobs.http.completion_bodies``)."""
+    ``model_name``, the served model's, is the one the OpenAPI document names (``jobs.http.completion_bodies``).
+    ``app.state.stopping``, set when the server stops, ends the waits for compiles (503)."""
+    settings = settings or Settings.model_construct()
+    compiling = _TenantCounts(settings.http_tenant_compiles)
+    stopping = app.state.stopping = asyncio.Event()
+
+    def check(line: BatchLine, info: ModelInfo, request_id: str, tenant: str) -> tuple[CheckedRequest, list]:
+        """The body checked (on a pool thread: tokenizing is work), its compiles asked for, not waited for."""
+        try:
+            checked = check_request(line, info.tokenizer, info.name, info.max_model_len, request_id=request_id,
+                                    tenant=tenant, vocab_size=info.vocab_size,
+                                    structured_limits=info.structured_limits, hidden_size=info.hidden_size)
+        except LineError as exc:
+            raise ApiError(400, exc.message, _param(exc.param), exc.code) from None
+        _within_answer_limit(checked.request.params, settings.http_max_answer_tokens)
+        if not checked.grammars:
+            return checked, []
+        from worker.engine.structured.grammar import (
+            compiler_for,  # torch: paid by the first constraint, not by every server's import
+        )
+
+        waits: list[_Compile] = []
+        try:
+            for grammar in checked.grammars:
+                wait = compiler_for(info.tokenizer).wait(grammar.spec, tenant, info.structured_limits.compile)
+                waits.append(_Compile(grammar, wait))
+                if not wait.future.done():
+                    if not compiling.enter(tenant):
+                        raise ApiError(429, f"this tenant has {compiling.limit} requests waiting for the compile of "
+                                       "their structured outputs (BERTH_HTTP_TENANT_COMPILES): retry once one is "
+                                       "answered", None, "rate_limit_exceeded")
+                    waits[-1].counted = tenant
+        except BaseException:
+            _leave(waits, compiling)
+            raise
+        return checked, waits
 
     async def answer(request: Request, tenant: str, url: str) -> Response:
         body = _json_object(await request.body())
@@ -47,16 +90,22 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
         line = BatchLine(1, "request", url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
         request_id = f"i-{uuid.uuid4().hex[:24]}"
         try:
-            engine_request = await run_in_threadpool(
-                to_request, line, info.tokenizer, info.name, info.max_model_len, request_id=request_id,
-                tenant=tenant, vocab_size=info.vocab_size, structured_limits=info.structured_limits,
-                hidden_size=info.hidden_size)
-        except LineError as exc:
-            raise ApiError(400, exc.message, _param(exc.param), exc.code) from None
-        except Exception as exc:
-            log.warning("checking a %s body raised", url, exc_info=True)
-            raise ApiError(400, f"the request could not be checked ({type(exc).__name__}); fix it or report it as a "
-                           "bug", None, "invalid_request") from None
+            checked, waits = await run_in_threadpool(check, line, info, request_id, tenant)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (whatever the check raises: this request's 400, logged)
+            raise _unchecked(url, exc) from None
+        try:  # the compiles awaited here, no thread held; a caller that leaves withdraws its own
+            if (why := await _compiled(request.receive, waits, stopping)) == "left":
+                log.info("chat or completions request %s: its caller left while its grammar compiled", request_id)
+                return Response(status_code=499)  # nobody reads it
+            if why == "stopping":
+                raise ApiError(503, "this server is stopping: try again once it is back", None, "server_stopping")
+            for compile_ in waits:
+                _compile_result(checked, compile_, url)
+        finally:
+            _leave(waits, compiling)
+        engine_request = checked.request
         if channel is None or not channel.ready():
             raise ApiError(503, "no engine takes requests answered at once now: with a broker, run a `berth worker` "
                            "with --interactive-prefetch above 0 (the default) for this model; on the embedded "
@@ -76,6 +125,110 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
     @app.post("/v1/completions", summary="OpenAI's completions, answered now (stream or not)", **extra(COMPLETIONS_URL))
     async def completions(request: Request, tenant: tenant_dependency) -> Response:
         return await answer(request, tenant, COMPLETIONS_URL)
+
+
+class _TenantCounts:
+    """Per tenant, how many of its requests wait for a compile; at most ``limit`` each."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def enter(self, tenant: str) -> bool:
+        with self._lock:
+            if self._counts[tenant] >= self.limit:
+                return False
+            self._counts[tenant] += 1
+            return True
+
+    def exit(self, tenant: str) -> None:
+        with self._lock:
+            self._counts[tenant] -= 1
+            if self._counts[tenant] <= 0:
+                del self._counts[tenant]
+
+
+@dataclass
+class _Compile:
+    grammar: GrammarCheck
+    wait: Any  # worker.engine.structured.grammar.Wait
+    counted: str | None = None  # the tenant it counts for in _TenantCounts
+
+
+def _leave(waits: list[_Compile], counts: _TenantCounts) -> None:
+    for compile_ in waits:
+        compile_.wait.leave()
+        if compile_.counted is not None:
+            counts.exit(compile_.counted)
+            compile_.counted = None
+
+
+async def _compiled(receive: Receive, waits: list[_Compile], stopping: asyncio.Event) -> str | None:
+    """None once every compile is done; "left" if the caller left first, "stopping" if the server stops."""
+    pending = [_on_loop(c.wait.future) for c in waits if not c.wait.future.done()]
+    if not pending:
+        return None
+    tasks = {asyncio.ensure_future(asyncio.gather(*pending)): None,
+             asyncio.ensure_future(_disconnect(receive)): "left", asyncio.ensure_future(stopping.wait()): "stopping"}
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    whys = [tasks[task] for task in done]
+    return "left" if "left" in whys else "stopping" if "stopping" in whys else None
+
+
+def _on_loop(future: Future) -> asyncio.Future:
+    """An asyncio future done once ``future`` is; cancelling it leaves ``future`` alone (others may wait on it)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def finished(_) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:  # the loop has closed: nobody waits
+            pass
+
+    future.add_done_callback(finished)
+    return done
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _compile_result(checked: CheckedRequest, compile_: _Compile, url: str) -> None:
+    """``ApiError`` unless the compile succeeded."""
+    future = compile_.wait.future
+    if future.cancelled():
+        raise ApiError(503, "the compile of the structured output was cancelled: try again", None,
+                       "server_unavailable")
+    exc = future.exception()
+    if isinstance(exc, GrammarError):
+        error = checked.refused(compile_.grammar.refusal(exc))
+        raise ApiError(400, error.message, _param(error.param), error.code)
+    if exc is not None:
+        raise _unchecked(url, exc)
+
+
+def _unchecked(url: str, exc: BaseException) -> ApiError:
+    log.warning("checking a %s body raised", url, exc_info=exc)
+    return ApiError(400, f"the request could not be checked ({type(exc).__name__}); fix it or report it as a bug",
+                    None, "invalid_request")
+
+
+def _within_answer_limit(params, limit: int) -> None:
+    """400 naming max_tokens when the answer could hold more than ``limit`` tokens and logprobs entries."""
+    per_token = 1 + (0 if params.logprobs is None else 1 + params.logprobs)
+    size = params.n * params.max_tokens * per_token
+    if size > limit:
+        raise ApiError(400, f"max_tokens: n {params.n} x max_tokens {params.max_tokens} x {per_token} (a token and "
+                       f"its logprobs entries) is {size:,}, over the {limit:,} one answer may hold "
+                       "(BERTH_HTTP_MAX_ANSWER_TOKENS): ask for fewer tokens, samples or top_logprobs",
+                       "max_tokens", "answer_too_large")
 
 
 def _json_object(raw: bytes) -> dict:

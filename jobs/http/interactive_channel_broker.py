@@ -39,7 +39,7 @@ COUNT_INTERVAL = 2.0  # seconds between counts of the queue's consumers (``ready
 @dataclass(eq=False)
 class _Sub:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    subscription: Subscription
     opened: float = field(default_factory=time.monotonic)
     last_heard: float = field(default_factory=time.monotonic)
     seq: int = 0  # the last reply with events taken
@@ -75,12 +75,12 @@ class BrokerChannel:
         return None  # the settings' model: this server runs no engine
 
     def open(self, request: Request, line: BatchLine) -> Subscription:
-        queue: asyncio.Queue = asyncio.Queue()
+        subscription = Subscription(request.request_id, self._abort)
         body = message_body(request.request_id, request.tenant, line.url, line.body)
         with self._lock:
-            self._subs[request.request_id] = _Sub(asyncio.get_running_loop(), queue)
+            self._subs[request.request_id] = _Sub(asyncio.get_running_loop(), subscription)
             self._outbox.append(("request", request.request_id, body))
-        return Subscription(request.request_id, queue, self._abort)
+        return subscription
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
@@ -216,6 +216,6 @@ class BrokerChannel:
                 self._subs.pop(request_id, None)
         sub.started = True
         try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, events)
+            sub.loop.call_soon_threadsafe(sub.subscription.put, events)
         except RuntimeError:  # its event loop has closed: nobody reads it
             self._abort(request_id)

@@ -135,6 +135,14 @@ class _Uvicorn(uvicorn.Server):
     def capture_signals(self):
         yield
 
+    async def shutdown(self, sockets=None) -> None:
+        """First end the requests waiting for a grammar's compile (``jobs.http.completions``): a compile
+        may be queued for minutes, and uvicorn waits for every request it serves."""
+        stopping = getattr(self.config.app.state, "stopping", None)
+        if stopping is not None:
+            stopping.set()
+        await super().shutdown(sockets)
+
 
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

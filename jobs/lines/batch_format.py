@@ -10,7 +10,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jobs.lines.chat_messages import template_messages
@@ -18,10 +18,10 @@ from jobs.lines.embeddings_format import embedding_body, embedding_request
 from jobs.lines.line_error import CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError  # noqa: F401 (imported from here by the other modules)
 from jobs.lines.line_text import bad_text, shown
 from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
-from jobs.lines.structured_outputs import DEFAULT_LIMITS, SpecError, StructuredLimits, structured_output
+from jobs.lines.structured_outputs import DEFAULT_LIMITS, GrammarCheck, SpecError, StructuredLimits, structured_check
 from jobs.lines.tool_formats import FORMATS, call_id
 from jobs.lines.tool_prompt import for_template
-from jobs.lines.tools import NO_TOOLS, compile_plan, tool_plan
+from jobs.lines.tools import NO_TOOLS, plan_check, tool_plan
 from worker.engine.request import Request, RequestOutput, SamplingParams
 
 MAX_LINE_BYTES = 1 << 20  # a request line longer than this is refused
@@ -237,19 +237,46 @@ def cache_salt(line: BatchLine) -> str | None:
 
 def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
                priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
-               structured_limits: StructuredLimits = DEFAULT_LIMITS, hidden_size: int | None = None,
-               compile_grammar: bool = True) -> Request:
+               structured_limits: StructuredLimits = DEFAULT_LIMITS, hidden_size: int | None = None) -> Request:
     """Check the body against the model and turn it into an engine request. ``vocab_size`` is the
     model's (its logits' width; default the tokenizer's size): token ids must be below it and the
     tokenizer's size both. A structured-output constraint is checked and compiled last, once the
-    cheaper checks passed. An embeddings line is ``jobs.lines.embeddings_format``'s (``hidden_size``: the
-    model's, the most ``dimensions`` it may ask for). ``compile_grammar=False``: the constraint is checked but
-    not compiled, for a caller that hands the request to an engine, which compiles it in the background
-    and fails the request with the reason if it does not compile (the worker's interactive queue)."""
+    cheaper checks passed, waiting on this thread (``check_request`` leaves the compile to its caller).
+    An embeddings line is ``jobs.lines.embeddings_format``'s (``hidden_size``: the model's, the most
+    ``dimensions`` it may ask for)."""
+    checked = check_request(line, tokenizer, model_name, max_model_len, request_id, priority, tenant, vocab_size,
+                            structured_limits, hidden_size)
+    for grammar in checked.grammars:
+        try:
+            grammar.compile(tokenizer, structured_limits, tenant)
+        except SpecError as exc:
+            raise checked.refused(exc) from None
+    return checked.request
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request the door accepted but for the compiles of its constraints (``grammars``):
+    ``to_request`` waits for them on its thread, ``berth serve`` awaits them (``jobs.http.completions``)."""
+
+    line: BatchLine
+    request: Request
+    grammars: tuple[GrammarCheck, ...]
+
+    def refused(self, exc: SpecError) -> LineError:
+        """The line's error for a grammar's refusal (``GrammarCheck.refusal``)."""
+        return LineError(self.line.line, exc.param, exc.message, self.line.custom_id)
+
+
+def check_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
+                  priority: int = 0, tenant: str = "default", vocab_size: int | None = None,
+                  structured_limits: StructuredLimits = DEFAULT_LIMITS,
+                  hidden_size: int | None = None) -> CheckedRequest:
+    """``to_request`` but for the compiles: every check of the body, and the constraints left to compile."""
     if line.url == EMBEDDINGS_URL:
         limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
-        return embedding_request(line, tokenizer, model_name, max_model_len, request_id, priority, tenant, limit,
-                                 hidden_size)
+        return CheckedRequest(line, embedding_request(line, tokenizer, model_name, max_model_len, request_id,
+                                                      priority, tenant, limit, hidden_size), ())
     if (unknown := unknown_field(line.url, line.body)) is not None:
         raise LineError(line.line, *unknown, line.custom_id)
     model = line.body.get("model")
@@ -278,16 +305,16 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
                         f"the prompt is {len(ids)} tokens; with max_tokens {shown(params.max_tokens)} it exceeds the "
                         f"model's context of {max_model_len} tokens", line.custom_id, code="context_length_exceeded")
     try:
-        structured = structured_output(line.body, tokenizer, structured_limits, tenant, compile_grammar)
+        structured = structured_check(line.body, structured_limits)
         if structured is not None and tools.structured is not None:
             raise SpecError("body.tool_choice", "a required tool call is a constraint on the output, and so is "
                             "the structured output asked for: keep one of them")
-        if compile_grammar:
-            compile_plan(tools, tokenizer, structured_limits, tenant)
     except SpecError as exc:
         raise LineError(line.line, exc.param, exc.message, line.custom_id) from None
-    params = replace(params, structured=structured or tools.structured, tool_calls=tools.tool_calls)
-    return Request(request_id, ids, params, priority=priority, tenant=tenant, cache_salt=cache_salt(line))
+    grammar = structured or plan_check(tools)
+    params = replace(params, structured=grammar and grammar.spec, tool_calls=tools.tool_calls)
+    request = Request(request_id, ids, params, priority=priority, tenant=tenant, cache_salt=cache_salt(line))
+    return CheckedRequest(line, request, (grammar,) if grammar is not None else ())
 
 
 def response_line(line: BatchLine, output: RequestOutput, model_name: str, tokenizer,

@@ -61,11 +61,44 @@ class StructuredLimits:
 DEFAULT_LIMITS = StructuredLimits.of(Settings.model_construct())
 
 
+@dataclass(frozen=True)
+class GrammarCheck:
+    """A constraint the door accepted but for its compile: ``param`` names its field, ``what`` begins
+    the refusal when it does not compile (``refusal``)."""
+
+    param: str
+    spec: StructuredOutput
+    what: str = "the grammar library cannot compile it"
+
+    def refusal(self, exc: GrammarError) -> SpecError:
+        return SpecError(self.param, f"{self.what}: {str(exc)[:_REASON_CHARS]}")
+
+    def compile(self, tokenizer, limits: StructuredLimits, tenant: str) -> None:
+        """Compile it now, waiting on this thread (in ``tenant``'s turn); ``SpecError`` if it does not compile."""
+        from worker.engine.structured.grammar import (
+            check,  # torch: paid by the first constraint, not by every door's import
+        )
+
+        try:
+            check(self.spec, tokenizer, limits.compile, tenant)
+        except GrammarError as exc:
+            raise self.refusal(exc) from None
+
+
 def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_LIMITS,
-                      tenant: str = "default", compile_grammar: bool = True) -> StructuredOutput | None:
+                      tenant: str = "default") -> StructuredOutput | None:
     """The one constraint ``body`` asks for, checked and compiled for ``tokenizer`` (in ``tenant``'s
-    turn); None for none. Raises ``SpecError`` naming the field that is wrong. ``compile_grammar=False``: the
-    cheap checks only, the compile left to the engine (which fails the request if it does not compile)."""
+    turn); None for none. Raises ``SpecError`` naming the field that is wrong."""
+    grammar = structured_check(body, limits)
+    if grammar is None:
+        return None
+    grammar.compile(tokenizer, limits, tenant)
+    return grammar.spec
+
+
+def structured_check(body: dict, limits: StructuredLimits = DEFAULT_LIMITS) -> GrammarCheck | None:
+    """The one constraint ``body`` asks for, checked but not compiled; None for none. Raises
+    ``SpecError`` naming the field that is wrong."""
     for name, why in _UNSUPPORTED.items():
         if body.get(name) is not None:
             raise SpecError(f"body.{name}", why)
@@ -76,18 +109,7 @@ def structured_output(body: dict, tokenizer, limits: StructuredLimits = DEFAULT_
     if not asked:
         return None
     param, kind, value = asked[0]
-    spec = StructuredOutput(kind, _checked_value(param, kind, value, limits))
-    if not compile_grammar:
-        return spec
-    from worker.engine.structured.grammar import (
-        check,  # torch: paid by the first constraint, not by every door's import
-    )
-
-    try:
-        check(spec, tokenizer, limits.compile, tenant)
-    except GrammarError as exc:
-        raise SpecError(param, f"the grammar library cannot compile it: {str(exc)[:_REASON_CHARS]}") from None
-    return spec
+    return GrammarCheck(param, StructuredOutput(kind, _checked_value(param, kind, value, limits)))
 
 
 def _constraints(body: dict):

@@ -10,10 +10,9 @@ import re
 from dataclasses import dataclass
 
 from jobs.lines.line_text import bad_text, shown
-from jobs.lines.structured_outputs import SpecError, StructuredLimits, schema_text, within
+from jobs.lines.structured_outputs import GrammarCheck, SpecError, StructuredLimits, schema_text, within
 from jobs.lines.tool_formats import ToolFormat, call_schema, format_of
 from worker.engine.request import StructuredOutput
-from worker.engine.structured.grammar_compile import GrammarError
 from worker.engine.structured.schema_bounds import over_bounds
 
 MAX_TOOLS = 128  # as OpenAI
@@ -64,17 +63,15 @@ def tool_plan(body: dict, tokenizer, limits: StructuredLimits) -> ToolPlan:
 def compile_plan(plan: ToolPlan, tokenizer, limits: StructuredLimits, tenant: str = "default") -> None:
     """Compile the plan's constraint for ``tokenizer`` in ``tenant``'s turn (cached for the engine),
     or ``SpecError``: done last, once the cheaper checks of the line passed."""
-    if plan.structured is None:
-        return
-    from worker.engine.structured.grammar import (
-        check,  # torch: paid by the first tools line, not by every door's import
-    )
+    if (grammar := plan_check(plan)) is not None:
+        grammar.compile(tokenizer, limits, tenant)
 
-    try:
-        check(plan.structured, tokenizer, limits.compile, tenant)
-    except GrammarError as exc:
-        raise SpecError("body.tool_choice", f"the grammar library cannot compile a call of these tools: "
-                        f"{str(exc)[:_REASON_CHARS]}") from None
+
+def plan_check(plan: ToolPlan) -> GrammarCheck | None:
+    """The plan's constraint, to compile (``compile_plan``); None for none."""
+    if plan.structured is None:
+        return None
+    return GrammarCheck("body.tool_choice", plan.structured, "the grammar library cannot compile a call of these tools")
 
 
 def _tools(value, limits: StructuredLimits) -> dict[str, dict]:

@@ -35,8 +35,8 @@ from worker.model.tokenizer import as_transformers
 if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar never pays its import
     import xgrammar as xgr
 
-__all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarDeadEnd", "GrammarError", "accept",
-           "apply_bitmask",
+__all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarDeadEnd", "GrammarError", "Wait",
+           "accept", "apply_bitmask",
            "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
@@ -55,7 +55,7 @@ class Compiler:
         self.info = tokenizer_info(tokenizer, vocab_size, list(stop_token_ids) if stop_token_ids else None)
         self.vocab_size = self.info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        self._cache: OrderedDict[bytes, Future] = OrderedDict()
+        self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._info_json: str | None = None
         self._info_lock = threading.Lock()
@@ -70,31 +70,84 @@ class Compiler:
 
     def submit(self, spec: StructuredOutput, tenant: str = "default", rules: CompileRules = DEFAULT_RULES) -> Future:
         """A future of the compiled grammar (``GrammarError`` when it does not compile, or not in
-        ``rules.seconds``). Compiled for ``tenant``, in its turn among the tenants."""
+        ``rules.seconds``). Compiled for ``tenant``, in its turn among the tenants; kept in its queue
+        whoever else leaves (``wait``)."""
+        return self._entry(spec, tenant, rules, leaving=False).future
+
+    def wait(self, spec: StructuredOutput, tenant: str = "default", rules: CompileRules = DEFAULT_RULES) -> Wait:
+        """``submit``, for a caller that may leave before the compile is done (``Wait.leave``): a
+        compile still queued that nobody else waits for is then taken out of its queue."""
+        return Wait(self, self._entry(spec, tenant, rules, leaving=True))
+
+    def _entry(self, spec: StructuredOutput, tenant: str, rules: CompileRules, leaving: bool) -> _Entry:
         key = hashlib.sha256(json.dumps([spec.kind, spec.value]).encode()).digest()
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not _ran_out_sooner(future, rules.seconds):
+            entry = self._cached(key, rules)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                return future
+                return entry.held(leaving)
         if (why := too_costly(spec, rules)) is not None:  # not cached: the bounds may be raised
             future = Future()
             future.set_exception(GrammarError(why))
-            return future
+            return _Entry(key, future, None)
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not _ran_out_sooner(future, rules.seconds):
-                return future
-            future = compile_pool().submit(CompileJob(spec, tenant, rules, self.vocabulary,
-                                                      lambda: self.compile(spec)))
-            self._cache[key] = future
+            entry = self._cached(key, rules)
+            if entry is not None:
+                return entry.held(leaving)
+            job = CompileJob(spec, tenant, rules, self.vocabulary, lambda: self.compile(spec))
+            entry = _Entry(key, compile_pool().submit(job), job)
+            self._cache[key] = entry
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-            return future
+            return entry.held(leaving)
+
+    def _cached(self, key: bytes, rules: CompileRules) -> _Entry | None:
+        entry = self._cache.get(key)
+        if entry is None or entry.future.cancelled() or _ran_out_sooner(entry.future, rules.seconds):
+            return None
+        return entry
+
+    def _leave(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.leavers -= 1
+            if entry.leavers > 0 or entry.kept or entry.job is None or entry.future.done():
+                return
+            if compile_pool().withdraw(entry.job) and self._cache.get(entry.key) is entry:
+                del self._cache[entry.key]
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         """Compile ``spec`` now, on the calling thread, uncached (once it passed its trial)."""
         return compile_spec(self._compiler, spec)
+
+
+class _Entry:
+    """A spec's compile: its future, its job in the pool, and who waits for it."""
+
+    def __init__(self, key: bytes, future: Future, job: CompileJob | None):
+        self.key, self.future, self.job = key, future, job
+        self.leavers = 0  # callers waiting that may leave (``Compiler.wait``)
+        self.kept = False  # a caller that never leaves waits too (``Compiler.submit``, the engine)
+
+    def held(self, leaving: bool) -> _Entry:
+        if leaving:
+            self.leavers += 1
+        else:
+            self.kept = True
+        return self
+
+
+class Wait:
+    """One caller's wait for a compile (``Compiler.wait``): ``future`` resolves when it is done; ``leave``
+    once, when the caller no longer waits (it left, or it has the result)."""
+
+    def __init__(self, compiler: Compiler, entry: _Entry):
+        self.future, self._compiler, self._entry = entry.future, compiler, entry
+        self._left = False
+
+    def leave(self) -> None:
+        if not self._left:
+            self._left = True
+            self._compiler._leave(self._entry)
 
 
 def _ran_out_sooner(future: Future, seconds: float) -> bool:

@@ -87,6 +87,24 @@ class CompilePool:
             self._cond.notify_all()
         return job.future
 
+    def queued(self, tenant: str) -> int:
+        """How many of ``tenant``'s jobs wait for a slot."""
+        with self._cond:
+            return len(self._queues.get(tenant, ()))
+
+    def withdraw(self, job: CompileJob) -> bool:
+        """Take ``job`` out of its tenant's queue and cancel its future; False once a slot took it."""
+        with self._cond:
+            queue = self._queues.get(job.tenant)
+            at = next((i for i, queued in enumerate(queue or ()) if queued is job), None)
+            if at is None:
+                return False
+            del queue[at]
+            if not queue:
+                del self._queues[job.tenant]
+            job.future.cancel()
+            return True
+
     def take(self) -> CompileJob:
         """The next job a slot runs: the first waiting tenant, in turn, still under its share."""
         with self._cond:
