@@ -138,6 +138,16 @@ class Settings(BaseModel):
         "auto", "The linear layers' weights: auto, the model's dtype (exact); or int8, the q/k/v/o and "
         "gate/up/down weights as int8 with a float32 scale per output row (worker/model/linear.py): decode "
         "streams a quarter of float32's bytes; not bit-exact.", cli="engine")
+    async_scheduling: Literal["auto", "on", "off"] = setting(
+        "auto", "Overlap the host's work with the device's: each step is scheduled and launched before the host "
+        "reads the tokens of the one before (vLLM's async scheduling); outputs are the same. auto: on where the "
+        "device runs apart from the host (CUDA, a simulated device), off on the CPU, where the model runs on the "
+        "host itself. Steps with grammars, penalties or an n > 1 request forking run without it.", cli="engine")
+    simulated_device: str = setting(
+        "", "For benchmarks and tests, never production: run the engine's steps on a simulated GPU instead of "
+        "the model, GPU:SHAPE (e.g. h200:llama-3-8b; worker/engine/simulated_device.py): each step takes the time "
+        "that shape takes on that GPU by a roofline, the CPU free meanwhile, and its tokens are a hash of the "
+        "context. The model's tokenizer is used. Empty: the real model.", cli="engine")
 
     # --- engine
     kv_memory: float = setting(
@@ -401,6 +411,13 @@ class Settings(BaseModel):
     def _not_negative(cls, v):
         if v < 0:
             raise ValueError("must not be negative")
+        return v
+
+    @field_validator("simulated_device")
+    @classmethod
+    def _simulated_device(cls, v):
+        if v and not re.fullmatch(r"[a-z0-9]+:[a-z0-9.\-]+", v):
+            raise ValueError(f"simulated_device {v!r}: give GPU:SHAPE, e.g. h200:llama-3-8b")
         return v
 
     @field_validator("block_size")

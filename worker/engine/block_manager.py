@@ -163,6 +163,12 @@ class BlockManager:
         self.cached[block_hash] = block
         return block
 
+    def name_resolved(self, seq: Sequence) -> None:
+        """Name the full blocks of ``seq`` that ``_cache_full_blocks`` skipped while their last token was in
+        flight, now that it is known."""
+        if self.enable_prefix_cache and len(seq.token_ids) // self.block_size > len(seq.block_hashes):
+            self._cache_full_blocks(seq, len(seq.block_hashes), seq.num_computed_tokens)
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -189,8 +195,10 @@ class BlockManager:
         return block
 
     def hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash ``seq``'s full blocks among its first ``num_tokens``, up to its last known token (a token
+        still in flight on the device is not known: its block is named once it is, ``name_resolved``)."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), num_tokens // bs):
+        for i in range(len(seq.block_hashes), min(num_tokens, len(seq.token_ids)) // bs):
             parent = seq.block_hashes[i - 1] if i else hash_root(seq.long_rope, seq.request.cache_key)
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
@@ -203,7 +211,7 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return
         self.hash_full_blocks(seq, num_tokens)
-        for i in range(first_block, num_tokens // self.block_size):
+        for i in range(first_block, min(num_tokens // self.block_size, len(seq.block_hashes))):
             block = seq.block_table[i]
             if self.block_hash[block] is None:
                 h = seq.block_hashes[i]

@@ -22,11 +22,13 @@ from worker.engine.admission import GrammarWaits, RequestRejected
 from worker.engine.block_manager import BlockManager
 from worker.engine.isolation import Isolation
 from worker.engine.kv_view import KVView, RequestState, SampleState, SharedPrefix, fingerprint
-from worker.engine.model_runner import ModelRunner
+from worker.engine.launched_step import LaunchedStep, StepFailed
+from worker.engine.model_runner import ModelRunner, fill_inputs
 from worker.engine.penalties import TokenCounts
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, Sequence
-from worker.engine.sampler import SampleRow, sample
+from worker.engine.sampler import SampleRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.simulated_device import SimulatedRunner
 from worker.engine.stats import CLASSES, EngineStats, StepLatencies
 from worker.engine.step_pace import StepPace
 from worker.engine.structured import grammar
@@ -69,10 +71,14 @@ class Engine:
         context = context_length(loaded.config)  # the whole context: sliding windows do not cap it
         self.max_model_len = min(settings.max_model_len or context, context)
         self.long_rope_from = long_rope_from(loaded.config)  # None but for a longrope model
-        self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
-                                  kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
-                                  max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len,
-                                  kv_cache_dtype=settings.kv_cache_dtype, weight_dtype=settings.weight_dtype)
+        if settings.simulated_device:  # benchmarks and tests only: a GPU's pace, no model (simulated_device.py)
+            self.runner = SimulatedRunner(loaded, settings.simulated_device, block_size=settings.block_size,
+                                          max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len)
+        else:
+            self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
+                                      kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
+                                      max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len,
+                                      kv_cache_dtype=settings.kv_cache_dtype, weight_dtype=settings.weight_dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         # the tokens of a step while interactive requests run, learnt from the steps' times
@@ -102,6 +108,10 @@ class Engine:
         # Told the ids of requests about to run for the first time, before the step that runs them: a
         # worker that dies in that step has said which requests it was running (poison counts them).
         self.on_start: Callable[[list[str]], None] | None = None
+        # Steps overlapped with the device (``step``): on where the device runs apart from the host
+        self.overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto" and (
+            bool(settings.simulated_device) or self.device.type == "cuda"))
+        self._in_flight: LaunchedStep | None = None  # the step whose tokens the host has not read yet
         log.info("engine ready (%.1fs since the process started)", seconds_since_start())
 
     # ---- requests in and out
@@ -233,16 +243,37 @@ class Engine:
     # ---- the step
     def step(self) -> list[RequestOutput]:
         """One scheduled step; the requests it finished (or failed, with ``RequestOutput.error``). A failed
-        step's requests are tried again in halves, and isolated requests step alone (docs/engine.md)."""
+        step's requests are tried again in halves, and isolated requests step alone (docs/engine.md).
+
+        Overlapped (``overlap``): the step is launched before the host reads the tokens of the one before,
+        which it finishes while the device runs this one; a sequence's token in flight is counted
+        (``Sequence.inflight``) and the next step takes it as input on the device. So a request finishes in
+        the step after the one that sampled its last token; its text is the same."""
         self.latencies = StepLatencies()
         outputs = self._admit_compiled() if self._compiling else []
+        previous, self._in_flight = self._in_flight, None
         if self.isolation.probation:
+            outputs += self._resolve(previous)
             return outputs + self.isolation.probe_step(self._run, lambda r: r.request_id in self.requests)
         if self._isolating():
+            outputs += self._resolve(previous)
             return outputs + self._isolated_step()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        outputs += self._run(plan, self.scheduler)
+        try:
+            done, launched = self._launch(plan, self.scheduler, previous)
+        except StepFailed as failed:  # the tokens before it first: the failure sets its sequences back
+            outputs += failed.outputs + self._resolve(previous)
+            alive = [(seq, n) for seq, n in failed.scheduled
+                     if not seq.is_finished and seq.request.request_id in self.requests]
+            return outputs + self._step_failed(alive, self.scheduler, failed.exc)
+        outputs += done + self._resolve(previous)
+        if launched is not None:
+            if self.overlap and launched.may_defer(self.long_rope_from is None):
+                launched.defer(self.max_model_len)
+                self._in_flight = launched
+            else:
+                outputs += self._resolve(launched)
         self.pace.observe(plan, time.perf_counter() - t0)
         self.scheduler.interactive_step_tokens = self.pace.tokens
         return outputs
@@ -272,6 +303,18 @@ class Engine:
         return outputs
 
     def _run(self, plan: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
+        """Run ``plan`` and read its tokens at once (isolated and probing steps)."""
+        try:
+            outputs, launched = self._launch(plan, scheduler, None)
+        except StepFailed as failed:
+            return failed.outputs + self._step_failed(failed.scheduled, scheduler, failed.exc)
+        return outputs + self._resolve(launched)
+
+    def _launch(self, plan: SchedulerOutput, scheduler: Scheduler,
+                previous: LaunchedStep | None) -> tuple[list[RequestOutput], LaunchedStep | None]:
+        """Run ``plan`` on the device and launch its draw; the requests it finished without a draw (pooled
+        embeddings) and the draw, None when nothing samples. ``previous``: the step in flight, whose tokens
+        are this one's inputs where it decodes them. ``StepFailed`` when the step raised."""
         self.stats.preemptions += len(plan.preempted)
         self.stats.prompt_tokens_cached += plan.num_cached_tokens
         for seq, blocks in plan.swap_out:
@@ -280,7 +323,7 @@ class Engine:
         for seq, blocks in plan.swap_in:
             self.runner.write_blocks(blocks, self._swapped_kv.pop(seq.seq_id))
         if not plan.scheduled:
-            return []
+            return [], None
         fresh = [seq.request for seq, _ in plan.scheduled if not seq.request.started]
         if fresh:
             for request in fresh:
@@ -290,13 +333,15 @@ class Engine:
         scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
         try:
             step_input, samplers, pool = self.runner.prepare(scheduled)
+            if previous is not None:
+                fill_inputs(step_input, previous.draw.tokens)
             t0 = time.perf_counter()
             logits, pooled = self.runner.execute(step_input)
             if pool is not None:
                 pooling.pool_step(pool, pooled, self.runner.pooling)
             self.stats.forward_seconds += time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 (whatever a request made the step raise: find it, fail it alone)
-            return self._step_failed(scheduled, scheduler, exc)
+        except Exception as exc:
+            raise StepFailed([], scheduled, exc) from exc
         self.stats.steps += 1
         self.stats.count_computed(scheduled)
         for seq, n in scheduled:  # their keys and values are in the cache now
@@ -306,17 +351,35 @@ class Engine:
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
         outputs = self._finish_pooled(pool, scheduler) if pool is not None else []
         if not samplers:
-            return outputs
+            return outputs, None
         try:
             rows, logits = self._sampling_rows(logits, samplers, scheduler)
             constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
             mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
                                                       self.grammars.vocab_size)) if constrained else None
-            sampled = sample(logits, [self._sample_row(s) for s in rows], mask)
-        except Exception as exc:  # noqa: BLE001 (a failed step is split to find its cause: isolation.py)
-            return outputs + self._step_failed([item for item in scheduled if item[0].request.params.embedding is None],
-                                               scheduler, exc)
-        return outputs + self._finish_rows(rows, sampled, scheduler)
+            draw = self.runner.sample(logits, [self._sample_row(s) for s in rows], mask)
+        except Exception as exc:
+            raise StepFailed(outputs, [item for item in scheduled if item[0].request.params.embedding is None],
+                              exc) from exc
+        return outputs, LaunchedStep(rows, draw, scheduler, forked=len(rows) != len(samplers))
+
+    def _resolve(self, launched: LaunchedStep | None) -> list[RequestOutput]:
+        """Read a launched step's tokens and finish its rows: the tokens join their sequences, stops are found."""
+        if launched is None:
+            return []
+        sampled = launched.draw.result()
+        deferred = False
+        for seq in launched.rows:
+            if seq.inflight:
+                seq.inflight, seq.finishing, deferred = 0, False, True
+        outputs = self._finish_rows(launched.rows, sampled, None if deferred else launched.scheduler)
+        if deferred:
+            for seq in launched.rows:
+                if seq.is_finished:
+                    self._swapped_kv.pop(seq.seq_id, None)
+                elif seq.block_table:
+                    self.block_manager.name_resolved(seq)
+        return outputs
 
     def _finish_pooled(self, pool: pooling.PoolRows, scheduler: Scheduler) -> list[RequestOutput]:
         """Embeddings inputs whose last chunk ran are done: their blocks go, no token is sampled."""
@@ -349,12 +412,14 @@ class Engine:
             logits = logits[torch.tensor(row_of, device=logits.device)]
         return rows, logits
 
-    def _finish_rows(self, rows: list[Sequence], sampled, scheduler: Scheduler) -> list[RequestOutput]:
+    def _finish_rows(self, rows: list[Sequence], sampled, scheduler: Scheduler | None) -> list[RequestOutput]:
+        """The sampled tokens join their sequences; ``scheduler`` None: each request's own (``_home``: an
+        overlapped step's rows are read a step later, when a request may have moved)."""
         outputs = []
         now, gaps = time.perf_counter(), self.latencies.between_tokens
         for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
             request = seq.request
-            if request.request_id not in self.requests:  # failed by an earlier row of this step
+            if request.request_id not in self.requests or seq.is_finished:  # failed, aborted, or ended before
                 continue
             last, seq.last_token_time = seq.last_token_time, now
             if last is not None:
@@ -374,11 +439,11 @@ class Engine:
                 self.stats.output_tokens_by_tenant[request.tenant] += 1
                 seq.finish_reason = self._finish_reason(seq, token)
                 if seq.finish_reason:
-                    scheduler.finish(seq)
+                    (scheduler or self._home(request)).finish(seq)
                     if request.is_finished:
                         outputs.append(self._output(request))
                 elif not seq.long_rope and long_rope(self.long_rope_from, seq.num_tokens):
-                    self._rotate_long(seq, scheduler)
+                    self._rotate_long(seq, scheduler or self._home(request))
             except Exception as exc:
                 log.exception("request %s failed while finishing its token", request.request_id)
                 outputs.append(self._fail(request, exc))

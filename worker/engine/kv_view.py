@@ -92,7 +92,7 @@ class KVView:
         if len(request.sequences) == request.params.n and request.params.embedding is None:
             bs = self.bm.block_size
             for seq in request.sequences:
-                full = seq.num_computed_tokens // bs if seq.block_table else 0
+                full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs if seq.block_table else 0
                 self.bm.hash_full_blocks(seq, full * bs)
                 samples.append(SampleState(seq.sample_index, list(seq.output_token_ids),
                                            list(seq.block_hashes[:full]), list(seq.block_table[:full])))
@@ -162,6 +162,8 @@ def fingerprint(model_path: str, settings: Settings) -> str:
         h.update(f":kv={settings.kv_cache_dtype}".encode())
     if settings.weight_dtype != "auto":  # int8 weights compute other keys and values than exact ones
         h.update(f":weights={settings.weight_dtype}".encode())
+    if settings.simulated_device:  # a simulated device's blocks mean nothing to a model
+        h.update(f":simulated={settings.simulated_device}".encode())
     return h.hexdigest()[:32]
 
 

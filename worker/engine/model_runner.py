@@ -22,6 +22,7 @@ import logging
 import math
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine import heap_prefault
 from worker.engine.pooling import PoolRows, chunk_rows
 from worker.engine.request import Sequence
+from worker.engine.sampler import Sampled, SampleRow, sample
 from worker.engine.step_heap import keep_step_temporaries_in_heap
 from worker.model.architectures import context_length
 from worker.model.decoder import DecoderModel, StepInput
@@ -150,10 +152,17 @@ class ModelRunner:
         prefill_starts = [0]
         decode_tables, decode_lens, prefill_tables, prefill_lens = [], [], [], []
         pool: PoolRows | None = None
+        fill_rows: list[int] = []
+        fill_from: list[int] = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            if seq.inflight and end > len(seq.token_ids):  # its input is still on the device: copied there
+                fill_rows.append(len(ids))
+                fill_from.append(seq.inflight_row)
+                ids.append(0)
+            else:
+                ids.extend(seq.token_ids[start:end])
             if n == 1 and not prefill_tables:
                 num_decode += 1
                 decode_tables.append(seq.block_table)
@@ -188,7 +197,8 @@ class ModelRunner:
             prefill_query_start_loc=t(prefill_starts, torch.int32),
             prefill_block_tables=t(_pad(prefill_tables), torch.int32),
             prefill_context_lens=t(prefill_lens, torch.int32), logits_rows=t(logits_rows, torch.int64),
-            num_pooled=num_pooled)
+            num_pooled=num_pooled,
+            from_previous=(t(fill_rows, torch.int64), t(fill_from, torch.int64)) if fill_rows else None)
         if pool is not None:
             pool.segment_ids = t(pool.segments, torch.int64)
         return step, samplers, pool
@@ -201,6 +211,17 @@ class ModelRunner:
             return self.model.logits(hidden), None
         cut = hidden.shape[0] - step.num_pooled
         return self.model.logits(hidden[:cut]), hidden[cut:]
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow],
+               grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> SampleLaunch:
+        """The next token of each row, drawn where the logits are (``worker.engine.sampler``). Rows that are
+        all plain greedy ones take an argmax left on the device, read by ``SampleLaunch.result`` (on CUDA the
+        host goes on meanwhile); others are drawn at once."""
+        if grammar_mask is None and all(plain_greedy(r) for r in rows):
+            tokens = logits.argmax(dim=-1)
+            return SampleLaunch(tokens, lambda: Sampled(tokens.tolist(), [None] * len(rows)))
+        sampled = sample(logits, rows, grammar_mask)
+        return SampleLaunch(torch.tensor(sampled.token_ids, device=self.device), lambda: sampled)
 
     # ---- block moves
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -231,6 +252,33 @@ class ModelRunner:
         for layer, (k, v) in enumerate(self.kv_caches):
             _moved(k)[idx] = data[layer, 0]
             _moved(v)[idx] = data[layer, 1]
+
+
+class SampleLaunch:
+    """A step's draw, launched: ``tokens`` on the device at once (the next step's inputs copy from it),
+    ``result()`` the tokens and logprobs on the host, waiting for the device where it must."""
+
+    def __init__(self, tokens: torch.Tensor, result: Callable[[], Sampled]):
+        self.tokens = tokens
+        self._result = result
+
+    def result(self) -> Sampled:
+        return self._result()
+
+
+def plain_greedy(row: SampleRow) -> bool:
+    """A row whose token is its logits' argmax: greedy, no logprobs, bias, penalty or ``min_tokens`` ban."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.processed
+            and not (row.num_output_tokens < p.min_tokens and row.suppress_ids))
+
+
+def fill_inputs(step: StepInput, previous: torch.Tensor | None) -> None:
+    """Copy into ``step.input_ids`` the inputs the step before sampled (``StepInput.from_previous``), from
+    its draw's tokens (``SampleLaunch.tokens``), where they are: on the device, no wait for the host."""
+    if step.from_previous is not None:
+        rows, source = step.from_previous
+        step.input_ids[rows] = previous[source]
 
 
 def _moved(blocks: torch.Tensor) -> torch.Tensor:

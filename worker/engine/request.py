@@ -157,10 +157,16 @@ class Sequence:
     pooled: object | None = None  # an embeddings input: its pooled hidden state so far (worker.engine.pooling)
     cache_prefix: bool = True  # whether cached prefix blocks may stand in for computing its first tokens
     last_token_time: float | None = None  # time.perf_counter() when its last token was sampled (by this engine)
+    # Overlapped steps (``Engine.step``): tokens a launched step has sampled that the host has not read yet,
+    # counted in ``num_tokens`` but not in ``token_ids``; the row of the newest in that step's samples (the
+    # next step takes its input from there, on the device); whether that token is certain to end it by length.
+    inflight: int = 0
+    inflight_row: int = -1
+    finishing: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.inflight
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -168,7 +174,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) + self.inflight - self.num_prompt_tokens
 
     @property
     def priority(self) -> int:

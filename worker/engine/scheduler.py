@@ -91,9 +91,12 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.bm.free_sequence(seq)
-        seq.status = SeqStatus.FINISHED
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.free_sequence(seq)
+            seq.status = SeqStatus.FINISHED
+        else:  # preempted while its last token was in flight (an overlapped step)
+            self.remove(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence from wherever it is (abort)."""
@@ -140,12 +143,14 @@ class Scheduler:
         out = SchedulerOutput()
         lanes: dict[bool, dict[str, list[Sequence]]] = {False: {}, True: {}}
         for seq in sorted(self.running, key=lambda s: (s.priority, -s.admitted_order)):  # best last
+            if seq.finishing:  # its token in flight ends it: nothing more to compute
+                continue
             lanes[seq.request.interactive].setdefault(seq.request.tenant, []).append(seq)
         batch = self._pass(False, lanes[False], out)
         budget = self.max_num_batched_tokens
         if lanes[True] or self.waiting.tenants(True) or any(s.request.interactive for s in self.swapped):
             bound = self.interactive_step_tokens
-            streaming = sum(len(s.token_ids) - s.num_computed_tokens == 1 for q in lanes[True].values() for s in q)
+            streaming = sum(s.num_tokens - s.num_computed_tokens == 1 for q in lanes[True].values() for s in q)
             given = budget if not streaming else max(bound, streaming)  # a prompt alone is not cut
             floor = self.batch_floor if self._batch_waits(lanes[False]) else 0.0
             if floor:  # interactive work never takes more than the rest of the whole budget
@@ -203,7 +208,7 @@ class Scheduler:
             if queue:  # the hot path, kept inline: a decode per running sequence per step
                 seq = queue[-1]
                 given = partly.get(seq, 0) if partly else 0
-                wanted = len(seq.token_ids) - seq.num_computed_tokens - given
+                wanted = seq.num_tokens - seq.num_computed_tokens - given
                 n = min(wanted, left)
                 if not self.bm.allocate(seq, given + n, (), step.keep_free):
                     clock[tenant] = start + (cap - left) * rate  # up to date for the victim's choice
@@ -333,7 +338,7 @@ class Scheduler:
         tenant = seq.request.tenant
         self.add_running(seq)
         step.seats[tenant] += 1
-        if n < len(seq.token_ids) - seq.num_computed_tokens:
+        if n < seq.num_tokens - seq.num_computed_tokens:
             step.partly[seq] = n
             step.queues[tenant].append(seq)
         else:

@@ -40,6 +40,9 @@ class StepInput:
     prefill_context_lens: torch.Tensor  # [num_prefill] int32
     logits_rows: torch.Tensor  # rows whose hidden states are wanted: those needing logits, then the pooled ones
     num_pooled: int = 0  # the last rows of logits_rows are pooled into embeddings, not turned into logits
+    # (rows of input_ids, rows of the previous step's sampled tokens): inputs a step still in flight samples,
+    # copied on the device before the forward (an overlapped step's decodes); None when there are none
+    from_previous: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
