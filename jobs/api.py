@@ -162,10 +162,21 @@ def set_tenant_token_limit(name: str, limit: int | None, settings: Settings | No
     set_token_limit(open_database((settings or Settings()).database_url), name, limit)
 
 
+def set_tenant_interactive_limits(name: str, settings: Settings | None = None, **limits: int | None) -> None:
+    """A tenant's limits on berth serve's chat and completions, those given: ``live_requests`` (running at
+    once) and ``tokens_per_minute``; 0: no limit, None: the setting's default (BERTH_HTTP_TENANT_LIVE_REQUESTS,
+    BERTH_HTTP_TENANT_TOKENS_PER_MINUTE). Each server process counts its own use against them."""
+    from jobs.records.budgets import set_interactive_limits
+
+    set_interactive_limits(open_database((settings or Settings()).database_url), name, **limits)
+
+
 def tenant_budget(name: str, settings: Settings | None = None) -> Budget:
-    """The tenant's enqueued-token limit and its enqueued tokens per model (read with SQLAlchemy's core)."""
+    """The tenant's enqueued-token limit and its enqueued tokens per model, and its interactive limits (read
+    with SQLAlchemy's core)."""
     settings = settings or Settings()
-    [budget] = budgets(open_database(settings.database_url), settings.tenant_max_enqueued_tokens, name)
+    [budget] = budgets(open_database(settings.database_url), settings.tenant_max_enqueued_tokens, name,
+                       (settings.http_tenant_live_requests, settings.http_tenant_tokens_per_minute))
     return budget
 
 

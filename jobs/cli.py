@@ -227,6 +227,7 @@ def status(job_id, watch, as_json, **flags):
         if not as_json:
             budget = api.tenant_budget(view.tenant, settings)
             click.echo(f"budget    tenant {view.tenant}: {budget.describe(view.model)}")
+            click.echo(f"limits    tenant {view.tenant}: {budget.interactive.describe()}")
 
 
 @main.command(name="list")
@@ -284,20 +285,24 @@ def cancel(job_id, **flags):
 @click.option("--enqueued-token-limit", "token_limit", metavar="TOKENS|default",
               help="its enqueued tokens per model at most: prompt tokens and max_tokens of its lines not yet done "
                    "(0: no limit; default: BERTH_TENANT_MAX_ENQUEUED_TOKENS)")
+@click.option("--live-requests", metavar="N|default",
+              help="its chat and completions requests running at once on each berth serve process (0: no limit; "
+                   "default: BERTH_HTTP_TENANT_LIVE_REQUESTS)")
+@click.option("--tokens-per-minute", metavar="TOKENS|default",
+              help="its chat and completions tokens (prompt and max_tokens) in any 60 s on each berth serve process "
+                   "(0: no limit; default: BERTH_HTTP_TENANT_TOKENS_PER_MINUTE)")
 @service_options
-def tenant(name, weight, cache_group, token_limit, **flags):
+def tenant(name, weight, cache_group, token_limit, live_requests, tokens_per_minute, **flags):
     """Set a tenant's share of the engines (running workers apply it within a second), the group of
-    tenants it shares cached prompt prefixes with (requests admitted from then on), or its enqueued-token
-    limit (batches checked from then on); then show its enqueued tokens and limit."""
+    tenants it shares cached prompt prefixes with (requests admitted from then on), its enqueued-token
+    limit (batches checked from then on) or its interactive limits (berth serve applies them within
+    seconds); then show its enqueued tokens and its limits."""
     from jobs import api
 
-    limit = None
-    if token_limit is not None and token_limit != "default":
-        try:
-            limit = int(token_limit.replace(",", "").replace("_", ""))
-        except ValueError:
-            raise click.BadParameter(f"{token_limit!r}: give a number of tokens, 0 (no limit) or 'default'",
-                                     param_hint="--enqueued-token-limit") from None
+    limit = _count_or_default(token_limit, "--enqueued-token-limit")
+    interactive = {what: _count_or_default(value, flag) for what, value, flag in (
+        ("live_requests", live_requests, "--live-requests"),
+        ("tokens_per_minute", tokens_per_minute, "--tokens-per-minute")) if value is not None}
     settings = settings_from(flags)
     with user_errors():
         if weight is not None:
@@ -309,7 +314,24 @@ def tenant(name, weight, cache_group, token_limit, **flags):
                                              else "its cached prefixes are its own"))
         if token_limit is not None:
             api.set_tenant_token_limit(name, limit, settings)
-        click.echo(f"tenant {name}: {api.tenant_budget(name, settings).describe()}")
+        if interactive:
+            api.set_tenant_interactive_limits(name, settings, **interactive)
+        budget = api.tenant_budget(name, settings)
+        click.echo(f"tenant {name}: {budget.describe()}")
+        click.echo(f"tenant {name}: {budget.interactive.describe()}")
+
+
+def _count_or_default(value: str | None, flag: str) -> int | None:
+    """A limit's flag: a count (1,000 and 1_000 too), 0 (no limit); None for 'default' or no flag."""
+    if value is None or value == "default":
+        return None
+    try:
+        count = int(value.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give a number, 0 (no limit) or 'default'", param_hint=flag) from None
+    if count < 0:
+        raise click.BadParameter(f"{value!r}: give a number, 0 (no limit) or 'default'", param_hint=flag)
+    return count
 
 
 @main.command()

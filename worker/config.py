@@ -227,6 +227,17 @@ class Settings(BaseModel):
     http_tenant_compiles: int = setting(
         8, "Chat and completions requests of one tenant waiting for the compile of their structured output at "
         "once; 429 beyond (a compile already done or asked for by another request does not count).")
+    http_tenant_live_requests: int = setting(
+        32, "Chat and completions requests of one tenant running at once, whole or streamed, counted from the "
+        "moment its body is read until its answer ends or its caller leaves; 429 beyond, with Retry-After. Each "
+        "berth serve process counts its own: behind a balancer over N servers a tenant may hold N times this. "
+        "`berth tenant NAME --live-requests N` sets a tenant's own; 0: no limit.")
+    http_tenant_tokens_per_minute: int = setting(
+        1_000_000, "Chat and completions tokens of one tenant in any 60 s: each request holds its prompt tokens "
+        "and n x max_tokens from its admission, corrected to what it used when it ends; 429 beyond, with "
+        "Retry-After the seconds until room comes back (a request asking for more than this alone is a 400 naming "
+        "max_tokens). Each berth serve process counts its own. `berth tenant NAME --tokens-per-minute N` sets a "
+        "tenant's own; 0: no limit.")
     tenant_max_storage_bytes: int = setting(
         100 << 30, "A tenant's files (what GET /v1/files lists) at most; 0: no limit.", text=True)
     tenant_max_files: int = setting(
@@ -356,7 +367,8 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("tenant_max_storage_bytes", "tenant_max_files", "tenant_max_enqueued_tokens")
+    @field_validator("tenant_max_storage_bytes", "tenant_max_files", "tenant_max_enqueued_tokens",
+                     "http_tenant_live_requests", "http_tenant_tokens_per_minute")
     @classmethod
     def _quota(cls, v):
         if v < 0:

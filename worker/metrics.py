@@ -33,7 +33,7 @@ from bisect import bisect_left
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 RATE_WINDOW = 10.0
@@ -79,6 +79,40 @@ class CountedHistogram:
                 buckets.append((floatToGoString(bound), total))
             family.add_metric([label], buckets, counts[-1])
         return [family]
+
+
+class InteractiveLimitMetrics:
+    """``berth serve``'s interactive limits by tenant, read from ``usage()`` when the page is served: the
+    tenant -> (requests running, tokens of the last 60 s) of this server process, and ``refusals()``, the
+    (tenant, reason) -> 429s so far. Registered with the page's registry: the engine worker's in ``berth
+    serve``'s process, or a page of the server's own (``jobs.http.server``)."""
+
+    def __init__(self, usage, refusals):
+        self._usage, self._refusals = usage, refusals
+
+    def describe(self):
+        return self._families()
+
+    def collect(self):
+        live, tokens, refused = self._families()
+        for tenant, (running, spent) in sorted(self._usage().items()):
+            live.add_metric([tenant], running)
+            tokens.add_metric([tenant], spent)
+        for (tenant, reason), n in sorted(self._refusals().items()):
+            refused.add_metric([tenant, reason], n)
+        return [live, tokens, refused]
+
+    @staticmethod
+    def _families():
+        return [GaugeMetricFamily("berth_tenant_interactive_live_requests", "A tenant's chat and completions "
+                                  "requests running on this berth serve process (its live-request limit counts "
+                                  "these)", labels=["tenant"]),
+                GaugeMetricFamily("berth_tenant_interactive_tokens_last_minute", "A tenant's chat and completions "
+                                  "tokens of the last 60 s on this berth serve process (its tokens-per-minute "
+                                  "limit counts these)", labels=["tenant"]),
+                CounterMetricFamily("berth_interactive_rate_limited", "Chat and completions requests answered 429 "
+                                    "for a tenant's interactive limits, by tenant and reason (live_requests, "
+                                    "tokens_per_minute)", labels=["tenant", "reason"])]
 
 
 class WorkerMetrics:

@@ -30,6 +30,7 @@ from jobs.http.errors import ApiError, install
 from jobs.http.guard import TENANT_SCOPE_KEY, RequestGuard
 from jobs.http.idempotency import fingerprint, idempotent
 from jobs.http.interactive_channel import InteractiveChannel
+from jobs.http.interactive_limits import InteractiveLimiter, LimitsCache, interactive_use
 from jobs.http.keys import tenant_of_key
 from jobs.http.origin import allowed_hosts
 from jobs.http.pagination import list_object
@@ -53,6 +54,7 @@ from jobs.records.db import Database, open_database
 from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import JobNotFound
 from jobs.records.models import now
+from jobs.records.status import interactive_limits
 from worker.config import Settings
 
 log = logging.getLogger("berth.http")
@@ -69,10 +71,13 @@ _UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-da
 
 
 def create_app(settings: Settings | None = None, open_access: bool = False, tasks: Tasks | None = None,
-               listen_host: str | None = None, channel: InteractiveChannel | None = None) -> FastAPI:
+               listen_host: str | None = None, channel: InteractiveChannel | None = None,
+               limiter: InteractiveLimiter | None = None) -> FastAPI:
     """``listen_host``: the address an open server listens on, the one name it answers besides
     ``localhost`` and ``BERTH_HTTP_ALLOWED_HOSTS`` (default: any loopback name); ``channel``: where
-    chat and completions requests run (none: they are checked, then answered 503)."""
+    chat and completions requests run (none: they are checked, then answered 503); ``limiter``: what
+    counts each tenant's chat and completions against its limits (``app.state.limiter``; tests give one
+    with their own clock)."""
     settings = settings or Settings()
     db = open_database(settings.database_url)
     files = JobFiles(settings.storage_url)
@@ -82,6 +87,10 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
                   summary="OpenAI's Files and Batches API over berth's jobs, chat and completions answered now",
                   responses=ERRORS)
     app.state.tasks = tasks
+    app.state.limiter = limiter = limiter or InteractiveLimiter()
+    limits = LimitsCache(lambda name: interactive_limits(db, name, settings.http_tenant_live_requests,
+                                                         settings.http_tenant_tokens_per_minute),
+                         clock=limiter.clock)
     install(app)
     bearer = HTTPBearer(auto_error=False, description="an API key from `berth key create --tenant T`")
 
@@ -111,7 +120,7 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
 
     TenantName = Annotated[str, Depends(tenant)]
     app.include_router(dashboard_router(db, files, lambda key: tenant_of_key(db, key), open_access,
-                                        settings.http_secure_cookies))
+                                        settings.http_secure_cookies, interactive_use(limiter, limits)))
     IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
 
     def batch_of(tenant_name: str, batch_id: str) -> dict:
@@ -237,7 +246,8 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
                                            retry))
 
     # ---- chat and completions, answered now (jobs.http.completions)
-    add_completion_routes(app, channel, lambda: model_info(settings), TenantName, model_name, settings)
+    add_completion_routes(app, channel, lambda: model_info(settings), TenantName, limiter, limits, model_name,
+                          settings)
 
     # ---- models
     def model_object() -> dict:

@@ -1,7 +1,8 @@
 """OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions`` on ``berth serve``: one request
 answered now, whole (``stream: false``) or as server-sent events (``stream: true``). The body is checked
 as a batch line is (``jobs.lines.batch_format.to_request``); the request runs through an
-``InteractiveChannel``, ahead of batch work; a caller that disconnects aborts it (docs/http-api.md).
+``InteractiveChannel``, ahead of batch work; a caller that disconnects aborts it (docs/http-api.md). A tenant's
+requests running at once and their tokens a minute are bounded (``jobs.http.interactive_limits``).
 """
 
 import asyncio
@@ -25,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from jobs.http.completion_bodies import openapi_body
 from jobs.http.errors import ApiError, error_response
 from jobs.http.interactive_channel import InteractiveChannel, Subscription
+from jobs.http.interactive_limits import Held, InteractiveLimiter, LimitsCache
 from jobs.http.schemas import ErrorBody
 from jobs.lines.batch_format import BatchLine, CheckedRequest, LineError, check_request, response_line
 from jobs.lines.batch_format import _logprobs as logprobs_object
@@ -44,10 +46,12 @@ _ANSWERS = {200: {"content": {"application/json": {"schema": {"type": "object"}}
 
 
 def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, model: Callable[[], ModelInfo],
-                          tenant_dependency, model_name: str | None = None, settings: Settings | None = None) -> None:
+                          tenant_dependency, limiter: InteractiveLimiter, limits: LimitsCache,
+                          model_name: str | None = None, settings: Settings | None = None) -> None:
     """The two routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's;
-    ``model_name``, the served model's, is the one the OpenAPI document names (``jobs.http.completion_bodies``).
-    ``app.state.stopping``, set when the server stops, ends the waits for compiles (503)."""
+    ``limiter`` counts each tenant's requests against its ``limits``; ``model_name``, the served model's, is the
+    one the OpenAPI document names (``jobs.http.completion_bodies``). ``app.state.stopping``, set when the
+    server stops, ends the waits for compiles (503)."""
     settings = settings or Settings.model_construct()
     compiling = _TenantCounts(settings.http_tenant_compiles)
     stopping = app.state.stopping = asyncio.Event()
@@ -84,6 +88,19 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
         return checked, waits
 
     async def answer(request: Request, tenant: str, url: str) -> Response:
+        """The tenant's place taken before its body is read, and given back unless its answer holds it."""
+        own = limits.cached(tenant) or await run_in_threadpool(limits.read, tenant)
+        held = limiter.enter(tenant, own)
+        try:
+            response = await checked_answer(request, tenant, url, held)
+        except BaseException:
+            held.end(0)
+            raise
+        if not isinstance(response, _Answer):
+            held.end(0)
+        return response
+
+    async def checked_answer(request: Request, tenant: str, url: str, held: Held) -> Response:
         body = _json_object(await request.body())
         stream, include_usage = _stream_fields(body)
         info = (channel.model() if channel is not None else None) or await run_in_threadpool(model)
@@ -95,7 +112,10 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
             raise
         except Exception as exc:  # noqa: BLE001 (whatever the check raises: this request's 400, logged)
             raise _unchecked(url, exc) from None
+        params = checked.request.params
+        prompt_tokens = len(checked.request.prompt_token_ids)
         try:  # the compiles awaited here, no thread held; a caller that leaves withdraws its own
+            held.reserve(prompt_tokens + params.n * params.max_tokens)  # before the compile: no work for a 429
             if (why := await _compiled(request.receive, waits, stopping)) == "left":
                 log.info("chat or completions request %s: its caller left while its grammar compiled", request_id)
                 return Response(status_code=499)  # nobody reads it
@@ -112,7 +132,7 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
                            "defaults, wait for this server's engine to load", None, "engine_unavailable")
         reply = _Reply(line, engine_request.params.tool_calls, info, engine_request.params.n, stream,
                        include_usage)
-        return _Answer(channel.open(engine_request, line), reply)
+        return _Answer(channel.open(engine_request, line), reply, held, prompt_tokens)
 
     def extra(url: str) -> dict:
         return {"openapi_extra": openapi_body(url, model_name), "responses": {**_ANSWERS, 503: {"model": ErrorBody}}}
@@ -334,11 +354,22 @@ class _Reply:
 
 
 class _Answer(Response):
-    """The answer to one request, sent as its events come; a disconnect aborts the request at once."""
+    """The answer to one request, sent as its events come; a disconnect aborts the request at once. Its
+    tenant's place is given back when it ends, its tokens corrected to those it used."""
 
-    def __init__(self, subscription: Subscription, reply: _Reply):
+    def __init__(self, subscription: Subscription, reply: _Reply, held: Held, prompt_tokens: int):
         super().__init__()
-        self.subscription, self.reply = subscription, reply
+        self.subscription, self.reply, self.held = subscription, reply, held
+        self.used = prompt_tokens  # and the tokens made so far; all of them, once Done says
+
+    async def _next(self) -> list:
+        events = await self.subscription.next()
+        for event in events:
+            if isinstance(event, Delta):
+                self.used += len(event.token_ids)
+            elif isinstance(event, Done):
+                self.used = len(event.output.prompt_token_ids) + event.output.num_output_tokens
+        return events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:
@@ -355,11 +386,12 @@ class _Answer(Response):
                 pass
             finally:
                 self.subscription.abort()
+                self.held.end(self.used)
                 group.cancel_scope.cancel()
 
     async def _whole(self, send: Send) -> None:
         while True:
-            for event in await self.subscription.next():
+            for event in await self._next():
                 if isinstance(event, Done):
                     body = json.dumps(self.reply.body(event.output), ensure_ascii=False).encode()
                     await _send_bytes(send, 200, "application/json", body)
@@ -369,7 +401,7 @@ class _Answer(Response):
                     return
 
     async def _stream(self, send: Send) -> None:
-        events = await self.subscription.next()  # the first token, or an error told as an HTTP status
+        events = await self._next()  # the first token, or an error told as an HTTP status
         if isinstance(events[0], Failed):
             await self._error(send, events[0])
             return
@@ -393,7 +425,7 @@ class _Answer(Response):
             if self.subscription.over:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            events = await self.subscription.next()
+            events = await self._next()
 
     async def _error(self, send: Send, failed: Failed) -> None:
         status = _FAILED_STATUS.get(failed.code, 500)

@@ -1,9 +1,10 @@
-"""The dashboard at ``/``: jobs with live progress, each job's errors, and the engine workers with an
-hour of tokens/s and KV use. Server-rendered, polled every two seconds; a browser signs in with an API
-key and sees its tenant's jobs, and only them: the fleet (workers, their load) is the operator's, shown
-on ``berth serve --open`` (the local server, everyone's jobs) to a browser without a key. Every value is
-text, never markup: escaped templates, data as JSON, a Content-Security-Policy without inline scripts
-(docs/http-api.md).
+"""The dashboard at ``/``: jobs with live progress, each job's errors, a tenant's interactive limits and
+its use of them on this server, and the engine workers with an hour of tokens/s and KV use.
+Server-rendered, polled every two seconds; a browser signs in with an API key and sees its tenant's
+jobs and limits, and only them: the fleet (workers, their load, every tenant's interactive use) is the
+operator's, shown on ``berth serve --open`` (the local server, everyone's jobs) to a browser without a
+key. Every value is text, never markup: escaped templates, data as JSON, a Content-Security-Policy
+without inline scripts (docs/http-api.md).
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ def job_summary(v: JobView) -> dict:
             "eta": duration(v.eta_seconds), "created_at": int(v.created_at), "error": v.error}
 
 
-def dashboard_data(db: Database, tenant: str | None) -> dict:
-    """What ``tenant`` sees: its jobs, no fleet (another tenant's load is none of its business, and
-    tells it what the others run). ``None`` (the operator, on an open server): every job and the fleet."""
+def dashboard_data(db: Database, tenant: str | None,
+                   interactive: Callable[[str | None], list[dict]] | None = None) -> dict:
+    """What ``tenant`` sees: its jobs and its interactive limits with its use of them on this server, no
+    fleet (another tenant's load is none of its business, and tells it what the others run). ``None``
+    (the operator, on an open server): every job, the fleet, and every tenant's interactive use.
+    ``interactive(tenant)``: those rows (``jobs.http.interactive_limits.interactive_use``)."""
     t = now()
     data = {"now": t, "jobs": [job_summary(v) for v in list_jobs(db, tenant, None, JOBS_SHOWN)],
-            "fleet": tenant is None}
+            "fleet": tenant is None, "interactive": [] if interactive is None else interactive(tenant)}
     if tenant is None:
         data["workers"] = [w.to_dict() for w in workers.list_workers(db)]
         data["series"] = {wid: [[round(at - t, 1), tps, round(kv, 4)] for at, tps, kv in points]
@@ -85,9 +89,11 @@ class SignIn(Exception):
 
 
 def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str], str | None],
-                     open_access: bool, secure_cookies: bool = False) -> APIRouter:
+                     open_access: bool, secure_cookies: bool = False,
+                     interactive: Callable[[str | None], list[dict]] | None = None) -> APIRouter:
     """``tenant_of_key(key)``: the tenant of an API key (None: no such key); ``secure_cookies``: the
-    sign-in cookie only over HTTPS even when this server sees plain HTTP (behind a TLS proxy)."""
+    sign-in cookie only over HTTPS even when this server sees plain HTTP (behind a TLS proxy);
+    ``interactive``: the rows of interactive limits and use a viewer sees (``dashboard_data``)."""
     router = APIRouter(include_in_schema=False)
 
     def viewer(request: Request) -> str | None:
@@ -113,14 +119,14 @@ def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str
     @router.get("/", response_class=HTMLResponse)
     def index(request: Request):
         def render(tenant):
-            return _templates.get_template("dashboard.html").render(data=dashboard_data(db, tenant),
+            return _templates.get_template("dashboard.html").render(data=dashboard_data(db, tenant, interactive),
                                                                     signed_in=signed_in(request))
         return page(render, request)
 
     @router.get("/dashboard/data.json")
     def data(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(dashboard_data(db, viewer(request)), headers=HEADERS)
+            return JSONResponse(dashboard_data(db, viewer(request), interactive), headers=HEADERS)
         except SignIn:
             return JSONResponse({"error": {"message": "sign in with an API key at /dashboard/login",
                                            "type": "invalid_request_error", "param": None,

@@ -31,9 +31,13 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "inva
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    """``headers``: sent with the answer (a 429's ``Retry-After``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -108,7 +112,7 @@ def install(app: FastAPI) -> None:
         @app.exception_handler(kind)
         async def known(_: Request, exc: Exception):
             e = _api_error(exc)
-            return error_response(e.status, e.message, e.param, e.code)
+            return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

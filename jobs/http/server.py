@@ -2,6 +2,10 @@
 housekeeping chores) on a thread, which answers chat and completions too; with a broker it only
 serves, and reaches the engine workers through RabbitMQ.
 
+The tenants' interactive limits and their use (``worker.metrics.InteractiveLimitMetrics``) are on the
+engine worker's metrics page in the first case, on a page of the server's own on ``metrics_port`` in the
+second.
+
     with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)
 """
@@ -17,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from prometheus_client import CollectorRegistry, start_http_server
 
 from jobs.http.app import create_app
 from jobs.http.background import Tasks
@@ -24,6 +29,7 @@ from jobs.http.interactive_channel import EmbeddedChannel
 from jobs.http.interactive_channel_broker import BrokerChannel
 from worker.config import Settings
 from worker.messaging.topology import is_embedded
+from worker.metrics import InteractiveLimitMetrics
 
 log = logging.getLogger("berth.serve")
 
@@ -51,6 +57,9 @@ class Server:
             self.channel = BrokerChannel(settings)
         self.app = create_app(settings, open_access=open_access, tasks=self.tasks, listen_host=host,
                               channel=self.channel)
+        limiter = self.app.state.limiter
+        self.limit_metrics = InteractiveLimitMetrics(limiter.tenants, limiter.refusals)
+        self._metrics_page = None
         self._engine = engine
         self._stop = threading.Event()
         self._worker_thread: threading.Thread | None = None
@@ -101,11 +110,17 @@ class Server:
         if isinstance(self.channel, BrokerChannel):
             self.channel.start()
         if not self.run_worker:
+            if self.settings.metrics_port:  # no engine worker's page here: one of its own
+                registry = CollectorRegistry()
+                registry.register(self.limit_metrics)
+                self._metrics_page, _ = start_http_server(self.settings.metrics_port, self.settings.metrics_host,
+                                                          registry)
             return
         from jobs.hosting.engine_worker import engine_worker
 
         # the model loads before the first request
         worker = engine_worker(self.settings, self._engine, interactive=self.channel.inbox)
+        worker.metrics.registry.register(self.limit_metrics)
 
         def work() -> None:
             try:
@@ -123,6 +138,9 @@ class Server:
             self.channel.close()
         if self._worker_thread is not None:
             self._worker_thread.join(timeout=self.settings.drain_timeout + 30)
+        if self._metrics_page is not None:
+            self._metrics_page.shutdown()
+            self._metrics_page.server_close()
         self.tasks.close()
 
 

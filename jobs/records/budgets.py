@@ -69,6 +69,24 @@ def check_room(s: Session, job_id: str, adding: int, default_limit: int) -> None
             f"completed, or ask the operator to raise the limit (`berth tenant {name} --enqueued-token-limit N`).")
 
 
+def set_interactive_limits(db: Database, name: str, **limits: int | None) -> None:
+    """The tenant's own interactive limits (``live_requests``, ``tokens_per_minute``: 0 none, None the
+    setting's default again), those given only; the tenant is made if it had no job yet. A running
+    ``berth serve`` applies them within ``jobs.http.interactive_limits.LIMITS_TTL`` seconds."""
+    columns = {"live_requests": "live_request_limit", "tokens_per_minute": "tokens_per_minute_limit"}
+    for what, value in limits.items():
+        if what not in columns:
+            raise TypeError(f"no interactive limit {what!r} (there are {', '.join(columns)})")
+        if value is not None and value < 0:
+            raise ValueError(f"an interactive limit is a count (0: no limit), not {value}")
+    check_tenant_name(name)
+    if not limits:
+        return
+    with db.session() as s, s.begin():
+        s.execute(update(Tenant).where(Tenant.id == tenant_id(s, name))
+                  .values({columns[what]: value for what, value in limits.items()}))
+
+
 def set_token_limit(db: Database, name: str, limit: int | None) -> None:
     """The tenant's own enqueued-token limit per model (0: none; None: the setting's default again); the
     tenant is made if it had no job yet."""

@@ -62,6 +62,10 @@ class Tenant(Base):
     cache_group: Mapped[str | None] = mapped_column(String(64))
     # Its enqueued tokens per model at most (``jobs.records.budgets``); None: BERTH_TENANT_MAX_ENQUEUED_TOKENS, 0: none
     enqueued_token_limit: Mapped[int | None] = mapped_column(BigInteger)
+    # berth serve's interactive limits (``jobs.http.interactive_limits``); None: BERTH_HTTP_TENANT_LIVE_REQUESTS
+    # and BERTH_HTTP_TENANT_TOKENS_PER_MINUTE, 0: none
+    live_request_limit: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute_limit: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Job(Base):

@@ -185,14 +185,43 @@ HOLDING = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS, JobStatus.FINALIZING, Jo
 
 
 @dataclass(frozen=True)
+class InteractiveLimits:
+    """A tenant's limits on berth serve's chat and completions (``jobs.http.interactive_limits``): requests
+    running at once and tokens in any 60 s, each counted by every server process on its own; 0: none.
+    ``own_*``: set for the tenant, not the setting's default."""
+
+    live_requests: int
+    tokens_per_minute: int
+    own_live_requests: bool = False
+    own_tokens_per_minute: bool = False
+
+    @classmethod
+    def of(cls, live_requests: int | None, tokens_per_minute: int | None, default_live_requests: int,
+           default_tokens_per_minute: int) -> InteractiveLimits:
+        """From a tenant's columns (None: the default)."""
+        return cls(default_live_requests if live_requests is None else int(live_requests),
+                   default_tokens_per_minute if tokens_per_minute is None else int(tokens_per_minute),
+                   live_requests is not None, tokens_per_minute is not None)
+
+    def describe(self) -> str:
+        live = f"{self.live_requests:,}" if self.live_requests else "no limit"
+        tokens = f"{self.tokens_per_minute:,}" if self.tokens_per_minute else "no limit"
+        return (f"interactive requests at once {live}"
+                f"{'' if self.own_live_requests else ' (BERTH_HTTP_TENANT_LIVE_REQUESTS)'}, tokens per minute "
+                f"{tokens}{'' if self.own_tokens_per_minute else ' (BERTH_HTTP_TENANT_TOKENS_PER_MINUTE)'}, "
+                "each berth serve process counting its own")
+
+
+@dataclass(frozen=True)
 class Budget:
     """A tenant's token budget (``jobs.records.budgets``) as ``berth tenant``, ``berth status`` and the
-    metrics show it."""
+    metrics show it, with its interactive limits when asked for (``budgets``' ``interactive_defaults``)."""
 
     tenant: str
     limit: int  # its enqueued tokens per model at most; 0: none
     own_limit: bool  # set for the tenant, not BERTH_TENANT_MAX_ENQUEUED_TOKENS
     enqueued: dict[str, int]  # model -> its enqueued tokens, for the models of its jobs not yet over
+    interactive: InteractiveLimits | None = None
 
     def describe(self, model: str | None = None) -> str:
         limit = f"{self.limit:,}" if self.limit else "no limit"
@@ -202,14 +231,16 @@ class Budget:
         return f"enqueued tokens {held}; limit {limit} per model{source}"
 
 
-def budgets(db: Database, default_limit: int, tenant: str | None = None) -> list[Budget]:
+def budgets(db: Database, default_limit: int, tenant: str | None = None,
+            interactive_defaults: tuple[int, int] | None = None) -> list[Budget]:
     """Each tenant's enqueued-token limit and enqueued tokens per model (only ``tenant``'s if given:
-    ``TenantNotFound`` if it has none)."""
+    ``TenantNotFound`` if it has none); with ``interactive_defaults`` (live requests, tokens per minute:
+    the settings'), its interactive limits too."""
     holding = ", ".join(f"'{state.value}'" for state in HOLDING)
     where, params = ("WHERE tenants.name = :tenant", {"tenant": tenant}) if tenant is not None else ("", {})
     with db.engine.connect() as conn:
-        tenants = conn.execute(text(f"SELECT id, name, enqueued_token_limit FROM tenants {where} ORDER BY name"),
-                               params).all()
+        tenants = conn.execute(text("SELECT id, name, enqueued_token_limit, live_request_limit, "
+                                    f"tokens_per_minute_limit FROM tenants {where} ORDER BY name"), params).all()
         held: dict[int, dict[str, int]] = {}
         for tenant_id, model, tokens in conn.execute(text(
                 "SELECT jobs.tenant_id, jobs.model, SUM(jobs.enqueued_tokens) FROM jobs JOIN tenants ON "
@@ -218,5 +249,15 @@ def budgets(db: Database, default_limit: int, tenant: str | None = None) -> list
             held.setdefault(tenant_id, {})[model] = int(tokens or 0)
     if tenant is not None and not tenants:
         raise TenantNotFound(tenant)
-    return [Budget(name, default_limit if limit is None else int(limit), limit is not None, held.get(tenant_id, {}))
-            for tenant_id, name, limit in tenants]
+    return [Budget(name, default_limit if limit is None else int(limit), limit is not None, held.get(tenant_id, {}),
+                   None if interactive_defaults is None else InteractiveLimits.of(live, tokens, *interactive_defaults))
+            for tenant_id, name, limit, live, tokens in tenants]
+
+
+def interactive_limits(db: Database, tenant: str, default_live_requests: int,
+                       default_tokens_per_minute: int) -> InteractiveLimits:
+    """The tenant's interactive limits; the defaults for a tenant without a row."""
+    with db.engine.connect() as conn:
+        row = conn.execute(text("SELECT live_request_limit, tokens_per_minute_limit FROM tenants WHERE name = :tenant"),
+                           {"tenant": tenant}).one_or_none()
+    return InteractiveLimits.of(*(row or (None, None)), default_live_requests, default_tokens_per_minute)

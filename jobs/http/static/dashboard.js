@@ -46,7 +46,16 @@ function renderWorkers(data) {
   }
   document.getElementById("charts").innerHTML = charts.join("");
 }
-function render(data) { renderJobs(data); if (data.fleet) renderWorkers(data); }  // the fleet: the operator's
+function renderInteractive(data) {
+  const body = document.querySelector("#interactive tbody");
+  if (!body) return;
+  const most = n => n ? esc(n) : "no limit";
+  body.innerHTML = data.interactive.length ? data.interactive.map(r =>
+    `<tr><td>${esc(r.tenant)}</td><td>${esc(r.live)}</td><td>${most(r.live_limit)}</td><td>${esc(r.tokens)}</td>` +
+    `<td>${most(r.tokens_per_minute)}</td></tr>`).join("") :
+    '<tr><td colspan="5">No chat or completions requests in the last minute.</td></tr>';
+}
+function render(data) { renderJobs(data); renderInteractive(data); if (data.fleet) renderWorkers(data); }  // the fleet: the operator's
 render(JSON.parse(document.getElementById("state").textContent));
 setInterval(() => fetch("/dashboard/data.json", {credentials: "same-origin"})
   .then(r => r.ok ? r.json() : null).then(d => d && render(d)).catch(() => {}), 2000);

@@ -70,6 +70,9 @@ def test_both_classes_are_measured_and_their_shares_add_up(tmp_path, tiny_llama_
                          for k in ("prompt", "output")) for cls in ("batch", "interactive")}
     shares = {cls: n / sum(computed.values()) for cls, n in computed.items()}
     assert all(s > 0 for s in shares.values()) and abs(sum(shares.values()) - 1) < 1e-9, shares
+    # berth serve's interactive limits, on the same page: alice's two requests are over, their tokens in the window
+    assert metrics[("berth_tenant_interactive_live_requests", (("tenant", "alice"),))] == 0
+    assert value("berth_tenant_interactive_tokens_last_minute", tenant="alice") > whole.usage.total_tokens
 
 
 def test_a_counted_histogram_is_a_histogram():
