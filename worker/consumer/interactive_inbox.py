@@ -209,7 +209,7 @@ class InteractiveInbox:
                 text = stream.finish(self.engine.final_text(seq))
                 events.append(Delta(i, text, tuple(seq.output_token_ids[seen:]), self._logprobs(live, seq, seen),
                                     seq.finish_reason))
-            elif seq.num_output_tokens > seen:
+            elif len(seq.output_token_ids) > seen:  # the tokens the host has read (one may be in flight)
                 text = stream.advance(seq.output_token_ids)
                 events.append(Delta(i, text, tuple(seq.output_token_ids[seen:]), self._logprobs(live, seq, seen)))
         return events

@@ -86,6 +86,14 @@ class BlockManager:
         ``hits`` (from ``prefix_hits``) are taken first and count as computed. Returns False and
         changes nothing when the free list cannot cover it and leave ``keep_free`` blocks on it.
         """
+        bs = self.block_size
+        if not hits and num_new_tokens == 1:  # a decode, the hot path: room in its last block, nothing shared
+            computed = seq.num_computed_tokens
+            if (computed % bs and computed < len(seq.block_table) * bs and self.ref_counts[seq.block_table[-1]] == 1
+                    and keep_free <= len(self.free)):
+                if not (computed + 1) % bs or len(seq.block_hashes) < computed // bs:  # a block to name
+                    self._cache_full_blocks(seq, computed // bs, computed + 1)
+                return True
         computed = seq.num_computed_tokens + len(hits) * self.block_size
         have = len(seq.block_table) + len(hits)
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - have)

@@ -122,6 +122,7 @@ class Engine:
         admission.check(request, self._limits())
         request.stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids)
         request.stop_set = frozenset(request.stop_ids)
+        request.plain_greedy = p.greedy and not p.processed and p.logprobs is None and not p.min_tokens
         request.arrival_step = self.scheduler.step_count
         if request.arrival_time is None:
             request.arrival_time = time.perf_counter()
@@ -347,7 +348,7 @@ class Engine:
         for seq, n in scheduled:  # their keys and values are in the cache now
             seq.num_computed_tokens += n
         self.kv.note_prefix_hits(plan)
-        if self.stats.steps % 8 == 1:
+        if self.stats.steps % 32 == 1:  # a mean over the worker's life: a sample now and then (it walks every block)
             self.stats.observe_slot_utilization(self.kv_usage()["slot_utilization"])
         outputs = self._finish_pooled(pool, scheduler) if pool is not None else []
         if not samplers:
@@ -357,7 +358,8 @@ class Engine:
             constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
             mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
                                                       self.grammars.vocab_size)) if constrained else None
-            draw = self.runner.sample(logits, [self._sample_row(s) for s in rows], mask)
+            plain = mask is None and all(seq.request.plain_greedy for seq in rows)  # no row needs its SampleRow
+            draw = self.runner.sample(logits, None if plain else [self._sample_row(s) for s in rows], mask)
         except Exception as exc:
             raise StepFailed(outputs, [item for item in scheduled if item[0].request.params.embedding is None],
                               exc) from exc
@@ -374,10 +376,11 @@ class Engine:
                 seq.inflight, seq.finishing, deferred = 0, False, True
         outputs = self._finish_rows(launched.rows, sampled, None if deferred else launched.scheduler)
         if deferred:
+            bs = self.block_manager.block_size
             for seq in launched.rows:
                 if seq.is_finished:
                     self._swapped_kv.pop(seq.seq_id, None)
-                elif seq.block_table:
+                elif len(seq.token_ids) // bs > len(seq.block_hashes) and seq.block_table:
                     self.block_manager.name_resolved(seq)
         return outputs
 
@@ -417,6 +420,7 @@ class Engine:
         overlapped step's rows are read a step later, when a request may have moved)."""
         outputs = []
         now, gaps = time.perf_counter(), self.latencies.between_tokens
+        by_tenant: dict[str, int] = {}
         for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
             request = seq.request
             if request.request_id not in self.requests or seq.is_finished:  # failed, aborted, or ended before
@@ -435,8 +439,7 @@ class Engine:
                     grammar.accept(seq.matcher, token, self.grammars.vocab_size)
                 if logprob is not None:
                     seq.logprobs.append({"token_id": token, **logprob})
-                self.stats.output_tokens += 1
-                self.stats.output_tokens_by_tenant[request.tenant] += 1
+                by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + 1
                 seq.finish_reason = self._finish_reason(seq, token)
                 if seq.finish_reason:
                     (scheduler or self._home(request)).finish(seq)
@@ -447,6 +450,9 @@ class Engine:
             except Exception as exc:
                 log.exception("request %s failed while finishing its token", request.request_id)
                 outputs.append(self._fail(request, exc))
+        for tenant, n in by_tenant.items():
+            self.stats.output_tokens += n
+            self.stats.output_tokens_by_tenant[tenant] += n
         return outputs
 
     def _step_failed(self, scheduled: list[tuple[Sequence, int]], scheduler: Scheduler,

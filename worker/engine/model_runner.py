@@ -212,14 +212,14 @@ class ModelRunner:
         cut = hidden.shape[0] - step.num_pooled
         return self.model.logits(hidden[:cut]), hidden[cut:]
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow],
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow] | None,
                grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> SampleLaunch:
         """The next token of each row, drawn where the logits are (``worker.engine.sampler``). Rows that are
-        all plain greedy ones take an argmax left on the device, read by ``SampleLaunch.result`` (on CUDA the
-        host goes on meanwhile); others are drawn at once."""
-        if grammar_mask is None and all(plain_greedy(r) for r in rows):
+        all plain greedy ones (``rows`` None: the caller knows they are) take an argmax left on the device,
+        read by ``SampleLaunch.result`` (on CUDA the host goes on meanwhile); others are drawn at once."""
+        if grammar_mask is None and (rows is None or all(plain_greedy(r) for r in rows)):
             tokens = logits.argmax(dim=-1)
-            return SampleLaunch(tokens, lambda: Sampled(tokens.tolist(), [None] * len(rows)))
+            return SampleLaunch(tokens, lambda: Sampled(tokens.tolist(), [None] * len(tokens)))
         sampled = sample(logits, rows, grammar_mask)
         return SampleLaunch(torch.tensor(sampled.token_ids, device=self.device), lambda: sampled)
 

@@ -199,6 +199,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     stop_ids: tuple[int, ...] = ()  # EOS and stop_token_ids, set once by the engine (not per row per step)
     stop_set: frozenset[int] = frozenset()
+    plain_greedy: bool = False  # its draw is its logits' argmax, nothing else: set once by the engine
     started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
     isolated: bool = False  # stepped apart from every other request until ``Engine.release`` (``Engine.step``)
     # A live caller waits on it (a stream): scheduled before batch work, which it may preempt

@@ -223,12 +223,14 @@ class SimulatedRunner(ModelRunner):
         pooled = torch.zeros(step.num_pooled, self.hidden_size) if step.num_pooled else None
         return logits, pooled
 
-    def sample(self, logits: SimulatedLogits, rows: list[SampleRow],
+    def sample(self, logits: SimulatedLogits, rows: list[SampleRow] | None,
                grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> SampleLaunch:
         """Tokens as the device's sampler gives them: the host reads them once the step is done. Plain rows
         (greedy or seeded, no logprobs, penalties, grammar or min_tokens ban) take the hash, known at once;
         the others get logits peaked at it and go through the real sampler, so every feature runs."""
         last = logits.last_ids
+        n = len(last)
+        rows = rows or ()  # None: all plain greedy rows
         seeded = [i for i, r in enumerate(rows) if not r.params.greedy]
         if seeded:  # a seeded draw: the hash moved by the row's uniform number (the sampler's)
             last = last.clone()
@@ -241,7 +243,7 @@ class SimulatedRunner(ModelRunner):
         if not special:
             def result() -> Sampled:
                 self.timeline.wait(logits.done_at)
-                return Sampled(tokens.tolist(), [None] * len(rows))
+                return Sampled(tokens.tolist(), [None] * n)
             return SampleLaunch(tokens, result)
         self.timeline.wait(logits.done_at)
         peaked = torch.zeros(len(special), self.vocab)
@@ -252,7 +254,7 @@ class SimulatedRunner(ModelRunner):
             mask = ([where[i] for i in grammar_mask[0]], grammar_mask[1])
         done = sampler.sample(peaked, [rows[i] for i in special], mask)
         plain = tokens.tolist()
-        logprobs: list[dict | None] = [None] * len(rows)
+        logprobs: list[dict | None] = [None] * n
         for j, i in enumerate(special):
             plain[i], logprobs[i] = done.token_ids[j], done.logprobs[j]
         sampled = Sampled(plain, logprobs)

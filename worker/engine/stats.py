@@ -35,7 +35,11 @@ class EngineStats:
         computed again, and both by class."""
         by_class = [0, 0, 0, 0]  # batch prompt, batch output, interactive prompt, interactive output
         for seq, n in scheduled:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            start = seq.num_computed_tokens
+            if n == 1 and start >= seq.num_prompt_tokens and start == seq.num_tokens - 1:  # a decode
+                by_class[2 * seq.request.interactive + 1] += 1
+                continue
+            end = start + n
             prompt = max(0, min(end, seq.num_prompt_tokens) - start)
             self.prompt_tokens_computed += prompt
             self.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
