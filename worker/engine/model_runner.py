@@ -33,7 +33,7 @@ from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine import heap_prefault
 from worker.engine.pooling import PoolRows, chunk_rows
 from worker.engine.request import Sequence
-from worker.engine.sampler import Sampled, SampleRow, sample
+from worker.engine.sampler import Sampled, SampleRow, draw
 from worker.engine.step_heap import keep_step_temporaries_in_heap
 from worker.model.architectures import context_length
 from worker.model.decoder import DecoderModel, StepInput
@@ -220,8 +220,7 @@ class ModelRunner:
         if grammar_mask is None and (rows is None or all(plain_greedy(r) for r in rows)):
             tokens = logits.argmax(dim=-1)
             return SampleLaunch(tokens, lambda: Sampled(tokens.tolist(), [None] * len(tokens)))
-        sampled = sample(logits, rows, grammar_mask)
-        return SampleLaunch(torch.tensor(sampled.token_ids, device=self.device), lambda: sampled)
+        return SampleLaunch(*draw(logits, rows, grammar_mask))
 
     # ---- block moves
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -23,6 +23,7 @@ likely it was. A row without bias or penalty reports the raw distribution, as be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,8 +68,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
            grammar_mask: tuple[list[int], torch.Tensor] | None = None) -> Sampled:
     """``logits``: float32 ``[len(rows), vocab]``; ``grammar_mask``: the constrained rows' indices and
     their bitmask (``worker.engine.structured.grammar.fill_bitmask``), or None when no row is constrained."""
+    return draw(logits, rows, grammar_mask)[1]()
+
+
+def draw(logits: torch.Tensor, rows: list[SampleRow], grammar_mask: tuple[list[int], torch.Tensor] | None = None
+         ) -> tuple[torch.Tensor, Callable[[], Sampled]]:
+    """``sample`` in two halves: the tokens as a tensor where the logits are, drawn without waiting for the
+    device, and a function that reads them and their logprobs on the host (which waits)."""
     n = len(rows)
-    tokens = torch.empty(n, dtype=torch.long)
+    device = logits.device
     processed = [i for i, r in enumerate(rows) if r.params.processed]
     if processed:
         if len(processed) == n:
@@ -85,21 +93,31 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             logits[i, list(r.suppress_ids)] = float("-inf")
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == n:  # the common bulk case: no copy of the logits
-        tokens = logits.argmax(dim=-1).cpu()
-    elif greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows]).cpu()
-    token_list = tokens.tolist()
-    logprobs: list[dict | None] = [None] * n
-    for j, i in enumerate(want_logprobs):
-        lp = raw_logprobs[j]
-        k = rows[i].params.logprobs
-        top = torch.topk(lp, k) if k else None
-        logprobs[i] = {"logprob": float(lp[token_list[i]]),
-                       "top": list(zip(top.indices.tolist(), top.values.tolist())) if k else []}
-    return Sampled(token_list, logprobs)
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        tokens[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
+    if want_logprobs:  # the chosen tokens' and the top ones', computed on the device before anything is read
+        chosen = raw_logprobs.gather(1, tokens[want_logprobs].unsqueeze(1)).squeeze(1)
+        widest = max(rows[i].params.logprobs for i in want_logprobs)
+        top = torch.topk(raw_logprobs, widest, dim=-1) if widest else None
+
+    def read() -> Sampled:
+        token_list = tokens.tolist()
+        logprobs: list[dict | None] = [None] * n
+        if want_logprobs:
+            chosen_list = chosen.tolist()
+            top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ((), ())
+            for j, i in enumerate(want_logprobs):
+                k = rows[i].params.logprobs
+                logprobs[i] = {"logprob": chosen_list[j],
+                               "top": list(zip(top_ids[j][:k], top_values[j][:k])) if k else []}
+        return Sampled(token_list, logprobs)
+
+    return tokens, read
 
 
 def apply_min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
