@@ -119,12 +119,15 @@ def main() -> None:
                    help="interactive_step_seconds: below the default, the step bound falls under the streams' "
                    "64 decodes on a fast machine, as it does at the default for a larger model")
     p.add_argument("--kv-memory", default="2GiB", help="room for every sequence: no preemption, the shares alone")
+    p.add_argument("--simulated-device", default="", help="e.g. h200:llama-3-8b: steps of a GPU's pace by a "
+                   "roofline (worker/engine/simulated_device.py), free of this machine's drift between phases")
     args = p.parse_args()
     settings = Settings(model=default_model_path(), threads=args.threads, dtype=args.dtype, kv_memory=args.kv_memory,
-                        interactive_step_seconds=args.step_seconds)
+                        interactive_step_seconds=args.step_seconds, simulated_device=args.simulated_device)
     engine = Engine(settings)
     floor = settings.interactive_batch_floor
-    print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}, {args.dtype}; batch: {args.batch} requests "
+    print(f"{'simulated ' + args.simulated_device + '; ' if args.simulated_device else ''}"
+          f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}, {args.dtype}; batch: {args.batch} requests "
           f"of 16 + {args.batch_tokens} tokens; streams: {Settings().interactive_prefetch} requests of n=8; "
           f"{args.duration:.0f} s a phase after {args.warmup:.0f} s; interactive_step_seconds {args.step_seconds}")
     first, *_ = phase(engine, False, args.warmup, args.duration, args)

@@ -78,11 +78,17 @@ def test_the_engine_on_a_simulated_device_is_reproducible_and_overlapped_by_defa
 
 def test_every_feature_runs_on_a_simulated_device(smol_loaded):
     engine = _simulated(smol_loaded)
+
+    def no_step_fails(scheduled, scheduler, exc):  # a retried step would hide a feature the device lacks
+        raise AssertionError(f"a step failed: {exc!r}")
+
+    engine.isolation.step_failed = no_step_fails
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     params = {"logprobs": SamplingParams(max_tokens=8, temperature=0.0, logprobs=3),
               "grammar": SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput("json_schema",
                                                                                                     schema)),
               "n": SamplingParams(max_tokens=8, temperature=0.8, n=3, seed=4),
+              "n_greedy": SamplingParams(max_tokens=8, temperature=0.0, n=4),
               "penalty": SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.0),
               "min_tokens": SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8)}
     for name, p in params.items():
@@ -93,7 +99,7 @@ def test_every_feature_runs_on_a_simulated_device(smol_loaded):
     assert all(o.error is None for o in done.values())
     assert len(done["logprobs"].completions[0].logprobs[0]["top"]) == 3
     assert done["grammar"].completions[0].text.startswith("{")
-    assert len(done["n"].completions) == 3
+    assert len(done["n"].completions) == 3 and len(done["n_greedy"].completions) == 4
     assert len(done["min_tokens"].completions[0].token_ids) == 8
 
 

@@ -177,6 +177,10 @@ class SimulatedLogits:
     def __len__(self) -> int:
         return len(self.last_ids)
 
+    @property
+    def device(self) -> torch.device:
+        return self.last_ids.device
+
 
 class SimulatedRunner(ModelRunner):
     """``ModelRunner``'s interface over a simulated device: the host's work (``prepare``, the block moves,
