@@ -201,7 +201,7 @@ class ModelRunner:
             num_pooled = len(pool.rows)
             logits_rows = logits_rows + pool.rows  # after the logits rows: one final norm for both
         dev = self.device
-        t = lambda a, dtype: torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        t = lambda a, dtype: _to_device(a, dtype, dev)  # noqa: E731
         step = StepInput(
             input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), slot_mapping=t(slots, torch.int64),
             num_decode=num_decode,
@@ -295,6 +295,16 @@ def fill_inputs(step: StepInput, previous: torch.Tensor | None) -> None:
     if step.from_previous is not None:
         rows, source = step.from_previous
         step.input_ids[rows] = previous[source]
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's host values as a tensor on ``device``. To a GPU through pinned memory: a copy from pageable
+    memory waits for the work queued before it, so an overlapped step's inputs would wait for the step in
+    flight; a pinned one is queued and the host goes on."""
+    host = torch.as_tensor(np.asarray(values), dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _moved(blocks: torch.Tensor) -> torch.Tensor:
