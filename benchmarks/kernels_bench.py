@@ -97,6 +97,8 @@ def parse_args() -> argparse.Namespace:
                         help="skip batch x context combinations whose K+V cache exceeds this (default: %(default)s)")
     parser.add_argument("--kv", default=",".join(KV_CACHES),
                         help="KV caches to measure, comma-separated (default: %(default)s)")
+    parser.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,
+                        help="stop starting measurements after this many seconds (default: %(default)s)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU under the Triton interpreter: checks the script, measures nothing")
     return parser.parse_args()
@@ -385,7 +387,7 @@ def main() -> int:
             print(f"{kv}: no pool of {pool_blocks} blocks ({type(exc).__name__}); skipped", flush=True)
             continue
         for batch, context in runnable:
-            if time.monotonic() - started > TIME_BUDGET_S:
+            if time.monotonic() - started > args.time_budget:
                 results["skipped"].append({"kv": kv, "batch": batch, "context": context, "reason": "time budget"})
                 continue
             row = measure(setup, kv, batch, context, k_pool, v_pool, gen)
@@ -400,7 +402,7 @@ def main() -> int:
         print(line)
     budget = [s for s in results["skipped"] if s.get("reason") == "time budget"]
     if budget:
-        print(f"{len(budget)} measurements skipped for the time budget of {TIME_BUDGET_S:.0f} s")
+        print(f"{len(budget)} measurements skipped for the time budget of {args.time_budget:.0f} s")
     results["elapsed_s"] = time.monotonic() - started
     save()
     print(f"wrote {args.out} in {results['elapsed_s']:.0f} s")

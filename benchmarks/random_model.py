@@ -32,6 +32,11 @@ LLAMA_3_2_1B = {
     "mlp_bias": False, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }
+LLAMA_3_8B = {
+    **LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False, "rope_scaling": None,
+}
+"""Llama 3 8B's shape (8.03 billion parameters: 32 layers, hidden 4096, 32 query and 8 key/value heads)."""
 STD = 0.02  # Llama's initializer_range
 
 
@@ -49,6 +54,33 @@ def random_tensor(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dty
     if len(shape) == 1:  # norm weights: ones, as a trained model's are near
         return torch.ones(shape, dtype=dtype)
     return (torch.randn(shape, generator=gen) * STD).to(dtype)
+
+
+def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> dict:
+    """The model's tensors under their Hugging Face names, drawn where they are used (on a GPU, an 8B model
+    in seconds, no disk). A layer's q/k/v and gate/up are row blocks of one tensor, as the decoder fuses
+    them: it takes them as they lie, without a copy (``worker.model.decoder.adjacent_rows``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(STD)
+
+    h, d, i = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    ones = torch.ones(h, dtype=dtype, device=device)
+    weights = {"model.embed_tokens.weight": draw(config["vocab_size"], h), "model.norm.weight": ones}
+    if not config["tie_word_embeddings"]:
+        weights["lm_head.weight"] = draw(config["vocab_size"], h)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        q, k, v = draw((heads + 2 * kv_heads) * d, h).split([heads * d, kv_heads * d, kv_heads * d])
+        gate, up = draw(2 * i, h).chunk(2)
+        weights.update({p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones,
+                        p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": draw(h, heads * d),
+                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                        p + "mlp.down_proj.weight": draw(h, i)})
+    return weights
 
 
 def write(folder: Path, config: dict, dtype: torch.dtype, seed: int = 0, shards: int = 2) -> int:

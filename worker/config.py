@@ -143,6 +143,12 @@ class Settings(BaseModel):
         "reads the tokens of the one before (vLLM's async scheduling); outputs are the same. auto: on where the "
         "device runs apart from the host (CUDA, a simulated device), off on the CPU, where the model runs on the "
         "host itself. Steps with grammars, penalties or an n > 1 request forking run without it.", cli="engine")
+    cuda_graphs: bool = setting(
+        True, "On CUDA with the Triton attention, replay each decode-only step (every row one token) as a CUDA "
+        "graph captured for its batch size, rounded up to 1, 2, 4, 8 or a multiple of 16, on the first step of "
+        "that size: one launch instead of hundreds (worker/engine/cuda_graphs.py); --no-cuda-graphs runs every step "
+        "eagerly. Not bit-exact against eager (padded batches); ignored on the CPU.", cli="engine",
+        flags=("--no-cuda-graphs",))
     simulated_device: str = setting(
         "", "For benchmarks and tests, never production: run the engine's steps on a simulated GPU instead of "
         "the model, GPU:SHAPE (e.g. h200:llama-3-8b; worker/engine/simulated_device.py): each step takes the time "

@@ -78,7 +78,8 @@ class Engine:
             self.runner = ModelRunner(loaded, dtype=dtype, device=self.device, block_size=settings.block_size,
                                       kv_memory=settings.kv_memory, attention_backend=settings.attention_backend,
                                       max_seqs=settings.max_num_seqs, max_model_len=self.max_model_len,
-                                      kv_cache_dtype=settings.kv_cache_dtype, weight_dtype=settings.weight_dtype)
+                                      kv_cache_dtype=settings.kv_cache_dtype, weight_dtype=settings.weight_dtype,
+                                      cuda_graphs=settings.cuda_graphs)
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size,
                                           settings.enable_prefix_cache)
         # the tokens of a step while interactive requests run, learnt from the steps' times

@@ -31,6 +31,7 @@ from kernels import cpu_elementwise, kv_quant
 from kernels.attention import select_ops
 from worker.config import KV_AUTO_SHARE, cache_dir
 from worker.engine import heap_prefault
+from worker.engine.cuda_graphs import DecodeGraphs, reason_not_to
 from worker.engine.pooling import PoolRows, chunk_rows
 from worker.engine.request import Sequence
 from worker.engine.sampler import Sampled, SampleRow, draw
@@ -90,11 +91,12 @@ def reserve_kv_cache(num_layers: int, num_blocks: int, block_shape: tuple[int, .
 class ModelRunner:
     def __init__(self, loaded, *, dtype: torch.dtype, device: torch.device, block_size: int,
                  kv_memory: float, attention_backend: str = "auto", max_seqs: int = 256, max_model_len: int = 0,
-                 kv_cache_dtype: str = "auto", weight_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", weight_dtype: str = "auto", cuda_graphs: bool = True):
         """``max_seqs`` and ``max_model_len`` (0: the model's context) size the cache when ``kv_memory`` is 0;
         ``kv_cache_dtype`` "int8" or "fp8_e4m3" stores rows of int8 or fp8 values and their scale
         (``kernels.kv_quant``); ``weight_dtype`` "int8" multiplies by int8 weights
-        (``worker.model.linear.make_int8_linear``)."""
+        (``worker.model.linear.make_int8_linear``); ``cuda_graphs``: decode steps replayed as CUDA graphs
+        where the device and attention allow (``worker.engine.cuda_graphs``)."""
         self.device = device
         self.block_size = block_size
         if device.type == "cpu":
@@ -122,7 +124,17 @@ class ModelRunner:
             raise ValueError(f"the KV cache's memory ({kv_memory:g}: {_describe(kv_memory)}) holds no block of "
                              f"{self.block_bytes} bytes: raise --kv-memory (BERTH_KV_MEMORY)")
         self.kv_bytes = self.num_blocks * self.block_bytes
-        self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks, self.block_shape, self.kv_dtype, device)
+        no_graphs = reason_not_to(cuda_graphs, device, self.ops.name)
+        # with graphs, one block more than the block manager hands out: the padding rows' scratch block
+        self.kv_caches = reserve_kv_cache(self.num_layers, self.num_blocks + (no_graphs is None), self.block_shape,
+                                          self.kv_dtype, device)
+        self.graphs = None if no_graphs is not None else DecodeGraphs(
+            self.model, self.kv_caches, max_rows=max_seqs,
+            max_blocks=-(-(max_model_len or context_length(loaded.config)) // block_size),
+            scratch_block=self.num_blocks, block_size=block_size, device=device)
+        if device.type == "cuda":
+            log.info("decode steps: %s", "CUDA graphs, captured per batch size on first use" if no_graphs is None
+                     else f"eager ({no_graphs})")
         log.info("KV cache: %d blocks of %d tokens in %s (%.0f MiB reserved, %s)", self.num_blocks, block_size,
                  f"{kv_cache_dtype} with a scale per token and head" if quantized
                  else str(dtype).removeprefix("torch."),
@@ -189,7 +201,7 @@ class ModelRunner:
             num_pooled = len(pool.rows)
             logits_rows = logits_rows + pool.rows  # after the logits rows: one final norm for both
         dev = self.device
-        t = lambda a, dtype: torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        t = lambda a, dtype: _to_device(a, dtype, dev)  # noqa: E731
         step = StepInput(
             input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), slot_mapping=t(slots, torch.int64),
             num_decode=num_decode,
@@ -205,8 +217,12 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 logits ``[rows sampled, vocab]``, and for a step with embeddings inputs the final
-        hidden states of the rows they pool ``[step.num_pooled, hidden]`` (else None)."""
-        hidden = self.model.forward(step, self.kv_caches)
+        hidden states of the rows they pool ``[step.num_pooled, hidden]`` (else None). A decode-only step
+        replays its CUDA graph where the runner has them (``worker.engine.cuda_graphs``); the logits are
+        taken before the next step replays."""
+        hidden = self.graphs.run(step) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model.forward(step, self.kv_caches)
         if not step.num_pooled:
             return self.model.logits(hidden), None
         cut = hidden.shape[0] - step.num_pooled
@@ -278,6 +294,16 @@ def fill_inputs(step: StepInput, previous: torch.Tensor | None) -> None:
     if step.from_previous is not None:
         rows, source = step.from_previous
         step.input_ids[rows] = previous[source]
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's host values as a tensor on ``device``. To a GPU through pinned memory: a copy from pageable
+    memory waits for the work queued before it, so an overlapped step's inputs would wait for the step in
+    flight; a pinned one is queued and the host goes on."""
+    host = torch.as_tensor(np.asarray(values), dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _moved(blocks: torch.Tensor) -> torch.Tensor:
