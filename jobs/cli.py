@@ -7,8 +7,11 @@ import atexit
 import gc
 import json
 import logging
+import signal
 import sys
+import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Literal, get_args, get_origin
 from urllib.parse import unquote, urlsplit
 
@@ -59,6 +62,11 @@ service_options = setting_options("service")  # where the database, the queue an
 worker_options = setting_options("worker")  # berth worker's own
 serve_options = setting_options("serve")  # berth serve's own
 
+# Exit statuses a script can trust (docs/cli.md): 0 done (a failed line is listed in the errors file), 1 an
+# error berth reports in one line, 2 a wrong command line (click's), these two, and 130 after Ctrl-C.
+EXIT_LINES_FAILED = 3  # every line failed (or, with --fail-on-line-errors, one did), or the job failed
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C, what was done kept
+
 
 def configure_logging(quiet: bool = False) -> None:
     """What berth is doing on stderr, one line each (loading the model, the KV cache, ready, warnings);
@@ -87,6 +95,7 @@ def settings_from(flags: dict) -> Settings:
 
 
 @click.group()
+@click.version_option(package_name="berth", message="berth %(version)s")
 def main():
     """berth: bulk LLM inference with continuous batching over a paged KV cache."""
     # Last of the exit handlers: every object moves to the collector's permanent generation, so that
@@ -102,26 +111,58 @@ def main():
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="output JSONL file")
 @click.option("--errors", type=click.Path(dir_okay=False), help="errors JSONL [default: OUTPUT.errors.jsonl]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--resume", is_flag=True, help="keep the lines an interrupted run left in OUTPUT.partial, run the rest")
+@click.option("--fail-on-line-errors", is_flag=True, help=f"exit {EXIT_LINES_FAILED} if any line failed (not only all)")
 @engine_options
-def generate(input_file, output, errors, quiet, **flags):
-    """Run an OpenAI Batch request file through the engine in this process."""
+def generate(input_file, output, errors, quiet, resume, fail_on_line_errors, **flags):
+    """Run an OpenAI Batch request file through the engine in this process. Finished lines are kept in
+    OUTPUT.partial as they come; Ctrl-C stops at once and keeps them (--resume finishes the file)."""
+    stop = threading.Event()
+
+    def interrupted(signum, frame):  # the flag too: a library may swallow the exception (generate_file's stop)
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        _generate(input_file, output, errors, quiet, resume, fail_on_line_errors, flags, stop)
+    except KeyboardInterrupt:  # before a line ran (the imports, the model's load): nothing more to keep
+        click.echo(f"stopped: no line run; `berth generate {input_file} -o {output} --resume` runs them", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _generate(input_file, output, errors, quiet, resume, fail_on_line_errors, flags, stop) -> None:
     configure_logging(quiet)
     settings = settings_from(flags)
+    from jobs.lines.validate import InputError, check_output
+
+    try:
+        check_output(Path(output))  # before the model loads
+    except InputError as exc:
+        raise click.ClickException(str(exc)) from None
     prefault_heap(settings)  # beside torch's import, which follows
-    from jobs.hosting.generate import generate_file
-    from jobs.lines.validate import InputError
+    from jobs.hosting.generate import GenerateInterrupted, generate_file
     from worker.engine.engine import RequestRejected
     from worker.model.base import ModelLoadError
 
     try:
-        summary = generate_file(input_file, output, settings, errors_path=errors, progress=not quiet)
+        summary = generate_file(input_file, output, settings, errors_path=errors, progress=not quiet, resume=resume,
+                                stop=stop)
     except (ConfigError, ModelLoadError, RequestRejected, InputError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{summary.completed} completed, {summary.failed} failed of {summary.total} requests; "
+    except GenerateInterrupted as stop:
+        s = stop.summary
+        click.echo(f"stopped: {s.completed} of {s.total} lines done, kept in {stop.partial}; "
+                   f"`berth generate {input_file} -o {output} --resume` runs the rest", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    resumed = f" ({summary.resumed} kept from the run before)" if summary.resumed else ""
+    click.echo(f"{summary.completed} completed{resumed}, {summary.failed} failed of {summary.total} requests; "
                f"{summary.output_tokens} output tokens in {summary.seconds:.1f}s "
                f"({summary.output_tokens_per_second:.1f} tok/s) -> {summary.output_path}", err=True)
     if summary.errors_path:
         click.echo(f"errors: {summary.errors_path}", err=True)
+    if summary.completed == 0 or (fail_on_line_errors and summary.failed):
+        sys.exit(EXIT_LINES_FAILED)
 
 
 def job_options(command):

@@ -199,3 +199,13 @@ class LineValidator:
                              hidden_size=m.hidden_size)
         self.seen.add(line.custom_id)
         return line.custom_id, line.url, request
+
+
+def check_output(output_path: Path) -> None:
+    """``InputError`` unless the output's folder exists and takes files: said before the model loads."""
+    folder = output_path.parent if str(output_path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"{output_path}: the folder {folder} does not exist: create it, or give -o a path in a "
+                         "folder that does")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{output_path}: cannot write into {folder}: give -o a path in a folder you can write to")

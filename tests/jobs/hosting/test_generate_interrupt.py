@@ -1,0 +1,163 @@
+"""`berth generate` as a long run is lived: Ctrl-C (SIGINT from the terminal) at any moment keeps every
+finished line and `--resume` completes the file to what an uninterrupted run writes; errors a user can
+act on before the model loads; exit statuses a script can trust."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from jobs.cli import EXIT_INTERRUPTED, EXIT_LINES_FAILED, main
+from jobs.hosting.generate import GenerateInterrupted, generate_file, partial_path
+from worker.engine.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _requests(path: Path, n: int, max_tokens: int = 24) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "SmolLM2-135M-Instruct", "prompt": f"Item {i}: the number",
+                                         "max_tokens": max_tokens + i % 7, "temperature": 0}}) + "\n")
+    return path
+
+
+def _berth_in_a_terminal(args: list[str], interrupt_when, timeout: float = 240) -> tuple[int, str]:
+    """Run ``python -m jobs.cli ARGS`` on a pseudo-terminal; type Ctrl-C there once ``interrupt_when()``
+    is true (the terminal sends SIGINT to the process, as a user's key does). Its exit status and output."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], stdin=slave, stdout=slave, stderr=slave,
+                            cwd=ROOT, start_new_session=True, env={**os.environ, "TERM": "dumb"})
+    os.close(slave)
+    os.set_blocking(master, False)
+    out, sent, deadline = b"", False, time.monotonic() + timeout
+
+    def read():
+        nonlocal out
+        try:
+            while chunk := os.read(master, 65536):
+                out += chunk
+        except (BlockingIOError, OSError):
+            pass
+
+    # the child leads its own session: make the pty its controlling terminal's foreground group's signal target
+    while proc.poll() is None and time.monotonic() < deadline:
+        read()
+        if not sent and interrupt_when():
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does with ^C: the foreground group
+            sent = True
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+        pytest.fail(f"berth {' '.join(args)} did not stop: {out.decode(errors='replace')[-2000:]}")
+    read()
+    os.close(master)
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def _answers(lines: list[str]) -> list[str]:
+    """Output lines less the moment they were made (``created``), which no rerun repeats."""
+    out = []
+    for text in lines:
+        line = json.loads(text)
+        line["response"]["body"].pop("created")
+        out.append(json.dumps(line, sort_keys=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, smol_loaded):
+    """An uninterrupted run's output: what every interrupted and resumed run must end with."""
+    folder = tmp_path_factory.mktemp("whole")
+    src = _requests(folder / "in.jsonl", 24)
+    generate_file(src, folder / "out.jsonl", engine=Engine(loaded=smol_loaded, kv_memory="256MiB"), progress=False)
+    return src, _answers(_lines(folder / "out.jsonl"))
+
+
+@pytest.mark.parametrize("moment", ["starting", "midway"])
+def test_ctrl_c_keeps_what_was_done_and_resume_finishes_the_same_file(tmp_path, finished, moment):
+    src, whole = finished
+    out = tmp_path / "out.jsonl"
+    partial = partial_path(out)
+    started = time.monotonic()
+    when = {"starting": lambda: time.monotonic() - started > 0.3,  # importing torch, before any line ran
+            "midway": lambda: partial.exists() and len(_lines(partial)) >= 3}[moment]
+    args = ["generate", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "4"]
+    code, text = _berth_in_a_terminal(args, when)
+    assert code == EXIT_INTERRUPTED, text[-2000:]
+    assert "Traceback" not in text and not out.exists()
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("stopped") and "--resume" in last, last
+    kept = _answers(_lines(partial)) if partial.exists() else []
+    assert set(kept) <= set(whole)  # every finished line kept whole, none made up
+    if moment == "midway":
+        assert len(kept) >= 3
+    code, text = _berth_in_a_terminal(args + ["--resume", "--quiet"], lambda: False)
+    assert code == 0, text[-2000:]
+    assert _answers(_lines(out)) == whole and not partial.exists()
+    assert f"({len(kept)} kept from the run before)" in text or not kept
+
+
+def test_an_interrupted_run_raises_with_its_partial_file(tmp_path, smol_loaded, monkeypatch):
+    src = _requests(tmp_path / "in.jsonl", 6)
+    engine = Engine(loaded=smol_loaded, kv_memory="256MiB", max_num_seqs=2)
+    steps = 0
+    step = engine.step
+
+    def interrupted_step():
+        nonlocal steps
+        steps += 1
+        if steps == 40:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted_step
+    with pytest.raises(GenerateInterrupted) as stop:
+        generate_file(src, tmp_path / "out.jsonl", engine=engine, progress=False)
+    assert stop.value.partial == tmp_path / "out.jsonl.partial"
+    assert 0 < stop.value.summary.completed == len(_lines(stop.value.partial)) < 6
+    engine.step = step
+    done = generate_file(src, tmp_path / "out.jsonl", engine=engine, progress=False, resume=True)
+    assert done.resumed == stop.value.summary.completed and done.completed == 6
+    assert [json.loads(x)["custom_id"] for x in _lines(tmp_path / "out.jsonl")] == [f"r{i}" for i in range(6)]
+
+
+def test_an_output_folder_that_does_not_exist_is_said_before_the_model_loads(tmp_path):
+    src = _requests(tmp_path / "in.jsonl", 1)
+    result = CliRunner().invoke(main, ["generate", str(src), "-o", str(tmp_path / "nowhere" / "out.jsonl")])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"Error: {tmp_path / 'nowhere' / 'out.jsonl'}: the folder {tmp_path / 'nowhere'} does not exist: create it, "
+        "or give -o a path in a folder that does"]
+
+
+def test_exit_status_says_when_lines_failed(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("a,b,c\n1,2,3\n")  # a CSV file: every line fails
+    result = CliRunner().invoke(main, ["generate", str(bad), "-o", str(tmp_path / "o.jsonl"), "--quiet"])
+    assert result.exit_code == EXIT_LINES_FAILED, result.output
+    mixed = _requests(tmp_path / "mixed.jsonl", 2, max_tokens=2)
+    with open(mixed, "a") as f:
+        f.write("{not json\n")
+    args = ["generate", str(mixed), "-o", str(tmp_path / "m.jsonl"), "--quiet"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert CliRunner().invoke(main, args + ["--fail-on-line-errors"]).exit_code == EXIT_LINES_FAILED
+
+
+def test_version():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("berth ")
