@@ -481,10 +481,11 @@ def events(**flags):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="output JSONL file")
 @click.option("--errors", type=click.Path(dir_okay=False), help="errors JSONL [default: OUTPUT.errors.jsonl]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--fail-on-line-errors", is_flag=True, help=f"exit {EXIT_LINES_FAILED} if any line failed (not only all)")
 @job_options
 @service_options
 @engine_options
-def run(input_file, output, errors, quiet, **flags):
+def run(input_file, output, errors, quiet, fail_on_line_errors, **flags):
     """Submit, run and fetch a job in this process (no servers on the default settings)."""
     configure_logging(quiet)
     from jobs import api
@@ -500,6 +501,8 @@ def run(input_file, output, errors, quiet, **flags):
                f"-> {files.output or '(no output)'}", err=True)
     if files.errors:
         click.echo(f"errors: {files.errors}", err=True)
+    if view.status is not JobStatus.COMPLETED or view.completed == 0 or (fail_on_line_errors and view.failed):
+        sys.exit(EXIT_LINES_FAILED)
 
 
 @main.command()

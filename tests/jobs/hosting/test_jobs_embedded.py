@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from jobs.cli import main
+from jobs.cli import EXIT_LINES_FAILED, main
 from jobs.hosting.generate import generate_file
 from tests.support.jobs_env import (
     TINY_NAME,
@@ -52,3 +52,12 @@ def test_berth_run_on_the_example_file(tmp_path, monkeypatch, tiny_llama_dir):
     assert result.exit_code == 0, result.output
     expected = [json.loads(line)["custom_id"] for line in EXAMPLES.read_text().splitlines() if line.strip()]
     assert [line["custom_id"] for line in read_jsonl("out.jsonl")] == expected
+
+
+def test_berth_run_exits_3_when_every_line_failed(tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "table.csv").write_text("custom_id,prompt\na,hello\n")
+    result = CliRunner().invoke(main, ["run", "table.csv", "-o", "out.jsonl", "--model", str(tiny_llama_dir),
+                                       *TINY_FLAGS])
+    assert result.exit_code == EXIT_LINES_FAILED, result.output
+    assert "0 completed, 2 failed of 2" in result.output
