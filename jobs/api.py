@@ -129,6 +129,22 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
     return job, results(job.id, output, errors, settings)
 
 
+def usage(settings: Settings | None = None, tenant: str | None = None, since: float | None = None,
+          until: float | None = None) -> list:
+    """Tokens in and out per tenant and model over a period (``jobs.records.usage``)."""
+    from jobs.records.usage import usage as usage_rows
+
+    return usage_rows(open_database((settings or Settings()).database_url), tenant, since, until)
+
+
+def live_workers(settings: Settings | None = None, model: str | None = None) -> list:
+    """Engine workers seen within the hour, the newest first (``jobs.records.workers``); ``model``: its alone."""
+    from jobs.records.workers import list_workers
+
+    views = list_workers(open_database((settings or Settings()).database_url))
+    return [v for v in views if model is None or v.beat.model == model]
+
+
 def retry(job_id: str, settings: Settings | None = None, eager: bool | None = None) -> JobView:
     """A new job of the failed lines of a finished job (``jobs.pipeline.retry``), ingested as ``submit`` does."""
     from jobs.pipeline.celery_tasks import INGEST, make_app

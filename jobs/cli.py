@@ -266,9 +266,76 @@ def status(job_id, watch, as_json, **flags):
         view = api.status(job_id, settings)
         _print_job(view, as_json)
         if not as_json:
+            if not view.status.is_final and not any(not w.gone for w in api.live_workers(settings, view.model)):
+                click.echo(f"workers   none live serves model {view.model}: start one (`berth worker --model "
+                           "...`); the job waits, nothing is lost")
             budget = api.tenant_budget(view.tenant, settings)
             click.echo(f"budget    tenant {view.tenant}: {budget.describe(view.model)}")
             click.echo(f"limits    tenant {view.tenant}: {budget.interactive.describe()}")
+
+
+@main.command()
+@click.option("--all", "show_gone", is_flag=True, help="also workers gone within the hour")
+@click.option("--json", "as_json", is_flag=True)
+@service_options
+def workers(show_gone, as_json, **flags):
+    """The engine workers: live ones (a heartbeat within 30 s) with their model, load and rate."""
+    from jobs import api
+
+    with user_errors():
+        views = [w for w in api.live_workers(settings_from(flags)) if show_gone or not w.gone]
+    if as_json:
+        click.echo(json.dumps([w.to_dict() for w in views], indent=2))
+        return
+    if not views:
+        click.echo("no engine worker is live: `berth worker` starts one", err=True)
+    for w in views:
+        b = w.beat
+        click.echo(f"{b.worker:24} {'gone' if w.gone else 'live':4} {b.model:24} {b.device:6} running {b.running:4} "
+                   f"waiting {b.waiting:4} {b.output_tokens_per_second:8.1f} tok/s  KV {b.kv_blocks_used}/"
+                   f"{b.kv_blocks_used + b.kv_blocks_free}")
+
+
+@main.command()
+@click.option("--tenant", help="only this tenant")
+@click.option("--since", default="30d", show_default=True,
+              help="from this long ago (e.g. 24h, 7d) or this date (YYYY-MM-DD, UTC)")
+@click.option("--until", help="to this date (YYYY-MM-DD, UTC) or this long ago; default now")
+@click.option("--price-in", type=float, default=0.0, help="price per million prompt tokens, for a cost column")
+@click.option("--price-out", type=float, default=0.0, help="price per million output tokens")
+@click.option("--json", "as_json", is_flag=True)
+@service_options
+def usage(tenant, since, until, price_in, price_out, as_json, **flags):
+    """Tokens in and out per tenant and model over a period (from the results: each request once)."""
+    from jobs import api
+
+    start, end = _moment(since, "--since"), _moment(until, "--until") if until else None
+    with user_errors():
+        rows = api.usage(settings_from(flags), tenant, start, end)
+    if as_json:
+        click.echo(json.dumps([{**r.to_dict(), "cost": r.cost(price_in, price_out)} for r in rows], indent=2))
+        return
+    priced = price_in or price_out
+    click.echo(f"{'tenant':20} {'model':28} {'requests':>9} {'prompt':>12} {'cached':>12} {'output':>12}"
+               + (f" {'cost':>10}" if priced else ""))
+    for r in rows:
+        click.echo(f"{r.tenant:20} {r.model:28} {r.requests:9d} {r.prompt_tokens:12d} {r.cached_tokens:12d} "
+                   f"{r.completion_tokens:12d}" + (f" {r.cost(price_in, price_out):10.2f}" if priced else ""))
+
+
+def _moment(text: str, flag: str) -> float:
+    """'7d', '24h', '90m' ago, or a UTC date 'YYYY-MM-DD', as a Unix time; a UsageError naming ``flag``."""
+    import datetime
+    import time
+
+    units = {"m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1:] in units and text[:-1].isdigit():
+            return time.time() - int(text[:-1]) * units[text[-1]]
+        return datetime.datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        pass
+    raise click.UsageError(f"{flag} {text!r}: give a span (90m, 24h, 7d) or a date (2026-12-01)")
 
 
 @main.command(name="list")

@@ -101,6 +101,8 @@ READ_ONLY = [
     ["results", "{finished}", "-o", "{dir}/out.jsonl"],
     ["key", "list"],
     ["webhook-secret", "default"],
+    ["workers", "--all"],
+    ["usage", "--since", "7d", "--price-in", "0.1"],
 ]
 # The commands that only show jobs: none of READ_PATH either (`key` and `webhook-secret` use the ORM).
 SHOW_ONLY = ("--help", "status", "list", "results")

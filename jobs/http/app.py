@@ -55,6 +55,7 @@ from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import JobNotFound
 from jobs.records.models import now
 from jobs.records.status import interactive_limits
+from jobs.records.usage import usage
 from worker.config import Settings
 
 log = logging.getLogger("berth.http")
@@ -204,6 +205,12 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
         with _cursor(after, batches.BATCH_ID):
             views = batches.list_batches(db, files, tenant, after, limit)
         return list_object([batches.batch_object(v) for v in views], limit)
+
+    @app.get("/v1/usage", summary="The caller's tokens in and out per model over a period (berth's own route)")
+    def get_usage(tenant: TenantName, since: Annotated[float, Query(ge=0)] = 0.0,
+                  until: Annotated[float | None, Query(ge=0)] = None) -> dict:
+        """``since`` and ``until``: Unix times; each request counted once, when its result was written."""
+        return {"object": "list", "data": [r.to_dict() for r in usage(db, tenant, since, until)]}
 
     @app.get("/v1/batches/{batch_id}", response_model=Batch)
     def retrieve_batch(tenant: TenantName, batch_id: Annotated[str, Path(max_length=64)]) -> dict:

@@ -56,6 +56,8 @@ def test_a_200_line_batch_equals_berth_generate(tmp_path, tiny_llama_dir, tiny_e
         errors = c.files.content(batch.error_file_id).text
         assert {f.id for f in c.files.list()} >= {batch.input_file_id, batch.output_file_id, batch.error_file_id}
         assert c.files.retrieve(batch.output_file_id).purpose == "batch_output"
+        used = c.get("/usage", cast_to=object)["data"]  # the caller's own tokens, per model
+        other = client(server, key_for(settings, "bob")).get("/usage", cast_to=object)["data"]
 
     assert batch.status == "completed" and batch.metadata == {"run": "e2e"}
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (N, N - 2, 2)
@@ -71,6 +73,9 @@ def test_a_200_line_batch_equals_berth_generate(tmp_path, tiny_llama_dir, tiny_e
     assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usage)
     assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usage)
     assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+    assert [(u["tenant"], u["requests"], u["prompt_tokens"], u["completion_tokens"]) for u in used] == [
+        ("alice", N - 2, batch.usage.input_tokens, batch.usage.output_tokens)]
+    assert other == []  # bob sees none of alice's
 
 
 def _long(i: int) -> dict:
