@@ -58,6 +58,17 @@ def setting_options(group: str):
 
 
 engine_options = setting_options("engine")  # the engine's, on every command that runs one
+
+
+def model_options(command):
+    """The engine flags a command that checks lines without running them takes (submit, retry): the lines
+    are checked against the model's tokenizer and name (its context: BERTH_MAX_MODEL_LEN), nothing else
+    of the engine's."""
+    for name in reversed(("model", "model_name")):
+        command = setting_option(name)(command)
+    return command
+
+
 service_options = setting_options("service")  # where the database, the queue and the job files are
 worker_options = setting_options("worker")  # berth worker's own
 serve_options = setting_options("serve")  # berth serve's own
@@ -235,7 +246,7 @@ def _print_job(view, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
 @job_options
 @service_options
-@engine_options
+@model_options
 def submit(input_file, as_json, **flags):
     """Submit an OpenAI Batch request file as a job; prints its id."""
     from jobs import api
@@ -530,7 +541,7 @@ def _queue_door(flags: dict, submit: bool, events: bool, eager_ingest: bool = Fa
 @click.option("--eager-ingest", is_flag=True,
               help="ingest each job in this process before acking its message (default: on the Celery workers)")
 @service_options
-@engine_options
+@model_options
 def submit_consumer(no_events, eager_ingest, **flags):
     """Make jobs of the job-submit messages on <prefix>.jobs; publish job events (docs/queue.md)."""
     _queue_door(flags, submit=True, events=not no_events, eager_ingest=eager_ingest)
@@ -576,7 +587,7 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, **flags):
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="print the new job as JSON")
 @service_options
-@engine_options
+@model_options
 def retry(job_id, as_json, **flags):
     """A new job of the failed lines of a finished job (its failed requests and the lines a cancel or
     expiry left unread); prints its id."""

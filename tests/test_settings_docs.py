@@ -69,3 +69,12 @@ def test_a_group_of_flags_is_whole_on_a_command(group, command):
     """A field added to a group of flags is on the commands that take the group, with no other line."""
     taken = {p.name for p in cli.main.commands[command].params}
     assert {name for name in Settings.model_fields if flag_group(name) == group} <= taken
+
+
+@pytest.mark.parametrize("command", ["submit", "retry", "submit-consumer"])
+def test_a_command_that_runs_no_engine_takes_only_the_model_of_its_flags(command):
+    """submit and retry listed twenty engine flags that do nothing there: only the model's name and file
+    check their lines."""
+    taken = {p.name for p in cli.main.commands[command].params}
+    engine = {name for name in Settings.model_fields if flag_group(name) == "engine"}
+    assert taken & engine == {"model", "model_name"}
