@@ -9,8 +9,12 @@ function renderJobs(data) {
   for (const j of data.jobs) {
     const row = document.getElementById("job-" + j.id);
     if (!row) { location.reload(); return; }  // a new job: the server renders the row
-    const bar = row.querySelector(".bar");
-    bar.max = j.total || 1; bar.value = j.done;
+    const bar = row.querySelector(".bar"), ok = 100 * j.completed / (j.total || 1);
+    bar.dataset.done = j.done;
+    bar.setAttribute("aria-label", `${j.done} of ${j.total} done, ${j.failed} failed`);
+    bar.querySelector(".ok").setAttribute("width", ok.toFixed(1));
+    bar.querySelector(".bad").setAttribute("x", ok.toFixed(1));
+    bar.querySelector(".bad").setAttribute("width", (100 * j.failed / (j.total || 1)).toFixed(1));
     const status = row.querySelector(".status");
     status.textContent = j.status; status.className = "status status-" + j.status;
     text(row.querySelector(".done"), j.done + "/" + j.total); text(row.querySelector(".failed"), j.failed);

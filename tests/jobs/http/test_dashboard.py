@@ -44,8 +44,8 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_operator_the_workers_
         until("the job's row", lambda: browser.find_elements(By.ID, f"job-{batch.id}"))
 
         def progress() -> float:
-            bar = browser.find_element(By.CSS_SELECTOR, f"#job-{batch.id} progress")
-            return float(bar.get_attribute("value") or 0)
+            bar = browser.find_element(By.CSS_SELECTOR, f"#job-{batch.id} .bar")
+            return float(bar.get_attribute("data-done") or 0)
 
         first = until("the first finished requests", progress)
         second = until("the bar moving on", lambda: (p := progress()) > first and p)

@@ -1,0 +1,41 @@
+"""The dashboard's bar tells failed lines apart (it was all blue when 8 of 11 lines failed), and the
+sign-in field hints at berth's keys, not OpenAI's."""
+
+from __future__ import annotations
+
+import http.client
+import re
+import time
+
+from tests.support.jobs_env import write_requests
+from tests.support.serving import client, embedded_settings, key_for, serving, upload
+
+
+def _get(server, path: str, key: str | None = None) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    body = conn.getresponse().read().decode()
+    conn.close()
+    return body
+
+
+def test_failed_lines_are_red_on_the_bar_and_the_key_hint_is_berths(tmp_path, tiny_llama_dir):
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
+    key = key_for(settings, "alice")
+    requests = write_requests(tmp_path / "r.jsonl", 1)
+    requests.write_text(requests.read_text() + "not json\n{\n[]\n")  # 1 good line, 3 that fail
+    with serving(settings, worker=False) as server:  # no worker: the good line waits
+        c = client(server, key)
+        batch = c.batches.create(input_file_id=upload(c, requests).id, endpoint="/v1/completions",
+                                 completion_window="24h")
+        for _ in range(100):
+            if c.batches.retrieve(batch.id).request_counts.failed == 3:
+                break
+            time.sleep(0.1)
+        for page in ("/", f"/dashboard/jobs/{batch.id}"):
+            html = _get(server, page, key)
+            ok, bad = (float(re.search(rf'<rect class="{name}"[^>]* width="([0-9.]+)"', html).group(1))
+                       for name in ("ok", "bad"))
+            assert (ok, bad) == (0.0, 75.0), page
+            assert 'aria-label="3 of 4 done, 3 failed"' in html
+        assert 'placeholder="berth-..."' in _get(server, "/dashboard/login")
