@@ -75,3 +75,19 @@ def test_a_database_that_does_not_answer_is_reported_not_raised(tmp_path):
     missing = f"sqlite:///{tmp_path / 'nowhere' / 'jobs.db'}"
     got = _samples(JobsMetrics(missing))
     assert got == {_key("berth_jobs_database_up"): 0}
+
+
+def test_berth_serve_puts_the_jobs_figures_on_its_metrics_page(tmp_path, tiny_llama_dir):
+    """With a broker ``berth serve`` serves a page of its own (the embedded settings without a worker stand
+    in here): the jobs figures are on it, read from the server's database."""
+    import urllib.request
+
+    from tests.support.processes import free_port
+    from tests.support.serving import embedded_settings, serving
+
+    port = free_port()
+    settings = embedded_settings(tiny_llama_dir, tmp_path, metrics_port=port)
+    with serving(settings, worker=False):
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    assert "berth_jobs_database_up 1.0" in page, page
+    assert 'berth_jobs{state="in_progress"} 0.0' in page
