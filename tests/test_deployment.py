@@ -59,7 +59,8 @@ def test_compose_takes_every_password_from_env_and_refuses_to_start_without_one(
     assert not re.search(r"(PASS(WORD)?|SECRET[A-Z_]*): *[\"']?[A-Za-z0-9-]+[\"']?$", text, re.M), \
         "a fixed password is left in compose.yaml"
     variables = {m.group(1): m.group(2) for m in _VARIABLE.finditer(text)}
-    assert set(variables) == set(_env_example()) == {"POSTGRES_PASSWORD", "RABBITMQ_PASSWORD", "MINIO_ROOT_PASSWORD"}
+    assert set(variables) == set(_env_example()) == {"POSTGRES_PASSWORD", "RABBITMQ_PASSWORD", "MINIO_ROOT_PASSWORD",
+                                                                  "GRAFANA_ADMIN_PASSWORD"}
     assert all(f"set {name} in .env" in (message or "") for name, message in variables.items()), \
         "each variable needs ${VAR:?message}"
     assert all(not v.strip() for v in _env_example().values()), "the example must not hold usable passwords"

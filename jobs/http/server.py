@@ -2,9 +2,10 @@
 housekeeping chores) on a thread, which answers chat and completions too; with a broker it only
 serves, and reaches the engine workers through RabbitMQ.
 
-The tenants' interactive limits and their use (``worker.metrics.InteractiveLimitMetrics``) are on the
-engine worker's metrics page in the first case, on a page of the server's own on ``metrics_port`` in the
-second.
+The tenants' interactive limits and their use (``worker.metrics.InteractiveLimitMetrics``) and the jobs
+table's figures (``jobs.http.jobs_metrics``: jobs by state, live jobs' deadlines, webhooks waiting) are on
+the engine worker's metrics page in the first case, on a page of the server's own on ``metrics_port`` in
+the second.
 
     with Server(settings, port=0).running() as server:   # tests: uvicorn on a thread, a free port
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key)
@@ -27,6 +28,7 @@ from jobs.http.app import create_app
 from jobs.http.background import Tasks
 from jobs.http.interactive_channel import EmbeddedChannel
 from jobs.http.interactive_channel_broker import BrokerChannel
+from jobs.http.jobs_metrics import JobsMetrics
 from worker.config import Settings
 from worker.messaging.topology import is_embedded
 from worker.metrics import InteractiveLimitMetrics
@@ -59,6 +61,7 @@ class Server:
                               channel=self.channel)
         limiter = self.app.state.limiter
         self.limit_metrics = InteractiveLimitMetrics(limiter.tenants, limiter.refusals)
+        self.jobs_metrics = JobsMetrics(settings.database_url)
         self._metrics_page = None
         self._engine = engine
         self._stop = threading.Event()
@@ -113,6 +116,7 @@ class Server:
             if self.settings.metrics_port:  # no engine worker's page here: one of its own
                 registry = CollectorRegistry()
                 registry.register(self.limit_metrics)
+                registry.register(self.jobs_metrics)
                 self._metrics_page, _ = start_http_server(self.settings.metrics_port, self.settings.metrics_host,
                                                           registry)
             return
@@ -121,6 +125,7 @@ class Server:
         # the model loads before the first request
         worker = engine_worker(self.settings, self._engine, interactive=self.channel.inbox)
         worker.metrics.registry.register(self.limit_metrics)
+        worker.metrics.registry.register(self.jobs_metrics)
 
         def work() -> None:
             try:
