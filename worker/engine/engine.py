@@ -332,7 +332,9 @@ class Engine:
                 request.started = True
             if self.on_start is not None:
                 self.on_start(list(dict.fromkeys(r.request_id for r in fresh)))
-        scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # decodes first
+        scheduled = plan.scheduled
+        if any(n != 1 for _, n in scheduled):
+            scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # decodes first
         try:
             step_input, samplers, pool = self.runner.prepare(scheduled)
             if previous is not None:
@@ -422,13 +424,16 @@ class Engine:
         outputs = []
         now, gaps = time.perf_counter(), self.latencies.between_tokens
         by_tenant: dict[str, int] = {}
+        since: dict[tuple[bool, float], int] = {}
+        rotating = self.long_rope_from is not None
         for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
             request = seq.request
             if request.request_id not in self.requests or seq.is_finished:  # failed, aborted, or ended before
                 continue
             last, seq.last_token_time = seq.last_token_time, now
-            if last is not None:
-                gaps[CLASSES[request.interactive], now - last] += 1
+            if last is not None:  # counted by (class, previous token's time): a step's rows mostly share one
+                key = (request.interactive, last)
+                since[key] = since.get(key, 0) + 1
             elif request.first_token_time is None:  # a fork's first token is its parent's
                 request.first_token_time = now
                 self.latencies.first_token.append((CLASSES[request.interactive], now - request.arrival_time))
@@ -446,7 +451,7 @@ class Engine:
                     (scheduler or self._home(request)).finish(seq)
                     if request.is_finished:
                         outputs.append(self._output(request))
-                elif not seq.long_rope and long_rope(self.long_rope_from, seq.num_tokens):
+                elif rotating and not seq.long_rope and long_rope(self.long_rope_from, seq.num_tokens):
                     self._rotate_long(seq, scheduler or self._home(request))
             except Exception as exc:
                 log.exception("request %s failed while finishing its token", request.request_id)
@@ -454,6 +459,8 @@ class Engine:
         for tenant, n in by_tenant.items():
             self.stats.output_tokens += n
             self.stats.output_tokens_by_tenant[tenant] += n
+        for (interactive, last), n in since.items():
+            gaps[CLASSES[interactive], now - last] += n
         return outputs
 
     def _step_failed(self, scheduled: list[tuple[Sequence, int]], scheduler: Scheduler,
