@@ -46,7 +46,7 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
 def job_summary(v: JobView) -> dict:
     return {"id": v.id, "status": v.status.value, "tenant": v.tenant, "model": v.model, "total": v.total,
             "done": v.done, "completed": v.completed, "failed": v.failed, "prompt_tokens": v.prompt_tokens,
-            "completion_tokens": v.completion_tokens, "tokens_per_second": round(v.output_tokens_per_second, 1),
+            "completion_tokens": v.tokens_made, "tokens_per_second": round(v.tokens_per_second, 1),
             "eta": duration(v.eta_seconds), "created_at": int(v.created_at), "error": v.error}
 
 

@@ -212,7 +212,9 @@ def _insert(db: Database, job_id: str, lines: list[int], requests: list[dict], e
                 s.execute(insert(LineErrorRow), errors)
         s.execute(update(Job).where(Job.id == job_id)
                   .values(total=Job.total + new_lines, failed=Job.failed + len(errors),
-                          enqueued_tokens=Job.enqueued_tokens + sum(r["tokens"] for r in requests)))
+                          enqueued_tokens=Job.enqueued_tokens + sum(r["tokens"] for r in requests),
+                          output_budget=Job.output_budget + sum(r["tokens"] - len(r["prompt_token_ids"])
+                                                                for r in requests)))
     return [RequestRow(id=i, **r) for i, r in zip(ids, requests)]
 
 

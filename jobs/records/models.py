@@ -114,6 +114,10 @@ class Job(Base):
     # The prompt tokens and max_tokens of its lines stored and not yet done: what it holds of its tenant's
     # enqueued-token limit for its model (``jobs.records.budgets``); 0 once the job is over
     enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The output tokens its good lines may make (n x max_tokens each, added as they are stored): with the
+    # tokens made, what its ETA counts (``jobs.records.status``); 0 for a job from before it was kept
+    output_budget: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    finished_budget: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # of those done
     error_code: Mapped[str | None] = mapped_column(String(64))  # OpenAI's code for ``error`` (None: invalid_file)
     # What its copy of its input, its output and its errors file hold in the store (its tenant's storage
     # quota, ``jobs.records.storage_quota``); 0 once deleted
@@ -261,6 +265,17 @@ class WorkerRow(Base):
     output_tokens_per_second: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float] = mapped_column(Float)
     seen_at: Mapped[float] = mapped_column(Float)
+
+
+class JobProgress(Base):
+    """A worker's tokens made so far by the requests of a job it is running, as of its last heartbeat."""
+
+    __tablename__ = "job_progress"
+
+    worker_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(40), primary_key=True)  # no foreign key: a beat never fails on it
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[float] = mapped_column(Float)
 
 
 class WorkerSample(Base):

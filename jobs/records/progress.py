@@ -30,8 +30,10 @@ def duration(seconds: float | None) -> str:
 def describe(view: JobView) -> str:
     lines = [f"{view.id}  {view.status.value}  (tenant {view.tenant}, priority {view.priority}, model {view.model})",
              f"requests  {view.done}/{view.total} done: {view.completed} completed, {view.failed} failed",
-             f"tokens    {view.prompt_tokens} prompt, {view.completion_tokens} output; "
-             f"{view.output_tokens_per_second:.1f} output tok/s, {view.requests_per_second:.2f} req/s",
+             f"tokens    {view.prompt_tokens} prompt, {view.completion_tokens} output"
+             + (f" (+{view.tokens_in_flight} running)" if view.tokens_in_flight else "")
+             + (f" of ~{view.expected_tokens} expected" if view.expected_tokens and not view.status.is_final else "")
+             + f"; {view.tokens_per_second:.1f} output tok/s, {view.requests_per_second:.2f} req/s",
              f"time      running {duration(view.seconds_running)}, ETA {duration(view.eta_seconds)}, "
              f"window {view.completion_window}"]
     if view.error:
@@ -94,8 +96,13 @@ class JobProgress:
         self.task = None
 
     def update(self, view: JobView) -> None:
-        fields = {"description": view.status.value, "completed": view.done, "total": view.total or None,
-                  "rates": f"{view.output_tokens_per_second:.1f} tok/s", "eta": duration(view.eta_seconds)}
+        """The bar counts output tokens made against those expected where the job keeps its budget (work
+        done: requests mostly finish at the end), else requests done."""
+        expected = view.expected_tokens
+        done, total = (view.tokens_made, expected) if expected else (view.done, view.total or None)
+        fields = {"description": view.status.value, "completed": done, "total": total,
+                  "rates": f"{view.done}/{view.total} requests, {view.tokens_per_second:.1f} tok/s",
+                  "eta": duration(view.eta_seconds)}
         if self.task is None:
             self.task = self.progress.add_task(**fields)
         else:

@@ -65,7 +65,9 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
             s.execute(update(Job).where(Job.id == job_id).values(
                 completed=Job.completed + completed, failed=Job.failed + failed,
                 prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion,
-                cached_tokens=Job.cached_tokens + cached, enqueued_tokens=Job.enqueued_tokens - done.get(job_id, 0)))
+                cached_tokens=Job.cached_tokens + cached, enqueued_tokens=Job.enqueued_tokens - done.get(job_id, 0),
+                # the output budget of those done: what they held less their prompts (a progress estimate's)
+                finished_budget=Job.finished_budget + max(0, done.get(job_id, 0) - prompt)))
         return Recorded(new, mark_finalizing(s, list(counts)))
 
 

@@ -35,11 +35,14 @@ COLUMNS = {
     "endpoint": "endpoint", "input_file_id": "input_file_id", "output_file_id": "output_file_id",
     "error_file_id": "error_file_id", "message_id": "submit_message_id",
     "output_expires_after": "output_expires_after", "cached_tokens": "cached_tokens",
-    "error_code": "error_code", "enqueued_tokens": "enqueued_tokens",
+    "error_code": "error_code", "enqueued_tokens": "enqueued_tokens", "output_budget": "output_budget",
+    "finished_budget": "finished_budget",
 }
+FRESH = 30.0  # seconds: a worker's progress counts while its heartbeat is this recent (workers.GONE_AFTER)
 _ORM_ATTRIBUTE = {"metadata": "metadata_"}  # where the model's attribute is not named as its column
-_SELECT = ("SELECT " + ", ".join(f"jobs.{c}" for c in COLUMNS.values()) + ", tenants.name AS tenant_name "
-           "FROM jobs JOIN tenants ON tenants.id = jobs.tenant_id")
+_SELECT = ("SELECT " + ", ".join(f"jobs.{c}" for c in COLUMNS.values()) + ", tenants.name AS tenant_name, "
+           "(SELECT COALESCE(SUM(job_progress.tokens), 0) FROM job_progress WHERE job_progress.job_id = jobs.id "
+           "AND job_progress.at >= :fresh) AS tokens_in_flight FROM jobs JOIN tenants ON tenants.id = jobs.tenant_id")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class JobView:
     cached_tokens: int = 0  # of prompt_tokens, taken from a prefix cache (OpenAI's usage.input_tokens_details)
     error_code: str | None = None  # OpenAI's code for ``error`` (token_limit_exceeded); None: the file was bad
     enqueued_tokens: int = 0  # what its lines not yet done hold of its tenant's token budget (jobs.records.budgets)
+    output_budget: int = 0  # the output tokens its good lines may make (n x max_tokens each); 0: not kept
+    finished_budget: int = 0  # the part of output_budget its finished requests held
+    tokens_in_flight: int = 0  # made so far by its requests running now, as live workers last said
 
     @classmethod
     def of(cls, job: Job, tenant: str) -> JobView:
@@ -90,6 +96,7 @@ class JobView:
         """The view of the ``jobs`` table's columns by name (``COLUMNS``), as a query or the ORM gives them:
         the status as its value or the enum, the metadata as JSON text (SQLite) or decoded."""
         values = {field: row[column] for field, column in COLUMNS.items()}
+        values["tokens_in_flight"] = int(row.get("tokens_in_flight") or 0)  # a numeric sum on PostgreSQL
         values["status"] = JobStatus(values["status"])
         metadata = values["metadata"]
         values["metadata"] = dict(json.loads(metadata) if isinstance(metadata, str) else metadata or {})
@@ -120,15 +127,43 @@ class JobView:
         return self.completion_tokens / s if s else 0.0
 
     @property
+    def tokens_per_second(self) -> float:
+        """Output tokens made a second, running requests' included (work done, not requests finished)."""
+        s = self.seconds_running
+        return self.tokens_made / s if s else 0.0
+
+    @property
     def requests_per_second(self) -> float:
         s = self.seconds_running
         return self.done / s if s else 0.0
 
     @property
+    def tokens_made(self) -> int:
+        """Output tokens made: by its finished requests, and so far by those running."""
+        return self.completion_tokens + self.tokens_in_flight
+
+    @property
+    def expected_tokens(self) -> int | None:
+        """The output tokens it will have made (``jobs.records.work_estimate``'s rule): the finished requests'
+        own, the others' budgets scaled by the share of their budgets the finished ones used, and at least
+        what is made. None for a job whose budget was not kept."""
+        if not self.output_budget:
+            return None
+        ratio = self.completion_tokens / self.finished_budget if self.finished_budget else 1.0
+        expected = self.completion_tokens + ratio * max(0, self.output_budget - self.finished_budget)
+        return max(round(expected), self.tokens_made)
+
+    @property
     def eta_seconds(self) -> float | None:
-        """Time left at the rate so far; None before there is a rate or once the job is over."""
+        """Time left at the rate so far, from work done: tokens still expected over tokens made a second
+        (requests done a second where the budget was not kept); None before there is a rate or once over."""
+        if self.status.is_final:
+            return None
+        expected, seconds = self.expected_tokens, self.seconds_running
+        if expected is not None and seconds and self.tokens_made:
+            return (expected - self.tokens_made) / (self.tokens_made / seconds)
         rate = self.requests_per_second
-        if self.status.is_final or not rate:
+        if not rate:
             return None
         return (self.total - self.done) / rate
 
@@ -148,6 +183,8 @@ class JobView:
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                       "cached_tokens": self.cached_tokens},
             "output_tokens_per_second": round(self.output_tokens_per_second, 2),
+            "progress_tokens": {"made": self.tokens_made, "running": self.tokens_in_flight,
+                                "expected": self.expected_tokens},
             "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),
             **{f"{name}_at": stamp(getattr(self, f"{name}_at")) for name in (
                 "created", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired",
@@ -157,7 +194,8 @@ class JobView:
 
 def get_job(db: Database, job_id: str) -> JobView:
     with db.engine.connect() as conn:
-        row = conn.execute(text(f"{_SELECT} WHERE jobs.id = :job_id"), {"job_id": job_id}).mappings().one_or_none()
+        row = conn.execute(text(f"{_SELECT} WHERE jobs.id = :job_id"),
+                           {"job_id": job_id, "fresh": time.time() - FRESH}).mappings().one_or_none()
     if row is None:
         raise JobNotFound(job_id)
     return JobView.of_columns(row, row["tenant_name"])
@@ -166,7 +204,7 @@ def get_job(db: Database, job_id: str) -> JobView:
 def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None = None,
               limit: int = 20) -> list[JobView]:
     """The newest jobs first."""
-    where, params = [], {"limit": limit}
+    where, params = [], {"limit": limit, "fresh": time.time() - FRESH}
     if tenant is not None:
         where.append("tenants.name = :tenant")
         params["tenant"] = tenant

@@ -12,7 +12,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from jobs.records.db import Database
-from jobs.records.models import RequestRow, Result, WorkerDeath, WorkerRow, WorkerSample, now
+from jobs.records.models import JobProgress, RequestRow, Result, WorkerDeath, WorkerRow, WorkerSample, now
 from worker.consumer.ledger import Death, Heartbeat
 
 GONE_AFTER = 30.0  # seconds without a heartbeat
@@ -46,6 +46,10 @@ def beat(db: Database, hb: Heartbeat) -> None:
                                               output_tokens_per_second=hb.output_tokens_per_second,
                                               kv_blocks_used=hb.kv_blocks_used, kv_blocks_free=hb.kv_blocks_free))
         s.execute(delete(WorkerSample).where(WorkerSample.worker_id == hb.worker, WorkerSample.at < hb.at - HISTORY))
+        s.execute(delete(JobProgress).where(JobProgress.worker_id == hb.worker))  # what it runs now, alone
+        if hb.job_tokens:
+            s.execute(insert(JobProgress), [{"worker_id": hb.worker, "job_id": job_id, "tokens": tokens, "at": hb.at}
+                                            for job_id, tokens in hb.job_tokens.items()])
 
 
 def list_workers(db: Database, include_gone_for: float = HISTORY) -> list[WorkerView]:

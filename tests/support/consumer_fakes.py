@@ -309,6 +309,15 @@ class FakeEngine:
     def kv_usage(self) -> dict:
         return {"blocks_used": 0, "blocks_free": 100, "blocks_total": 100, "kv_bytes": 0, "slot_utilization": 1.0}
 
+    @property
+    def kv(self) -> FakeEngine:
+        """The KV view's ``progress`` (the engine's ``KVView``), all this fake has of one."""
+        return self
+
+    def progress(self):
+        for request_id, tokens in self.tokens.items():
+            yield request_id, sum(map(len, tokens)), True
+
     def step(self) -> list[RequestOutput]:
         isolated = any(r.isolated for r in self.requests.values())
         batch = {rid: r for rid, r in self.requests.items() if r.isolated or not isolated}

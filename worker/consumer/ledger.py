@@ -12,7 +12,7 @@ database raises ``LedgerDown``; the worker then waits and tries again (``worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from worker.engine.request import RequestOutput, SamplingParams
@@ -98,6 +98,7 @@ class Heartbeat:
     output_tokens_per_second: float
     started_at: float  # unix time
     at: float
+    job_tokens: dict[str, int] = field(default_factory=dict)  # job id -> its running requests' tokens made so far
 
 
 class Ledger(Protocol):

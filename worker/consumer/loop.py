@@ -388,7 +388,17 @@ class EngineWorker:
         return Heartbeat(self.name, socket.gethostname(), self.engine.model_name,
                          self.engine.settings.resolved_device(), self.engine.num_running, self.engine.num_waiting,
                          kv["blocks_used"], kv["blocks_free"], round(self.metrics.recent_output_rate(), 2),
-                         self.started_at, time.time())
+                         self.started_at, time.time(), self._job_tokens())
+
+    def _job_tokens(self) -> dict[str, int]:
+        """Per job, the output tokens its requests running here have made so far: with the finished ones',
+        the work done a job's progress and ETA count (``jobs.records.status``)."""
+        by_job: dict[str, int] = {}
+        for request_id, tokens, _ in self.engine.kv.progress():
+            item = self.inflight.get(request_id)
+            if item is not None and tokens:
+                by_job[item.claim.job_id] = by_job.get(item.claim.job_id, 0) + tokens
+        return by_job
 
     def _drop_closed_jobs(self) -> None:
         """Abort the requests of jobs cancelled, expired or otherwise closed; ack their messages."""

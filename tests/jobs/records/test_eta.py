@@ -1,0 +1,51 @@
+"""A job's ETA from work done (issue 38): with continuous batching nearly every request finishes near the
+end, so a count of finished requests promised 78 minutes for a job that ended 3.4 minutes in. Tokens made
+(finished and running, as workers say at their heartbeats) against tokens expected give the time left.
+
+Two regimes of a 200-request job: many requests' lifetimes in a row (8 seats, as a long job runs), where
+the ETA at a quarter and at half of the job's time is within 30% of the real time left (40% allowed here,
+where other work on the machine changes the rate as the job runs); and every request
+running at once (256 seats), where a count of finished requests is off many times over (the finding) and
+tokens stay within a factor of 2 (the last requests' own time, the tail, is what no rate foresees)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from jobs import api
+from tests.support.jobs_env import request_line, tiny_settings
+from worker.consumer import loop
+
+
+@pytest.mark.parametrize("seats, within", [(8, 0.4), (256, 1.0)])  # 0.3 quiet; 0.4 beside busy loops
+def test_the_eta_at_a_quarter_and_half_of_a_jobs_time(tmp_path, monkeypatch, tiny_llama_dir, seats, within):
+    # a worker's heartbeat every 5 s is often against a job of hours; this job takes seconds
+    monkeypatch.setattr(loop, "HEARTBEAT_INTERVAL", 0.5)
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(200):  # lengths that vary, as a real job's do; the short ones finish first
+            line = request_line(i, max_tokens=10 + (i * 37) % 30 if seats == 8 else 60 + (i * 37) % 120)
+            line["body"]["ignore_eos"] = True
+            f.write(json.dumps(line) + "\n")
+    seen = []
+    view, _ = api.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tiny_settings(tiny_llama_dir, max_num_seqs=seats),
+                      on_progress=lambda v: seen.append((time.time(), v.eta_seconds, _by_requests(v))))
+    assert view.completed == 200
+    start, end = view.in_progress_at, view.finalizing_at
+    for share in (0.25, 0.5):
+        moment = start + share * (end - start)
+        at, eta, by_requests = min((r for r in seen if r[1] is not None), key=lambda r: abs(r[0] - moment))
+        assert abs(at - moment) < max(0.15 * (end - start), 1.0), "no reading near that moment (one a second)"
+        left = end - at
+        assert abs(eta - left) <= within * left, f"at {share:.0%}: ETA {eta:.1f} s, {left:.1f} s left in fact"
+        if seats == 256 and share == 0.25:  # the finding: requests done a second say far more
+            assert by_requests > 3 * left, f"the regime of the finding: requests alone said {by_requests:.1f} s"
+
+
+def _by_requests(view) -> float:
+    """The ETA from requests done a second, as berth said before (read when the view is: it counts time)."""
+    rate = view.requests_per_second
+    return (view.total - view.done) / rate if rate else float("inf")
