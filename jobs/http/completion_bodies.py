@@ -1,4 +1,5 @@
-"""The OpenAPI description of the bodies ``POST /v1/chat/completions`` and ``POST /v1/completions`` take.
+"""The OpenAPI description of the bodies ``POST /v1/chat/completions``, ``POST /v1/completions`` and
+``POST /v1/responses`` take.
 
 It describes, and changes nothing: the routes read the raw body and check it as a batch line is
 checked (``jobs.lines.batch_format.to_request``), and a body this document calls valid may still be refused
@@ -23,7 +24,15 @@ from jobs.lines.batch_format import (
     MAX_STOP_TOKEN_IDS,
 )
 from jobs.lines.chat_messages import MAX_CALLS
-from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, IMPLEMENTED, NO_EFFECT, NO_EFFECT_ON, ONLY
+from jobs.lines.request_fields import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    IMPLEMENTED,
+    NO_EFFECT,
+    NO_EFFECT_ON,
+    ONLY,
+    RESPONSES_URL,
+)
 from jobs.lines.tools import MAX_TOOLS
 
 REFUSED = {"guided_json_object", "guided_whitespace_pattern", "structural_tag"}
@@ -120,12 +129,48 @@ _FIELDS: dict[str, Any] = {  # name -> its schema (a callable of the url where i
     # no effect (jobs.lines.request_fields.NO_EFFECT): the type the door checks
     "user": _STRING, "safety_identifier": _STRING, "prompt_cache_key": _STRING, "request_id": _STRING,
     "metadata": {"type": "object"}, "store": {"type": "boolean"}, "service_tier": _STRING,
+    "prompt_cache_retention": {"enum": ["in_memory", "24h"]},
+}
+
+_INPUT_TEXT = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": _STRING}}
+_RESPONSES_FIELDS: dict[str, Any] = {  # where a Responses field is not chat's (jobs.lines.responses_format)
+    "input": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+            "content": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _INPUT_TEXT}]}}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": _STRING, "name": _NAME, "arguments": _STRING}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"}, "call_id": _STRING,
+            "output": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _INPUT_TEXT}]}}}]}}]},
+    "instructions": {"type": "string", "minLength": 1},
+    "max_output_tokens": _int(1),
+    "text": {"type": "object", "additionalProperties": False, "properties": {
+        "verbosity": {"const": "medium"},
+        "format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "name", "schema"], "properties": {
+                "type": {"const": "json_schema"}, "name": _NAME, "description": _STRING, "schema": _SCHEMA,
+                "strict": {"type": "boolean"}}}]}}},
+    "tools": {"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": {
+        "type": "object", "required": ["type", "name"], "additionalProperties": False, "properties": {
+            "type": {"const": "function"}, "name": _NAME, "description": _STRING, "parameters": _SCHEMA,
+            "strict": {"type": "boolean"}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}, "name": _NAME}}]},
+    "reasoning": {"type": "object", "description": "only asking for nothing: its fields null, or effort \"none\""},
+    "include": {"type": "array", "maxItems": 0},
+    "stream_options": {"type": "object", "additionalProperties": False, "description": "with stream: true",
+                       "properties": {"include_obfuscation": {"type": "boolean"}}},
 }
 
 
 def _field(name: str, url: str, model: str | None) -> dict:
     if name == "model":
         return {"type": "string", **({"enum": [model]} if model else {}), "description": "the served model"}
+    if url == RESPONSES_URL and name in _RESPONSES_FIELDS:
+        return _RESPONSES_FIELDS[name]
     if name in _FIELDS:
         schema = _FIELDS[name]
         return schema(url) if callable(schema) else schema
@@ -136,19 +181,21 @@ def _field(name: str, url: str, model: str | None) -> dict:
 
 
 def body_schema(url: str, model: str | None = None) -> dict:
-    """The JSON Schema of a body of ``url`` (chat or completions); ``model``: the served model's name."""
+    """The JSON Schema of a body of ``url`` (chat, completions or responses); ``model``: the served model's name."""
     names = [n for n in sorted(IMPLEMENTED[url]) if n not in REFUSED]
     names += sorted(n for n in NO_EFFECT if n in NO_EFFECT_ON.get(url, NO_EFFECT) and n not in names)
     names += sorted(n for n, (values, _) in ONLY.items() if url in values)
     properties = {}
     for name in names:
         schema = _field(name, url, model)
-        properties[name] = schema if name in ("messages", "prompt") else _nullable(schema)  # null: as absent
-    return {"type": "object", "additionalProperties": False, "properties": properties,
-            "required": ["messages" if url == CHAT_URL else "prompt"]}
+        properties[name] = schema if name in _REQUIRED.values() else _nullable(schema)  # null: as absent
+    return {"type": "object", "additionalProperties": False, "properties": properties, "required": [_REQUIRED[url]]}
+
+
+_REQUIRED = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt", RESPONSES_URL: "input"}
 
 
 def openapi_body(url: str, model: str | None = None) -> dict:
     """``openapi_extra`` for the route of ``url``: its request body, as JSON."""
-    assert url in (CHAT_URL, COMPLETIONS_URL)
+    assert url in _REQUIRED
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": body_schema(url, model)}}}}

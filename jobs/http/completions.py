@@ -1,6 +1,7 @@
-"""OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions`` on ``berth serve``: one request
-answered now, whole (``stream: false``) or as server-sent events (``stream: true``). The body is checked
-as a batch line is (``jobs.lines.batch_format.to_request``); the request runs through an
+"""OpenAI's ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses`` on ``berth
+serve``: one request answered now, whole (``stream: false``) or as server-sent events (``stream: true``;
+the Responses API's events are ``jobs.http.response_events``'). The body is checked as a batch line is
+(``jobs.lines.batch_format.to_request``: a Responses body as the chat line it means); the request runs through an
 ``InteractiveChannel``, ahead of batch work; a caller that disconnects aborts it (docs/http-api.md). A tenant's
 requests running at once and their tokens a minute are bounded (``jobs.http.interactive_limits``).
 """
@@ -27,11 +28,12 @@ from jobs.http.completion_bodies import openapi_body
 from jobs.http.errors import ApiError, error_response
 from jobs.http.interactive_channel import InteractiveChannel, Subscription
 from jobs.http.interactive_limits import Held, InteractiveLimiter, LimitsCache
+from jobs.http.response_events import ResponsesReply
 from jobs.http.schemas import ErrorBody
 from jobs.lines.batch_format import BatchLine, CheckedRequest, LineError, check_request, response_line
 from jobs.lines.batch_format import _logprobs as logprobs_object
 from jobs.lines.line_text import shown
-from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL
+from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL
 from jobs.lines.structured_outputs import GrammarCheck
 from jobs.lines.validate import ModelInfo
 from worker.config import Settings
@@ -48,7 +50,7 @@ _ANSWERS = {200: {"content": {"application/json": {"schema": {"type": "object"}}
 def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, model: Callable[[], ModelInfo],
                           tenant_dependency, limiter: InteractiveLimiter, limits: LimitsCache,
                           model_name: str | None = None, settings: Settings | None = None) -> None:
-    """The two routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's;
+    """The three routes; ``model()`` gives what bodies are checked against when ``channel`` has no engine's;
     ``limiter`` counts each tenant's requests against its ``limits``; ``model_name``, the served model's, is the
     one the OpenAPI document names (``jobs.http.completion_bodies``). ``app.state.stopping``, set when the
     server stops, ends the waits for compiles (503)."""
@@ -64,7 +66,8 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
                                     structured_limits=info.structured_limits, hidden_size=info.hidden_size)
         except LineError as exc:
             raise ApiError(400, exc.message, _param(exc.param), exc.code) from None
-        _within_answer_limit(checked.request.params, settings.http_max_answer_tokens)
+        _within_answer_limit(checked.request.params, settings.http_max_answer_tokens,
+                             "max_output_tokens" if line.url == RESPONSES_URL else "max_tokens")
         if not checked.grammars:
             return checked, []
         from worker.engine.structured.grammar import (
@@ -102,7 +105,7 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
 
     async def checked_answer(request: Request, tenant: str, url: str, held: Held) -> Response:
         body = _json_object(await request.body())
-        stream, include_usage = _stream_fields(body)
+        stream, include_usage = _stream_fields(body, url)
         info = (channel.model() if channel is not None else None) or await run_in_threadpool(model)
         line = BatchLine(1, "request", url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
         request_id = f"i-{uuid.uuid4().hex[:24]}"
@@ -130,9 +133,10 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
             raise ApiError(503, "no engine takes requests answered at once now: with a broker, run a `berth worker` "
                            "with --interactive-prefetch above 0 (the default) for this model; on the embedded "
                            "defaults, wait for this server's engine to load", None, "engine_unavailable")
-        reply = _Reply(line, engine_request.params.tool_calls, info, engine_request.params.n, stream,
-                       include_usage)
-        return _Answer(channel.open(engine_request, line), reply, held, prompt_tokens)
+        tool_calls = engine_request.params.tool_calls
+        reply = (ResponsesReply(line, tool_calls, info, stream) if url == RESPONSES_URL
+                 else _Reply(line, tool_calls, info, engine_request.params.n, stream, include_usage))
+        return _Answer(channel.open(engine_request, checked.engine_line), reply, held, prompt_tokens)
 
     def extra(url: str) -> dict:
         return {"openapi_extra": openapi_body(url, model_name), "responses": {**_ANSWERS, 503: {"model": ErrorBody}}}
@@ -145,6 +149,10 @@ def add_completion_routes(app: FastAPI, channel: InteractiveChannel | None, mode
     @app.post("/v1/completions", summary="OpenAI's completions, answered now (stream or not)", **extra(COMPLETIONS_URL))
     async def completions(request: Request, tenant: tenant_dependency) -> Response:
         return await answer(request, tenant, COMPLETIONS_URL)
+
+    @app.post("/v1/responses", summary="OpenAI's Responses API, answered now (stream or not)", **extra(RESPONSES_URL))
+    async def responses(request: Request, tenant: tenant_dependency) -> Response:
+        return await answer(request, tenant, RESPONSES_URL)
 
 
 class _TenantCounts:
@@ -240,15 +248,16 @@ def _unchecked(url: str, exc: BaseException) -> ApiError:
                     None, "invalid_request")
 
 
-def _within_answer_limit(params, limit: int) -> None:
-    """400 naming max_tokens when the answer could hold more than ``limit`` tokens and logprobs entries."""
+def _within_answer_limit(params, limit: int, field: str = "max_tokens") -> None:
+    """400 naming ``field`` (max_tokens, or what stands for it) when the answer could hold more than ``limit``
+    tokens and logprobs entries."""
     per_token = 1 + (0 if params.logprobs is None else 1 + params.logprobs)
     size = params.n * params.max_tokens * per_token
     if size > limit:
-        raise ApiError(400, f"max_tokens: n {params.n} x max_tokens {params.max_tokens} x {per_token} (a token and "
+        raise ApiError(400, f"{field}: n {params.n} x {field} {params.max_tokens} x {per_token} (a token and "
                        f"its logprobs entries) is {size:,}, over the {limit:,} one answer may hold "
                        "(BERTH_HTTP_MAX_ANSWER_TOKENS): ask for fewer tokens, samples or top_logprobs",
-                       "max_tokens", "answer_too_large")
+                       field, "answer_too_large")
 
 
 def _json_object(raw: bytes) -> dict:
@@ -261,8 +270,11 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-def _stream_fields(body: dict) -> tuple[bool, bool]:
+def _stream_fields(body: dict, url: str) -> tuple[bool, bool]:
+    """(stream, include_usage); the Responses API's one option, include_obfuscation, changes nothing here
+    (berth pads no event), and its usage comes in response.completed anyway."""
     stream, options = body.get("stream"), body.get("stream_options")
+    known = "include_obfuscation" if url == RESPONSES_URL else "include_usage"
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"stream: must be true or false, got {shown(stream)}", "stream", "invalid_type")
     if options is None:
@@ -273,12 +285,12 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
     if not stream:
         raise ApiError(400, "stream_options: only with stream true", "stream_options", "invalid_value")
     for name, value in options.items():
-        if name != "include_usage":
-            raise ApiError(400, f"stream_options.{shown(name)}: not an option berth knows (include_usage is)",
+        if name != known:
+            raise ApiError(400, f"stream_options.{shown(name)}: not an option berth knows ({known} is)",
                            "stream_options", "invalid_value")
         if value is not None and not isinstance(value, bool):
-            raise ApiError(400, f"stream_options.include_usage: must be true or false, got {shown(value)}",
-                           "stream_options.include_usage", "invalid_type")
+            raise ApiError(400, f"stream_options.{known}: must be true or false, got {shown(value)}",
+                           f"stream_options.{known}", "invalid_type")
     return True, bool(options.get("include_usage"))
 
 
@@ -341,6 +353,12 @@ class _Reply:
             out.append(self._chunk([], usage=body["usage"]))
         return out + [b"data: [DONE]\n\n"]
 
+    def failed(self, failed: Failed) -> list[bytes]:
+        """A failure after the stream began, as OpenAI's streams carry one."""
+        kind = "invalid_request_error" if _FAILED_STATUS.get(failed.code) == 400 else "server_error"
+        error = {"error": {"message": failed.reason, "type": kind, "param": None, "code": failed.code}}
+        return [b"data: " + json.dumps(error, ensure_ascii=False).encode() + b"\n\n"]
+
     def _choice(self, index: int, text: str | None, logprobs, finish_reason: str | None) -> bytes:
         if self.chat:
             choice = {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
@@ -357,7 +375,7 @@ class _Answer(Response):
     """The answer to one request, sent as its events come; a disconnect aborts the request at once. Its
     tenant's place is given back when it ends, its tokens corrected to those it used."""
 
-    def __init__(self, subscription: Subscription, reply: _Reply, held: Held, prompt_tokens: int):
+    def __init__(self, subscription: Subscription, reply: "_Reply | ResponsesReply", held: Held, prompt_tokens: int):
         super().__init__()
         self.subscription, self.reply, self.held = subscription, reply, held
         self.used = prompt_tokens  # and the tokens made so far; all of them, once Done says
@@ -416,9 +434,7 @@ class _Answer(Response):
                 elif isinstance(event, Done):
                     chunks += self.reply.done(event.output)
                 elif isinstance(event, Failed):
-                    kind = "invalid_request_error" if _FAILED_STATUS.get(event.code) == 400 else "server_error"
-                    error = {"error": {"message": event.reason, "type": kind, "param": None, "code": event.code}}
-                    chunks.append(b"data: " + json.dumps(error, ensure_ascii=False).encode() + b"\n\n")
+                    chunks += self.reply.failed(event)
             if chunks:
                 await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
                 chunks = []

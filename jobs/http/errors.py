@@ -102,7 +102,7 @@ def install(app: FastAPI) -> None:
     async def http(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             return error_response(404, "Unknown route: berth serves /v1/files, /v1/batches, /v1/models, "
-                                  "/v1/chat/completions and /v1/completions")
+                                  "/v1/chat/completions, /v1/completions and /v1/responses")
         if exc.status_code == 413 and (limit := request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)) is not None:
             return body_too_large(request.method, request.url.path, limit)
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

@@ -1,4 +1,4 @@
-"""A tenant's interactive limits on ``berth serve``: chat and completions requests running at once, and
+"""A tenant's interactive limits on ``berth serve``: chat, completions and responses requests running at once, and
 their tokens in any 60 s (``InteractiveLimits``: the tenant's own or the settings' defaults).
 
     held = limiter.enter(tenant, limits)     # 429 past its live requests
@@ -67,7 +67,7 @@ class InteractiveLimiter:
             state = self._tenants.setdefault(tenant, _Tenant())
             if limits.live_requests and state.live >= limits.live_requests:
                 self.refused[tenant, LIVE_REQUESTS] += 1
-                raise _too_many(f"this tenant has {state.live:,} chat and completions requests running on this "
+                raise _too_many(f"this tenant has {state.live:,} interactive requests running on this "
                                 f"server, its limit of requests at once ({_source(limits, LIVE_REQUESTS)}): retry "
                                 "once one has ended", PLACE_RETRY)
             state.live += 1

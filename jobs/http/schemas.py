@@ -148,7 +148,7 @@ class CreateBatch(BaseModel):
     """``POST /v1/batches``. Fields OpenAI has and berth does not know are ignored."""
 
     input_file_id: str = Field(max_length=64)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
     completion_window: str = Field(max_length=16, description='"24h" as OpenAI; berth also takes e.g. "90m", "7d"')
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | None = Field(

@@ -17,7 +17,8 @@ from jobs.lines.chat_messages import template_messages
 from jobs.lines.embeddings_format import embedding_body, embedding_request
 from jobs.lines.line_error import CODE_CHARS, MAX_CUSTOM_ID, MESSAGE_CHARS, PARAM_CHARS, BatchLine, LineError  # noqa: F401 (imported from here by the other modules)
 from jobs.lines.line_text import bad_text, shown
-from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS, unknown_field
+from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL, URLS, unknown_field
+from jobs.lines.responses_format import ChatLine, chat_line, response_body
 from jobs.lines.structured_outputs import DEFAULT_LIMITS, GrammarCheck, SpecError, StructuredLimits, structured_check
 from jobs.lines.tool_formats import FORMATS, call_id
 from jobs.lines.tool_prompt import for_template
@@ -69,8 +70,8 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int = MAX_LINE_BYTES) -> 
         raise LineError(line, "method", f"must be POST, not {shown(method)}", custom_id)
     url = obj.get("url")
     if not isinstance(url, str) or url not in URLS:
-        raise LineError(line, "url", f"must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}, not {shown(url)}",
-                        custom_id)
+        raise LineError(line, "url", f"must be {CHAT_URL}, {COMPLETIONS_URL}, {EMBEDDINGS_URL} or {RESPONSES_URL}, "
+                        f"not {shown(url)}", custom_id)
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError(line, "body", "missing or not a JSON object", custom_id)
@@ -243,7 +244,8 @@ def to_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, 
     tokenizer's size both. A structured-output constraint is checked and compiled last, once the
     cheaper checks passed, waiting on this thread (``check_request`` leaves the compile to its caller).
     An embeddings line is ``jobs.lines.embeddings_format``'s (``hidden_size``: the model's, the most
-    ``dimensions`` it may ask for)."""
+    ``dimensions`` it may ask for); a Responses line is checked as the chat line it means
+    (``jobs.lines.responses_format``), its errors naming its own fields."""
     checked = check_request(line, tokenizer, model_name, max_model_len, request_id, priority, tenant, vocab_size,
                             structured_limits, hidden_size)
     for grammar in checked.grammars:
@@ -262,10 +264,17 @@ class CheckedRequest:
     line: BatchLine
     request: Request
     grammars: tuple[GrammarCheck, ...]
+    chat: ChatLine | None = None  # a Responses line's chat line: what the request was made from
+
+    @property
+    def engine_line(self) -> BatchLine:
+        """The line the request was made from, as a worker's door checks it again: a Responses line's chat line."""
+        return self.chat.line if self.chat is not None else self.line
 
     def refused(self, exc: SpecError) -> LineError:
         """The line's error for a grammar's refusal (``GrammarCheck.refusal``)."""
-        return LineError(self.line.line, exc.param, exc.message, self.line.custom_id)
+        param = self.chat.param(exc.param) if self.chat is not None else exc.param
+        return LineError(self.line.line, param, exc.message, self.line.custom_id)
 
 
 def check_request(line: BatchLine, tokenizer, model_name: str, max_model_len: int, request_id: str,
@@ -279,6 +288,14 @@ def check_request(line: BatchLine, tokenizer, model_name: str, max_model_len: in
                                                       priority, tenant, limit, hidden_size), ())
     if (unknown := unknown_field(line.url, line.body)) is not None:
         raise LineError(line.line, *unknown, line.custom_id)
+    if line.url == RESPONSES_URL:
+        chat = chat_line(line)
+        try:
+            checked = check_request(chat.line, tokenizer, model_name, max_model_len, request_id, priority, tenant,
+                                    vocab_size, structured_limits, hidden_size)
+        except LineError as exc:
+            raise chat.error(exc) from None
+        return CheckedRequest(line, checked.request, checked.grammars, chat)
     model = line.body.get("model")
     if model is not None and model != model_name:
         raise LineError(line.line, "body.model", f"unknown model {shown(model)}: this service runs {model_name!r}",
@@ -320,9 +337,14 @@ def check_request(line: BatchLine, tokenizer, model_name: str, max_model_len: in
 def response_line(line: BatchLine, output: RequestOutput, model_name: str, tokenizer,
                   tool_calls: str | None = None) -> dict:
     """The OpenAI Batch output line for a finished request; ``tool_calls`` names the format its
-    calls are read in (``SamplingParams.tool_calls``)."""
+    calls are read in (``SamplingParams.tool_calls``). A Responses line's body is its chat completion
+    written as a Response (echoing what ``line.body`` holds of the request)."""
     if output.embedding is not None:
         return _line_of(line, output, embedding_body(output, model_name))
+    if line.url == RESPONSES_URL:
+        chat_body = response_line(replace(line, url=CHAT_URL), output, model_name, tokenizer, tool_calls)
+        body = response_body(chat_body["response"]["body"], line.body, output.request_id, model_name)
+        return _line_of(line, output, body)
     chat = line.url == CHAT_URL
     choices = []
     for c in output.completions:

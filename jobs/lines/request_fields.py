@@ -20,7 +20,8 @@ from jobs.lines.line_text import shown
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
-URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+RESPONSES_URL = "/v1/responses"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RESPONSES_URL)
 
 _BOTH = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "logprobs",
@@ -35,9 +36,14 @@ IMPLEMENTED = {
                        "tools", "tool_choice", "parallel_tool_calls"},  # jobs.lines.tools reads the last three
     COMPLETIONS_URL: _BOTH | {"prompt"},
     EMBEDDINGS_URL: {"model", "input", "encoding_format", "dimensions"},
+    # jobs.lines.responses_format reads the OpenAI fields and hands berth's sampling extensions on as a chat line's
+    RESPONSES_URL: {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+                    "tool_choice", "parallel_tool_calls", "stream", "reasoning", "include",
+                    "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "cache_salt"},
 }
-"""What ``jobs.lines.batch_format``, ``jobs.lines.structured_outputs``, ``jobs.lines.tools`` and
-``jobs.lines.embeddings_format`` read, per endpoint."""
+"""What ``jobs.lines.batch_format``, ``jobs.lines.structured_outputs``, ``jobs.lines.tools``,
+``jobs.lines.embeddings_format`` and ``jobs.lines.responses_format`` read, per endpoint."""
 
 
 def _is_str(v: Any) -> bool:
@@ -53,10 +59,13 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (lambda v: isinstance(v, bool), "true or false"),
     "service_tier": (_is_str, "a string"),
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
+    "prompt_cache_retention": (lambda v: v in ("in_memory", "24h"), '"in_memory" or "24h"'),  # berth's cache has one
 }
 """Accepted and without effect by their nature (with the type they must have)."""
 
-NO_EFFECT_ON = {EMBEDDINGS_URL: {"user", "request_id"}}
+NO_EFFECT_ON = {EMBEDDINGS_URL: {"user", "request_id"},
+                RESPONSES_URL: {"user", "safety_identifier", "prompt_cache_key", "metadata", "service_tier",
+                                "stream_options", "prompt_cache_retention"}}
 """The endpoints where only some of ``NO_EFFECT`` are fields (the rest belong to generation); all elsewhere."""
 
 ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot be had)
@@ -82,6 +91,14 @@ ONLY = {  # name -> ({url: the one value berth runs}, why another value cannot b
     "truncate_prompt_tokens": ({EMBEDDINGS_URL: None}, "berth does not cut inputs: one over the model's context "
                                                         "is a line error"),
     "embed_dtype": ({EMBEDDINGS_URL: "float32"}, "berth's vectors are float32, as numbers or as base64"),
+    # the Responses API's
+    "store": ({RESPONSES_URL: False}, "berth keeps no response to fetch later by its id: the answer is the reply, "
+                                      "or the job's output line; set store to false or leave it out"),
+    "background": ({RESPONSES_URL: False}, "berth answers /v1/responses now: for work in the background submit a "
+                                           "batch of /v1/responses lines"),
+    "truncation": ({RESPONSES_URL: "disabled"}, "berth does not cut the input: one over the model's context is "
+                                                "refused"),
+    "max_tool_calls": ({RESPONSES_URL: None}, "it bounds built-in tools, and berth runs function tools only"),
 }
 """Accepted only at the value that is berth's behaviour (absent or null is that value too)."""
 
@@ -91,6 +108,17 @@ NOT_YET = {
     "function_call": 'is deprecated for tool_choice and berth does not read it: use tool_choice ("none", "auto", '
                      '"required" or {"type": "function", "function": {"name": ...}})',
 }
+
+
+REFUSED_ON = {RESPONSES_URL: {
+    "previous_response_id": "berth keeps no earlier responses to continue from: send the whole conversation in "
+                            "input (earlier turns as messages, calls as function_call and function_call_output items)",
+    "conversation": "berth keeps no conversations: send the whole conversation in input",
+    "prompt": "berth keeps no saved prompts: write the prompt in instructions and input",
+    "context_management": "berth keeps no conversation state to compact: send the input you want the model to see",
+    "top_logprobs": "is not supported yet on /v1/responses: use a /v1/chat/completions line with logprobs",
+}}
+"""Fields of one endpoint refused by name, with what to do instead; not fields of any other endpoint."""
 
 
 def _same(value: Any, want: Any) -> bool:
@@ -113,6 +141,10 @@ def unknown_field(url: str, body: dict) -> tuple[str, str] | None:
             if value is None:
                 continue
             return param, NOT_YET[name]
+        if name in REFUSED_ON.get(url, {}):
+            if value is None:
+                continue
+            return param, REFUSED_ON[url][name]
         if name in NO_EFFECT and name in NO_EFFECT_ON.get(url, NO_EFFECT):
             ok, what = NO_EFFECT[name]
             if value is not None and not ok(value):
@@ -128,7 +160,8 @@ def unknown_field(url: str, body: dict) -> tuple[str, str] | None:
         others = [u for u in URLS if u != url and (name in IMPLEMENTED[u] or (name in ONLY and u in ONLY[name][0])
                                                   or (name in NO_EFFECT and name in NO_EFFECT_ON.get(u, NO_EFFECT)))]
         if others:
-            return param, f"is a field of {' and '.join(others)}, not of {url}"
+            named = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
+            return param, f"is a field of {named}, not of {url}"
         return param, ("is not a request field berth knows: berth refuses fields it would otherwise ignore "
                        "(docs/request-fields.md lists those it takes)")
     return None

@@ -68,7 +68,8 @@ def refused(validator, **body) -> LineError:
     (dict(input="hi", encoding_format=None, colour="red"), "body.colour", "not a request field berth knows"),
     (dict(input="hi", messages=[]), "body.messages", "is a field of /v1/chat/completions, not of /v1/embeddings"),
     (dict(input="hi", max_tokens=3), "body.max_tokens", "a field of /v1/chat/completions and /v1/completions"),
-    (dict(input="hi", metadata={}), "body.metadata", "a field of /v1/chat/completions and /v1/completions"),
+    (dict(input="hi", metadata={}), "body.metadata", "a field of /v1/chat/completions, /v1/completions and "
+                                                     "/v1/responses"),
     (dict(input="hi", normalize=False), "body.normalize", "berth runs only true here"),
     (dict(input="hi", truncate_prompt_tokens=8), "body.truncate_prompt_tokens", "berth does not cut inputs"),
     (dict(input="hi", user=3), "body.user", "must be a string"),
@@ -81,9 +82,11 @@ def test_a_bad_embeddings_body_is_a_line_error_naming_the_field(validator, body,
 
 def test_fields_of_embeddings_are_refused_elsewhere(validator):
     line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "hi", "input": "hi"}}
-    with pytest.raises(LineError, match="body.input: is a field of /v1/embeddings, not of /v1/completions"):
+    with pytest.raises(LineError, match="body.input: is a field of /v1/embeddings and /v1/responses, not of "
+                                        "/v1/completions"):
         validator.check(_raw(line))
-    with pytest.raises(LineError, match="url: must be /v1/chat/completions, /v1/completions or /v1/embeddings"):
+    with pytest.raises(LineError, match="url: must be /v1/chat/completions, /v1/completions, /v1/embeddings or "
+                                        "/v1/responses"):
         validator.check(_raw({**line, "url": "/v1/rerank"}))
 
 

@@ -508,7 +508,7 @@ def test_every_known_body_field_is_in_the_docs_table():
     doc = ROOT.joinpath("docs", "request-fields.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| ") and not line.startswith("| Field")]
     named = {name for row in rows for cell in row.split("|")[1:3] for name in re.findall(r"`([a-z_]+)`", cell)}
-    known = set().union(*rf.IMPLEMENTED.values(), rf.NO_EFFECT, rf.ONLY, rf.NOT_YET)
+    known = set().union(*rf.IMPLEMENTED.values(), rf.NO_EFFECT, rf.ONLY, rf.NOT_YET, *rf.REFUSED_ON.values())
     assert named == known, (named - known, known - named)
 
 
