@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from jobs.lines.request_fields import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, URLS
+from jobs.lines.request_fields import URLS
 from jobs.lines.validate import check_file_size, copy_checked
 from jobs.records import job_files as keys
 from jobs.records.db import Database
@@ -50,7 +50,7 @@ class JobSpec:
     def check(self) -> None:
         check_tenant_name(self.tenant)
         if self.endpoint is not None and self.endpoint not in URLS:
-            raise ValueError(f"endpoint {self.endpoint!r}: give {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}")
+            raise ValueError(f"endpoint {self.endpoint!r}: give {', '.join(URLS[:-1])} or {URLS[-1]}")
         if not 0 <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority {self.priority}: give an integer from 0 to {MAX_PRIORITY} (higher runs first)")
         window_seconds(self.completion_window)
