@@ -86,11 +86,14 @@ def cancel(job_id: str, settings: Settings | None = None) -> JobView:
 
 
 def results(job_id: str, output: str | Path, errors: str | Path | None = None,
-            settings: Settings | None = None) -> ResultFiles:
+            settings: Settings | None = None, partial: bool = False) -> ResultFiles:
     """Copy a finished job's output (input order) to ``output`` and its errors, if any, to ``errors``
-    (default: ``<output>.errors.jsonl``)."""
+    (default: ``<output>.errors.jsonl``). ``partial``: a job still running too, its lines finished so far,
+    written as the two files will hold them (``GET /v1/batches/{id}/results`` gives the same)."""
     settings = settings or Settings()
     job = status(job_id, settings)
+    if partial and not job.status.is_final:
+        return _partial_results(job_id, Path(output), Path(errors) if errors else None, settings)
     if not job.status.is_final:
         raise JobStateError(f"job {job_id} is {job.status.value} ({job.done} of {job.total} requests done): its "
                             "files are written when it ends; `berth status --watch` follows it")
@@ -104,6 +107,26 @@ def results(job_id: str, output: str | Path, errors: str | Path | None = None,
             files.get_file(key, target)
         copied.append(target if key is not None else None)
     return ResultFiles(*copied)
+
+
+def _partial_results(job_id: str, output: Path, errors: Path | None, settings: Settings) -> ResultFiles:
+    """The lines a running job finished so far: output lines to ``output``, error lines to ``errors``."""
+    import json
+
+    from jobs.pipeline.finalize import finished_lines
+
+    errors = errors or output.with_suffix(".errors.jsonl")
+    counts = [0, 0]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "w", encoding="utf-8") as out, open(errors, "w", encoding="utf-8") as err:
+        for line in finished_lines(open_database(settings.database_url), job_id):
+            failed = line.get("error") is not None
+            (err if failed else out).write(json.dumps(line, ensure_ascii=False) + "\n")
+            counts[failed] += 1
+    for path, count in ((output, counts[0]), (errors, counts[1])):
+        if not count:  # as for a finished job: no file where no line
+            path.unlink()
+    return ResultFiles(output if counts[0] else None, errors if counts[1] else None)
 
 
 def run(path: str | Path, output: str | Path, settings: Settings | None = None, *, errors: str | Path | None = None,

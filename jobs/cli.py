@@ -372,13 +372,14 @@ def list_command(tenant, state, limit, as_json, **flags):
 @click.argument("job_id")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="output JSONL file")
 @click.option("--errors", type=click.Path(dir_okay=False), help="errors JSONL [default: OUTPUT.errors.jsonl]")
+@click.option("--partial", is_flag=True, help="a running job's lines finished so far (input order)")
 @service_options
-def results(job_id, output, errors, **flags):
-    """Fetch a finished job's output (input order) and its errors file."""
+def results(job_id, output, errors, partial, **flags):
+    """Fetch a finished job's output (input order) and its errors file; --partial, what a running one has."""
     from jobs import api
 
     with user_errors():
-        files = api.results(job_id, output, errors, settings_from(flags))
+        files = api.results(job_id, output, errors, settings_from(flags), partial=partial)
     click.echo(f"output: {files.output or '(no request completed)'}", err=True)
     if files.errors:
         click.echo(f"errors: {files.errors}", err=True)
@@ -571,6 +572,12 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, **flags):
 
     spec = job_spec(flags)
     settings = settings_from(flags)
+    from jobs.lines.validate import InputError, check_output
+
+    try:
+        check_output(Path(output))  # before the model loads
+    except InputError as exc:
+        raise click.ClickException(str(exc)) from None
     with user_errors(), JobProgress(disabled=quiet) as progress:
         view, files = api.run(input_file, output, settings, errors=errors, spec=spec, on_progress=progress.update)
     click.echo(f"{view.id} {view.status.value}: {view.completed} completed, {view.failed} failed of {view.total}; "
@@ -619,6 +626,7 @@ def serve(host, port, open_access, **flags):
 
     configure_logging()
     settings = settings_from(flags)
+    _check_port_free(host, port)  # before the model loads: one line, not uvicorn's traceback after it
     with user_errors():
         server = Server(settings, host, port, open_access)
         keys = any_keys(open_database(settings.database_url))
@@ -634,6 +642,19 @@ def serve(host, port, open_access, **flags):
     click.echo(f"berth serving {settings.served_model_name()} on {server.url}/v1 {worker}", err=True)
     with user_errors():
         server.serve_forever()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A ClickException naming the port when something already listens there."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port} ({exc.strerror}): another program holds it "
+                                   f"(`ss -ltnp 'sport = :{port}'` names it); stop it or give --port") from None
 
 
 @main.group()

@@ -161,3 +161,23 @@ def test_exit_status_says_when_lines_failed(tmp_path):
 def test_version():
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and result.output.startswith("berth ")
+
+
+def test_berth_run_and_serve_say_what_is_wrong_before_the_model_loads(tmp_path):
+    import socket
+
+    src = _requests(tmp_path / "in.jsonl", 1)
+    result = CliRunner().invoke(main, ["run", str(src), "-o", str(tmp_path / "no" / "out.jsonl")])
+    assert result.exit_code == 1 and "the folder" in result.output and "does not exist" in result.output
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        result = CliRunner().invoke(main, ["serve", "--port", str(port), "--database-url",
+                                           f"sqlite:///{tmp_path / 'b.db'}"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): another program holds it "
+        f"(`ss -ltnp 'sport = :{port}'` names it); stop it or give --port"]
+    assert time.monotonic() - started < 5  # no model was loaded

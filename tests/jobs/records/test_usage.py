@@ -46,3 +46,19 @@ def test_status_says_when_no_worker_serves_the_jobs_model(tmp_path, monkeypatch,
     assert f"none live serves model {job.model}" in shown.output
     listed = CliRunner().invoke(main, ["workers", "--database-url", settings.database_url])
     assert listed.exit_code == 0 and "no engine worker is live" in listed.output
+
+
+def test_results_partial_gives_a_running_jobs_lines_so_far(tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.chdir(tmp_path)
+    settings = tiny_settings(tiny_llama_dir)
+    src = write_requests(tmp_path / "in.jsonl", 2)
+    src.write_text(src.read_text() + "not json\n")
+    job = api.submit(src, settings, eager=True)  # no worker: the two good lines wait
+    flags = ["--database-url", settings.database_url, "--storage-url", settings.storage_url]
+    refused = CliRunner().invoke(main, ["results", job.id, "-o", "out.jsonl", *flags])
+    assert refused.exit_code == 1 and "--watch" in refused.output
+    partial = CliRunner().invoke(main, ["results", job.id, "-o", "out.jsonl", "--partial", *flags])
+    assert partial.exit_code == 0, partial.output
+    assert "no request completed" in partial.output and not (tmp_path / "out.jsonl").exists()
+    [error] = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert error["error"]["line"] == 3
