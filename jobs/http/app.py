@@ -25,7 +25,7 @@ from jobs.http import batches
 from jobs.http import files as api_files
 from jobs.http.background import Tasks
 from jobs.http.completions import add_completion_routes
-from jobs.http.dashboard import dashboard_router
+from jobs.http.dashboard import JobActions, dashboard_router
 from jobs.http.errors import ApiError, install
 from jobs.http.guard import TENANT_SCOPE_KEY, RequestGuard
 from jobs.http.idempotency import fingerprint, idempotent
@@ -120,8 +120,18 @@ def create_app(settings: Settings | None = None, open_access: bool = False, task
                        origin_hosts=frozenset(settings.allowed_hosts()))
 
     TenantName = Annotated[str, Depends(tenant)]
+    def cancel_for(tenant_name: str, job_id: str) -> None:  # the dashboard's button, as POST .../cancel
+        batches.cancel_batch(db, tenant_name, job_id)
+        tasks.run(FINALIZE, job_id)
+
+    def retry_for(tenant_name: str, job_id: str) -> str:  # the dashboard's button, as POST .../retry
+        new_id = retry_job(db, files, settings, batches.tenant_job(db, tenant_name, job_id))
+        tasks.run(INGEST, new_id)
+        return new_id
+
     app.include_router(dashboard_router(db, files, lambda key: tenant_of_key(db, key), open_access,
-                                        settings.http_secure_cookies, interactive_use(limiter, limits)))
+                                        settings.http_secure_cookies, interactive_use(limiter, limits),
+                                        JobActions(cancel_for, retry_for)))
     IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
 
     def batch_of(tenant_name: str, batch_id: str) -> dict:

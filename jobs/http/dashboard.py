@@ -10,13 +10,16 @@ without inline scripts (docs/http-api.md).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Form, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from jobs.records import workers
@@ -41,6 +44,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
            "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
+_templates.filters["utc"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def job_summary(v: JobView) -> dict:
@@ -88,12 +92,23 @@ class SignIn(Exception):
     """The dashboard needs a key: the browser is sent to the sign-in page."""
 
 
+@dataclass(frozen=True)
+class JobActions:
+    """What a job's page may do, as the Batches API does it: ``cancel(tenant, job_id)``, and ``retry(tenant,
+    job_id)`` giving the new job's id."""
+
+    cancel: Callable[[str, str], None]
+    retry: Callable[[str, str], str]
+
+
 def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str], str | None],
                      open_access: bool, secure_cookies: bool = False,
-                     interactive: Callable[[str | None], list[dict]] | None = None) -> APIRouter:
+                     interactive: Callable[[str | None], list[dict]] | None = None,
+                     actions: JobActions | None = None) -> APIRouter:
     """``tenant_of_key(key)``: the tenant of an API key (None: no such key); ``secure_cookies``: the
     sign-in cookie only over HTTPS even when this server sees plain HTTP (behind a TLS proxy);
-    ``interactive``: the rows of interactive limits and use a viewer sees (``dashboard_data``)."""
+    ``interactive``: the rows of interactive limits and use a viewer sees (``dashboard_data``);
+    ``actions``: a job page's cancel and retry buttons (none: the page has none)."""
     router = APIRouter(include_in_schema=False)
 
     def viewer(request: Request) -> str | None:
@@ -115,6 +130,16 @@ def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str
 
     def signed_in(request: Request) -> bool:
         return bool(request.cookies.get(COOKIE))
+
+    def viewed_job(job_id: str, tenant: str | None) -> JobView:
+        """The job, if this viewer may see it (its tenant's, or any on an open server); else a 404."""
+        try:
+            view = get_job(db, job_id)
+        except JobNotFound:
+            raise HTTPException(404, f"no job {job_id[:64]}") from None
+        if tenant is not None and view.tenant != tenant:
+            raise HTTPException(404, f"no job {job_id[:64]}")
+        return view
 
     @router.get("/", response_class=HTMLResponse)
     def index(request: Request):
@@ -140,19 +165,50 @@ def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str
                         headers={**HEADERS, "Cache-Control": "no-cache"})
 
     @router.get("/dashboard/jobs/{job_id}", response_class=HTMLResponse)
-    def job_page(job_id: str, request: Request):
+    def job_page(job_id: str, request: Request, error: Annotated[str, Query(max_length=300)] = ""):
         def render(tenant):
-            try:
-                view = get_job(db, job_id)
-            except JobNotFound:
-                raise HTTPException(404, f"no job {job_id}") from None
-            if tenant is not None and view.tenant != tenant:
-                raise HTTPException(404, f"no job {job_id}")
+            view = viewed_job(job_id, tenant)
             return _templates.get_template("job.html").render(job=job_summary(view), view=view.to_dict(),
                                                               errors=job_errors(files, view),
-                                                              files_gone=files_gone(view),
-                                                              signed_in=signed_in(request))
+                                                              files_gone=files_gone(view), actions=actions is not None,
+                                                              signed_in=signed_in(request), error=error)
         return page(render, request)
+
+    @router.get("/dashboard/jobs/{job_id}/files/{kind}")
+    def job_file(job_id: str, kind: str, request: Request) -> Response:
+        """The job's output or errors file, to download (the browser's sign-in, not a Bearer header)."""
+        try:
+            view = viewed_job(job_id, viewer(request))
+        except SignIn:
+            return RedirectResponse("/dashboard/login", status_code=303, headers=HEADERS)
+        key = {"output": view.output_key, "errors": view.errors_key}.get(kind)
+        if key is None:
+            raise HTTPException(404, f"job {view.id} has no {kind[:16]} file")
+        body = files.open(key)
+        named = {"Content-Disposition": f'attachment; filename="{view.id}.{kind}.jsonl"'}
+        return StreamingResponse(iter(lambda: body.read(1 << 20), b""), media_type="application/jsonl",
+                                 headers={**HEADERS, **named})
+
+    @router.post("/dashboard/jobs/{job_id}/{action}")
+    def job_action(job_id: str, action: str, request: Request) -> RedirectResponse:
+        """Cancel or retry, as POST /v1/batches/{id}/cancel and /retry do; back to a job's page, with what
+        went wrong said there."""
+        if actions is None or action not in ("cancel", "retry"):
+            raise HTTPException(404, "no such action")
+        try:
+            view = viewed_job(job_id, viewer(request))
+        except SignIn:
+            return RedirectResponse("/dashboard/login", status_code=303, headers=HEADERS)
+        try:
+            if action == "cancel":
+                actions.cancel(view.tenant, view.id)
+                target = view.id
+            else:
+                target = actions.retry(view.tenant, view.id)
+        except Exception as exc:  # noqa: BLE001 (a job that cannot be cancelled or retried: said on its page)
+            return RedirectResponse(f"/dashboard/jobs/{view.id}?{urlencode({'error': str(exc)[:300]})}",
+                                    status_code=303, headers=HEADERS)
+        return RedirectResponse(f"/dashboard/jobs/{target}", status_code=303, headers=HEADERS)
 
     @router.get("/dashboard/login", response_class=HTMLResponse)
     def login_form(error: Annotated[str, Query(max_length=200)] = "") -> HTMLResponse:
