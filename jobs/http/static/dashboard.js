@@ -23,30 +23,43 @@ function renderJobs(data) {
   }
 }
 function polyline(points, x, y) { return points.map(p => x(p[0]).toFixed(1) + "," + y(p).toFixed(1)).join(" "); }
-function chart(title, points, value, maxValue, color) {
-  // x: from the oldest sample (at least a minute back, at most the hour kept) to now
+function chart(title, points, value, maxValue, color, unit) {
+  // x: from the oldest sample (at least a minute back, at most the hour kept) to now; y: 0 to the peak
   const span = Math.min(3600, Math.max(60, ...points.map(p => -p[0])));
-  const w = 420, h = 120, x = t => w * (1 + t / span), y = p => h - 4 - (value(p) / (maxValue || 1)) * (h - 8);
-  const label = span >= 3600 ? "last hour" : `last ${Math.ceil(span / 60)} min`;
+  const w = 420, h = 120, left = 44, bottom = 16;
+  const x = t => left + (w - left - 4) * (1 + t / span), y = p => h - bottom - (value(p) / (maxValue || 1)) * (h - bottom - 8);
+  const ago = span >= 3600 ? "60 min ago" : `${Math.ceil(span / 60)} min ago`;
+  const axes = `<line class="axis" x1="${left}" y1="8" x2="${left}" y2="${h - bottom}"/>` +
+    `<line class="axis" x1="${left}" y1="${h - bottom}" x2="${w - 4}" y2="${h - bottom}"/>` +
+    `<text class="tick" x="${left - 4}" y="12" text-anchor="end">${esc(unit(maxValue))}</text>` +
+    `<text class="tick" x="${left - 4}" y="${h - bottom}" text-anchor="end">0</text>` +
+    `<text class="tick" x="${left}" y="${h - 3}">${ago}</text>` +
+    `<text class="tick" x="${w - 4}" y="${h - 3}" text-anchor="end">now</text>`;
   return `<div class="chart"><div class="legend">${esc(title)}</div><svg viewBox="0 0 ${w} ${h}" ` +
-    `data-points="${points.length}"><polyline fill="none" stroke="${color}" stroke-width="1.5" ` +
-    `points="${esc(polyline(points, x, y))}"/></svg><div class="legend">${label}</div></div>`;
+    `data-points="${points.length}">${axes}<polyline fill="none" stroke="${color}" stroke-width="1.5" ` +
+    `points="${esc(polyline(points, x, y))}"/></svg></div>`;
+}
+function workerRow(w, now) {
+  return `<tr class="${w.gone ? "gone" : ""}"><td>${esc(w.id)}${w.gone ? " (gone)" : ""}</td><td>${esc(w.model)}</td>` +
+    `<td>${esc(w.device)}</td><td>${w.gone ? "-" : esc(w.running)}</td><td>${w.gone ? "-" : esc(w.waiting)}</td>` +
+    `<td>${w.gone ? "-" : esc(w.kv_blocks_used) + " of " + esc(w.kv_blocks_used + w.kv_blocks_free)}</td>` +
+    `<td>${w.gone ? "-" : esc(w.output_tokens_per_second)}</td><td>${esc(Math.round(now - w.seen_at))}s ago</td></tr>`;
 }
 function renderWorkers(data) {
+  // live workers first, with their figures and charts; gone ones folded into one row, figures dropped
+  const live = data.workers.filter(w => !w.gone), gone = data.workers.filter(w => w.gone);
   const body = document.querySelector("#workers tbody");
-  body.innerHTML = data.workers.map(w =>
-    `<tr class="${w.gone ? "gone" : ""}"><td>${esc(w.id)}${w.gone ? " (gone)" : ""}</td><td>${esc(w.model)}</td>` +
-    `<td>${esc(w.device)}</td><td>${esc(w.running)}</td><td>${esc(w.waiting)}</td>` +
-    `<td>${esc(w.kv_blocks_used)} of ${esc(w.kv_blocks_used + w.kv_blocks_free)}</td>` +
-    `<td>${esc(w.output_tokens_per_second)}</td><td>${esc(Math.round(data.now - w.seen_at))}s ago</td></tr>`).join("") ||
-    `<tr><td colspan="8">No engine worker has reported yet.</td></tr>`;
+  body.innerHTML = (live.map(w => workerRow(w, data.now)).join("") ||
+    `<tr><td colspan="8">No engine worker is live.</td></tr>`) +
+    (gone.length ? `<tr class="gone"><td colspan="8"><details><summary>${gone.length} gone within the hour</summary>` +
+      `<table>${gone.map(w => workerRow(w, data.now)).join("")}</table></details></td></tr>` : "");
   const charts = [];
-  for (const [id, points] of Object.entries(data.series)) {
+  for (const w of live) {
+    const points = data.series[w.id] || [];
     const peak = Math.max(1, ...points.map(p => p[1]));
-    charts.push(chart(`${id}: output tokens/s (peak ${peak.toFixed(0)})`, points, p => p[1], peak, "#0969da"));
+    charts.push(chart(`${w.id}: output tokens/s`, points, p => p[1], peak, "#0969da", v => `${v.toFixed(0)} tok/s`));
     const kvPeak = Math.max(0.001, ...points.map(p => p[2]));
-    charts.push(chart(`${id}: KV cache used (peak ${(100 * kvPeak).toFixed(1)}%)`, points, p => p[2], kvPeak,
-                      "#8250df"));
+    charts.push(chart(`${w.id}: KV cache used`, points, p => p[2], kvPeak, "#8250df", v => `${(100 * v).toFixed(1)}%`));
   }
   document.getElementById("charts").innerHTML = charts.join("");
 }
