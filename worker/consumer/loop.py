@@ -21,6 +21,7 @@ from worker.consumer import admission, suspects
 from worker.consumer.absent import NoInbox, NoRemote, NoStore
 from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
+from worker.consumer.committer import Committer
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.housekeeper import Chore, Housekeeper
 from worker.consumer.interactive_inbox import InteractiveInbox
@@ -56,6 +57,7 @@ class Inflight:
     request: Request  # as the engine runs it
     delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
     suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``worker.consumer.suspects``)
+    finishing: bool = False  # its outcome is with the committer: held until committed, then acked
 
     @property
     def started(self) -> bool:
@@ -90,6 +92,7 @@ class EngineWorker:
         self.interactive.attach(engine)
         self.database = DatabaseHealth(self.name, self.metrics)
         self.outcomes = OutcomeBook(ledger, self.database, self.metrics, self.name)
+        self.committer = Committer(self.outcomes)  # commits them beside the engine's next step
         self.housekeeper = Housekeeper(list(chores))
         self.store: StoreConnector | NoStore = NoStore()  # checkpoints, restores and shared prefixes
         if settings.checkpoint_interval:
@@ -135,9 +138,9 @@ class EngineWorker:
                     self._idle(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
                 if not self.database.ready() and not busy:
                     self._idle(IDLE_WAIT)  # no database and nothing to run: the same
-                wait = 0 if busy else RESTORE_WAIT if self.store.reading else IDLE_WAIT
+                wait = 0 if busy else RESTORE_WAIT if self.store.reading or self.committer.pending else IDLE_WAIT
                 self._receive(wait)
-                self._record([])  # outcomes kept while the database was down, when a try is due
+                self._settle()  # outcomes committed since: ack them
                 self._admit()
                 self.remote.admit()
                 self.interactive.admit()
@@ -157,7 +160,7 @@ class EngineWorker:
                 if self.stop_requested:
                     if drain_deadline is None:
                         drain_deadline = self._begin_drain()
-                    finished = not self.engine.has_unfinished() and not self.outcomes.waiting
+                    finished = not self.engine.has_unfinished() and not self.committer.pending
                     if self.stop_requested > 1 or finished or t > drain_deadline:
                         graceful = True
                         break
@@ -165,6 +168,8 @@ class EngineWorker:
             self.remote.hand_back()  # those that said nothing yet: to another worker
             self.interactive.fail_all("the server's engine worker stopped", close=True)
             self.housekeeper.stop()
+            self.committer.close(flush=graceful, timeout=CHECKPOINT_FLUSH)  # a killed worker commits nothing more
+            self._settle()
             if graceful:  # what is handed back continues from here elsewhere
                 self.store.save_all(CHECKPOINT_FLUSH)
             self._hand_back(count_attempt=not graceful)
@@ -344,22 +349,28 @@ class EngineWorker:
                 outcome = Outcome.failure(claim.request_id, claim.job_id, "engine_error", output.error)
             else:
                 outcome = Outcome(claim.request_id, claim.job_id, output)
+            item.finishing = True
             done.append(Pending(outcome, claim.tenant, item.delivery))
         self._record(done)
 
     def _record(self, items: list[Pending]) -> None:
-        """Commit the outcomes (and those waiting), then dead-letter what must be and ack the rest."""
-        if not items and not self.outcomes.waiting:
-            return
-        for p in self.outcomes.commit(items, len(self.inflight)):
+        """Hand the outcomes to the committer; ``_settle`` acks them once committed."""
+        self.committer.put(items, len(self.inflight))
+
+    def _settle(self) -> None:
+        """The outcomes committed since the last call: dead-letter what must be and ack the rest."""
+        acks = []
+        for p in self.committer.take():
             item = self.inflight.pop(p.engine_id, None)
             delivery = item.delivery if item is not None else p.delivery  # it may have been redelivered since
             if p.dead_reason is not None and delivery is not None:
                 if not self.broker.dead_letter(delivery, p.dead_reason, self.settings.max_delivery_attempts):
-                    self.broker.ack(delivery)  # its outcome is committed: the message has done its work
+                    acks.append(delivery)  # its outcome is committed: the message has done its work
             else:
-                self.broker.ack(delivery)
+                acks.append(delivery)
             self.store.finished(p.engine_id)
+        if acks:
+            self.broker.ack_all(acks)
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:
@@ -399,7 +410,7 @@ class EngineWorker:
         if closed is DOWN:
             return
         for engine_id, item in list(self.inflight.items()):
-            if item.claim.job_id in closed:
+            if item.claim.job_id in closed and not item.finishing:  # a finishing one is acked once committed
                 self.engine.abort(engine_id)
                 self.broker.ack(item.delivery)
                 del self.inflight[engine_id]
