@@ -24,7 +24,7 @@ from jobs.lines.batch_format import BatchLine, response_line
 from jobs.lines.tool_formats import FORMATS
 from jobs.pipeline.celery_tasks import finalize_later, make_app
 from jobs.records import workers
-from jobs.records.db import open_database
+from jobs.records.db import one_of, open_database
 from jobs.records.lifecycle import LIVE
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.records.results import ResultRecord, record_outcomes
@@ -78,6 +78,7 @@ class JobsLedger:
     def __init__(self, settings: Settings, tokenizer, model_name: str, eager_tasks: bool | None = None):
         """``eager_tasks``: run the finalize tasks in this process (default: when the broker is embedded)."""
         self.db = open_database(settings.database_url)
+        self.dialect = self.db.engine.dialect.name
         self.token_limit = settings.tenant_max_enqueued_tokens
         self.tasks = make_app(settings, eager_tasks)
         self.tokenizer = tokenizer
@@ -88,7 +89,7 @@ class JobsLedger:
     def claim(self, request_ids: list[int], worker: str) -> dict[int, Claim]:
         if not request_ids:
             return {}
-        ids = RequestRow.id.in_(request_ids)
+        ids = one_of(RequestRow.id, request_ids, self.dialect)
         with self.db.session() as s, s.begin():
             # the write first: it takes the rows' locks (SQLite: the database's) before they are read
             s.execute(update(RequestRow).where(ids).values(attempts=RequestRow.attempts + 1, delivered_at=now()))
@@ -108,7 +109,7 @@ class JobsLedger:
     @_translated
     def started(self, request_ids: list[int]) -> None:
         with self.db.session() as s, s.begin():
-            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(started=True))
+            s.execute(update(RequestRow).where(one_of(RequestRow.id, request_ids, self.dialect)).values(started=True))
 
     @_translated
     def begin(self, baselines: dict[int, tuple[int, int]]) -> None:
@@ -166,7 +167,7 @@ class JobsLedger:
         with self.db.session() as s:
             rows = {rid: (url, params) for rid, url, params in s.execute(
                 select(RequestRow.id, RequestRow.url, RequestRow.params)
-                .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all()}
+                .where(one_of(RequestRow.id, [o.request_id for o in outcomes], self.dialect))).all()}
         records = [self._record_of(o, *rows.get(o.request_id, (None, None))) for o in outcomes]
         recorded = record_outcomes(self.db, records, worker)
         errors = {o.request_id: o.error for o in outcomes if o.error is not None}

@@ -15,7 +15,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from jobs.records.db import Database
+from jobs.records.db import Database, one_of
 from jobs.records.lifecycle import mark_finalizing
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, now
 
@@ -75,7 +75,8 @@ def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:
     if not request_ids:
         return {}
     return {job_id: int(tokens or 0) for job_id, tokens in session.execute(
-        select(RequestRow.job_id, func.sum(RequestRow.tokens)).where(RequestRow.id.in_(sorted(request_ids)))
+        select(RequestRow.job_id, func.sum(RequestRow.tokens))
+        .where(one_of(RequestRow.id, sorted(request_ids), session.get_bind().dialect.name))
         .group_by(RequestRow.job_id))}
 
 
