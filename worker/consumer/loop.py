@@ -44,6 +44,7 @@ CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoi
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
+ADMIT_DELAY = 0.05  # seconds a delivery may wait to be claimed with others while the engine has enough waiting
 
 
 def worker_name() -> str:
@@ -100,6 +101,8 @@ class EngineWorker:
         self.kv_capacity = self.engine.kv_usage()["blocks_total"] * self.engine.settings.block_size
         self.inflight: dict[str, Inflight] = {}
         self.incoming: list[Delivery] = []
+        self.incoming_since = 0.0  # monotonic time the oldest delivery in ``incoming`` came
+        self.commit_peak = 0.0  # outcomes with the committer at a time, lately (their messages hold the window)
         self.mean_kv_tokens: float | None = None
         self.broker.window = settings.prefetch or admission.prefetch_window(
             self.engine.settings.max_num_seqs, self.kv_capacity, None)
@@ -185,11 +188,13 @@ class EngineWorker:
         the wait is on them (a request or an abort ends it) after one look at the queue."""
         limit = self.window - len(self.incoming)
         if not self.waits_on_inbox or not wait:  # the broker brings them all
-            self.incoming += self.broker.receive(limit, wait)
-            return
-        got = self.broker.receive(limit, 0)
-        if not got:
-            self.interactive.wait(wait)
+            got = self.broker.receive(limit, wait)
+        else:
+            got = self.broker.receive(limit, 0)
+            if not got:
+                self.interactive.wait(wait)
+        if got and not self.incoming:
+            self.incoming_since = time.monotonic()
         self.incoming += got
 
     def _idle(self, seconds: float) -> None:
@@ -206,8 +211,16 @@ class EngineWorker:
         return self.database.call(call, *args, running=len(self.inflight))
 
     # ---- admission
+    def _admit_due(self) -> bool:
+        """Whether to claim what came now. Each claim is a few round trips to the database on the
+        loop's thread, so while the engine has waiting requests enough to fill the seats its steps
+        free, deliveries gather for up to ``ADMIT_DELAY`` seconds or a batch of ``admission.CLAIM_BATCH``."""
+        return (len(self.incoming) >= admission.CLAIM_BATCH or self.stop_requested
+                or self.engine.num_waiting < admission.CLAIM_BATCH
+                or time.monotonic() - self.incoming_since >= ADMIT_DELAY)
+
     def _admit(self) -> None:
-        if not self.database.ready() or not self.incoming:
+        if not self.database.ready() or not self.incoming or not self._admit_due():
             return  # deliveries wait in ``incoming`` (the window keeps more from coming)
         batch, self.incoming = self.incoming, []
         fresh: list[tuple[RequestRef, Delivery]] = []
@@ -356,6 +369,7 @@ class EngineWorker:
     def _record(self, items: list[Pending]) -> None:
         """Hand the outcomes to the committer; ``_settle`` acks them once committed."""
         self.committer.put(items, len(self.inflight))
+        self.commit_peak = max(self.commit_peak, self.committer.pending)
 
     def _settle(self) -> None:
         """The outcomes committed since the last call: dead-letter what must be and ack the rest."""
@@ -429,7 +443,9 @@ class EngineWorker:
     def _resize_window(self) -> None:
         if self.settings.prefetch:
             return
-        want = admission.prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens)
+        want = admission.prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens,
+                                         int(self.commit_peak))
+        self.commit_peak = max(self.committer.pending, 0.9 * self.commit_peak)  # forgets a burst slowly
         if abs(want - self.window) * 8 > self.window and not self.broker.broken:  # not for every small change
             self.broker.set_window(want)
 
