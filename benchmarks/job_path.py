@@ -28,7 +28,10 @@ would carry from the CPU they took here (the assumptions are printed with it).
 
 ``--set key=value`` (repeatable) overrides any field of ``worker.config.Settings`` for every system
 (a simulated device, the prefetch window, ...); ``--threads`` defaults to 1 (the near-free model
-gains nothing from a second thread, which would spin beside the servers).
+gains nothing from a second thread, which would spin beside the servers). ``--device-ms`` is a crude
+stand-in for a device until the simulated one is at hand: every forward also sleeps that long, the
+GIL released as while a CUDA stream is waited for, so that work beside the engine's (the committer)
+can hide in it; it models nothing of a step's shape.
 
     python benchmarks/job_path.py --quick                   # 300 requests, one round
     python benchmarks/job_path.py --rounds 2                # 3,000 requests, two rounds
@@ -97,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a Settings field for every system (repeatable), e.g. --set prefetch=512")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="milliseconds every forward also sleeps, a stand-in device (default: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL,
                         help="a PostgreSQL database to create the run's own from (default: %(default)s)")
@@ -181,7 +186,6 @@ def processes(name: str) -> list[tuple[int, str]]:
     return found
 
 
-
 class ServerCpu:
     """CPU seconds of the database's and the broker's processes (see the module's docstring)."""
 
@@ -223,11 +227,53 @@ class StepClock:
         engine.step = timed
 
 
+class LedgerClock:
+    """Each ledger call's seconds on its caller's thread (CPU and wall), by method, wrapped on one ledger."""
+
+    METHODS = ("claim", "started", "begin", "suspect", "record", "closed_jobs", "live_tenants", "heartbeat")
+
+    def __init__(self, ledger):
+        self.cpu: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        for name in self.METHODS:
+            setattr(ledger, name, self._timed(name, getattr(ledger, name)))
+
+    def _timed(self, name, method):
+        def timed(*a, **k):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
+                self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w0
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return timed
+
+    def figures(self, requests: int) -> dict:
+        return {name: {"calls": self.calls[name], "cpu_ms_per_request": 1000 * self.cpu[name] / requests,
+                       "wall_ms_per_request": 1000 * self.wall[name] / requests} for name in self.calls}
+
+
+def stand_in_device(engine, milliseconds: float):
+    """Every forward of ``engine`` also sleeps ``milliseconds`` (see ``--device-ms``); the engine back."""
+    if milliseconds > 0:
+        execute = engine.runner.execute
+
+        def waited(*a, **k):
+            out = execute(*a, **k)
+            time.sleep(milliseconds / 1000)
+            return out
+
+        engine.runner.execute = waited
+    return engine
+
+
 # ---------------------------------------------------------------- the systems
-def run_engine(loaded, settings: Settings, requests: Path, out: Path) -> dict:
+def run_engine(loaded, settings: Settings, requests: Path, out: Path, device_ms: float = 0.0) -> dict:
     from jobs.hosting.generate import generate_file
 
-    engine = warmed_engine(loaded, settings)
+    engine = stand_in_device(warmed_engine(loaded, settings), device_ms)
     steps = StepClock(engine)
     cpu0, t0 = process_cpu(), time.time()
     generate_file(requests, out, engine=engine, progress=False)
@@ -235,7 +281,7 @@ def run_engine(loaded, settings: Settings, requests: Path, out: Path) -> dict:
     return {"seconds": seconds, "cpu": {"process": cpu, "engine_step": steps.cpu}, "steps": steps.steps}
 
 
-def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total: int) -> dict:
+def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total: int, device_ms: float = 0.0) -> dict:
     """``berth run``'s path in this process: submit with ingest, then the worker until the job ends."""
     from jobs import api
     from jobs.hosting.engine_worker import engine_worker
@@ -243,8 +289,9 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     from jobs.records.models import JobStatus
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
-    worker = engine_worker(settings, warmed_engine(loaded, settings), eager_tasks=True)
+    worker = engine_worker(settings, stand_in_device(warmed_engine(loaded, settings), device_ms), eager_tasks=True)
     steps = StepClock(worker.engine)
+    ledger = LedgerClock(worker.ledger)
     database = settings.database_url.rsplit("/", 1)[1] if settings.database_url.startswith("postgresql") else None
     servers = ServerCpu(database)
     before = servers.read() if settings.broker_url else {}
@@ -260,7 +307,7 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
         raise RuntimeError(f"job {job.id} ended {job.status.value} with {job.completed} of {total} completed")
     cpu = {"process": cpu2 - cpu0, "submit": cpu1 - cpu0, "worker": cpu2 - cpu1, "engine_step": steps.cpu}
     cpu.update({k: after[k] - before.get(k, 0.0) for k in after})
-    return {"seconds": job.completed_at - t0, "cpu": cpu, "steps": steps.steps,
+    return {"seconds": job.completed_at - t0, "cpu": cpu, "steps": steps.steps, "ledger": ledger.figures(total),
             "phases": {"queued": round(job.in_progress_at - t0, 3), "last_result": round(job.finalizing_at - t0, 3)}}
 
 
@@ -276,11 +323,11 @@ def services_for(name: str, args, workdir: Path, model_name: str):
 
 def run_system(name: str, loaded, base: Settings, args, requests: Path, workdir: Path, out: Path) -> dict:
     if name == "engine":
-        result = run_engine(loaded, base, requests, out)
+        result = run_engine(loaded, base, requests, out, args.device_ms)
     else:
         with services_for(name, args, workdir, base.served_model_name()) as overrides:
             settings = Settings(**{**base.model_dump(), **overrides})
-            result = run_whole_path(loaded, settings, requests, out, args.requests)
+            result = run_whole_path(loaded, settings, requests, out, args.requests, args.device_ms)
     lines, tokens = count_output(out)
     if lines != args.requests:
         raise RuntimeError(f"{name}: {lines} results of {args.requests}")
@@ -305,6 +352,10 @@ def run_round(number: int, systems: list[str], loaded, base: Settings, args, req
             r = results[name]
             print(f"[{clock()}]   {r['seconds']:.2f} s, {r['requests_per_s']:.1f} requests/s, CPU ms/request "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_request"].items()), flush=True)
+            if "ledger" in r:
+                print(f"[{clock()}]   ledger calls, ms/request CPU/wall: " + ", ".join(
+                    f"{k} ({v['calls']}) {v['cpu_ms_per_request']:.3f}/{v['wall_ms_per_request']:.3f}"
+                    for k, v in r["ledger"].items()), flush=True)
         results[name]["load_average_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         gc.collect()
     return {"order": order, "systems": results}
@@ -355,7 +406,8 @@ def print_report(report: dict) -> None:
     print(f"\njob path: {report['requests']} requests of {report['prompt_tokens']} prompt and "
           f"{report['output_tokens']} output tokens, {report['rounds']} round(s); {m['cpu_model']} "
           f"({', '.join(f for f in m['cpu_flags'] if f.startswith(('avx512f', 'amx'))) or 'no AVX-512, no AMX'}), "
-          f"{m['cpu_count']} cores; settings {report['overrides'] or 'defaults'}")
+          f"{m['cpu_count']} cores; settings {report['overrides'] or 'defaults'}"
+          + (f"; a stand-in device of {report['device_ms']} ms a forward" if report["device_ms"] else ""))
     for name, s in report["summary"].items():
         if name == "fleet":
             continue
@@ -404,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "requests": args.requests,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "rounds": args.rounds,
               "dtype": args.dtype, "model": args.model or "tiny (random_model.py --shape tiny)",
-              "overrides": args.overrides, "machine": machine_info(args.threads),
+              "overrides": args.overrides, "device_ms": args.device_ms, "machine": machine_info(args.threads),
               "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
               "summary": summarize(rounds, systems), "by_round": rounds}
     print_report(report)
