@@ -13,6 +13,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 from worker.checkpoint.connector import StoreConnector
@@ -45,6 +47,7 @@ CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizin
 QUEUE_DEPTH_INTERVAL = 5.0
 HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
 ADMIT_DELAY = 0.05  # seconds a delivery may wait to be claimed with others while the engine has enough waiting
+CLAIM_WAIT = 10.0  # seconds a stopping worker waits for a claim under way, to hand its deliveries back
 
 
 def worker_name() -> str:
@@ -102,6 +105,9 @@ class EngineWorker:
         self.inflight: dict[str, Inflight] = {}
         self.incoming: list[Delivery] = []
         self.incoming_since = 0.0  # monotonic time the oldest delivery in ``incoming`` came
+        # a claim under way on a thread of its own (the deliveries it claims, its answer): the loop steps on
+        self.claiming: tuple[list[tuple[RequestRef, Delivery]], Future] | None = None
+        self._claims: ThreadPoolExecutor | None = None  # its thread, made at the first claim
         self.commit_peak = 0.0  # outcomes with the committer at a time, lately (their messages hold the window)
         self.mean_kv_tokens: float | None = None
         self.broker.window = settings.prefetch or admission.prefetch_window(
@@ -141,7 +147,8 @@ class EngineWorker:
                     self._idle(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
                 if not self.database.ready() and not busy:
                     self._idle(IDLE_WAIT)  # no database and nothing to run: the same
-                wait = 0 if busy else RESTORE_WAIT if self.store.reading or self.committer.pending else IDLE_WAIT
+                soon = self.store.reading or self.committer.pending or self.claiming is not None
+                wait = 0 if busy else RESTORE_WAIT if soon else IDLE_WAIT
                 self._receive(wait)
                 self._settle()  # outcomes committed since: ack them
                 self._admit()
@@ -186,7 +193,7 @@ class EngineWorker:
     def _receive(self, wait: float) -> None:
         """Deliveries, waiting up to ``wait`` for the first; with live callers' requests beside the queue,
         the wait is on them (a request or an abort ends it) after one look at the queue."""
-        limit = self.window - len(self.incoming)
+        limit = self.window - len(self.incoming) - (len(self.claiming[0]) if self.claiming else 0)
         if not self.waits_on_inbox or not wait:  # the broker brings them all
             got = self.broker.receive(limit, wait)
         else:
@@ -212,15 +219,18 @@ class EngineWorker:
 
     # ---- admission
     def _admit_due(self) -> bool:
-        """Whether to claim what came now. Each claim is a few round trips to the database on the
-        loop's thread, so while the engine has waiting requests enough to fill the seats its steps
-        free, deliveries gather for up to ``ADMIT_DELAY`` seconds or a batch of ``admission.CLAIM_BATCH``."""
+        """Whether to claim what came now. Each claim is a few round trips to the database, so while
+        the engine has waiting requests enough to fill the seats its steps free, deliveries gather for
+        up to ``ADMIT_DELAY`` seconds or a batch of ``admission.CLAIM_BATCH``."""
         return (len(self.incoming) >= admission.CLAIM_BATCH or self.stop_requested
                 or self.engine.num_waiting < admission.CLAIM_BATCH
                 or time.monotonic() - self.incoming_since >= ADMIT_DELAY)
 
     def _admit(self) -> None:
-        if not self.database.ready() or not self.incoming or not self._admit_due():
+        """Deliveries to claims, on a thread of their own (one claim under way at a time: the loop
+        steps the engine meanwhile); ``_admit_claimed`` goes on once the database answered."""
+        self._admit_claimed()
+        if self.claiming is not None or not self.database.ready() or not self.incoming or not self._admit_due():
             return  # deliveries wait in ``incoming`` (the window keeps more from coming)
         batch, self.incoming = self.incoming, []
         fresh: list[tuple[RequestRef, Delivery]] = []
@@ -242,7 +252,17 @@ class EngineWorker:
                 self.broker.ack(delivery)  # a duplicate of what this worker runs
         if not fresh:
             return
-        claims = self._ledger(self.ledger.claim, list(dict.fromkeys(r.request_id for r, _ in fresh)), self.name)
+        ids = list(dict.fromkeys(r.request_id for r, _ in fresh))
+        if self._claims is None:
+            self._claims = ThreadPoolExecutor(1, thread_name_prefix="berth-claims")
+        self.claiming = (fresh, self._claims.submit(self._ledger, self.ledger.claim, ids, self.name))
+
+    def _admit_claimed(self) -> None:
+        """Admit the deliveries of the claim under way once it has its answer (its errors are raised here)."""
+        if self.claiming is None or not self.claiming[1].done():
+            return
+        (fresh, future), self.claiming = self.claiming, None
+        claims = future.result()
         if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
@@ -461,6 +481,8 @@ class EngineWorker:
 
     def _hand_back(self, count_attempt: bool, only_unstarted: bool = False) -> None:
         """Abort requests and requeue their messages; a graceful hand-back is no failed attempt."""
+        if not only_unstarted:
+            self._hand_back_claiming(count_attempt)
         items = [(k, i) for k, i in self.inflight.items() if not (only_unstarted and i.started)]
         if not count_attempt and items:
             try:
@@ -477,7 +499,25 @@ class EngineWorker:
                 self.broker.requeue(delivery)
             self.incoming.clear()
 
+    def _hand_back_claiming(self, count_attempt: bool) -> None:
+        """The deliveries of a claim under way, requeued once it answered (their attempts released)."""
+        if self.claiming is None:
+            return
+        (fresh, future), self.claiming = self.claiming, None
+        wait_for([future], CLAIM_WAIT)
+        claims = future.result() if future.done() and future.exception() is None else DOWN
+        if not count_attempt and claims is not DOWN and claims:
+            try:
+                self.ledger.release(list(claims))
+            except Exception:
+                log.exception("could not release attempts")
+        for _, delivery in fresh:
+            self.broker.requeue(delivery)
+
     def _close(self) -> None:
+        if self._claims is not None:
+            self._claims.shutdown(wait=False)
+            self._claims = None
         self.engine.on_start = None
         self.store.close(CHECKPOINT_FLUSH)
         self.broker.close()
