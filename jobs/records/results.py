@@ -42,8 +42,10 @@ class Recorded:
     finalize: list[str]  # jobs that this call finished
 
 
-def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | None = None) -> Recorded:
-    """Write each outcome that is the first for its request, and the counters of their jobs."""
+def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | None = None,
+                    tokens: dict[int, int] | None = None) -> Recorded:
+    """Write each outcome that is the first for its request, and the counters of their jobs. ``tokens``:
+    request id -> its ``requests.tokens``, where the caller read it already (else read here)."""
     if not outcomes:
         return Recorded(set(), [])
     with db.session() as s, s.begin():
@@ -51,15 +53,23 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
             "request_id": o.request_id, "job_id": o.job_id, "status": o.status, "response": o.response,
             "error": o.error, "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
             "cached_tokens": o.cached_tokens, "worker": worker, "created_at": now()} for o in outcomes])
-        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        firsts = {}  # the outcome of each request this call wrote: the first of its outcomes here
         for o in outcomes:
             if o.request_id in new:
-                c = counts[o.job_id]
-                c[0 if o.status is ResultStatus.COMPLETED else 1] += 1
-                c[2] += o.prompt_tokens
-                c[3] += o.completion_tokens
-                c[4] += o.cached_tokens
-        done = given_back(s, new)
+                firsts.setdefault(o.request_id, o)
+        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        for o in firsts.values():
+            c = counts[o.job_id]
+            c[0 if o.status is ResultStatus.COMPLETED else 1] += 1
+            c[2] += o.prompt_tokens
+            c[3] += o.completion_tokens
+            c[4] += o.cached_tokens
+        if tokens is not None and new <= tokens.keys():  # what the requests held, known: no query
+            done: dict[str, int] = defaultdict(int)
+            for rid, o in firsts.items():
+                done[o.job_id] += tokens[rid]
+        else:
+            done = given_back(s, new)
         for job_id in sorted(counts):  # one order for every writer: no deadlocks between workers
             completed, failed, prompt, completion, cached = counts[job_id]
             s.execute(update(Job).where(Job.id == job_id).values(
