@@ -39,6 +39,7 @@ log = logging.getLogger("berth.worker")
 _DOWN = (sql_errors.OperationalError, sql_errors.InterfaceError)  # not reachable (bugs are other errors)
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_ERROR = 4000  # characters of an error kept in requests.last_error
+KEPT_ROWS = 100_000  # requests whose claimed row's facts for their outcome are kept at most (``JobsLedger.kept``)
 
 
 def params_from_dict(data: dict) -> SamplingParams:
@@ -84,6 +85,9 @@ class JobsLedger:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.life = uuid.uuid4().hex  # this process, as its rows' ``holder_life`` and its death name it
+        # request id -> (url, params, tokens) as its claim read them: what its outcome's record needs of the
+        # row, which never changes, so that a step's record does not read them again (a transaction less)
+        self.kept: dict[int, tuple[str | None, dict | None, int]] = {}
 
     @_translated
     def claim(self, request_ids: list[int], worker: str) -> dict[int, Claim]:
@@ -104,7 +108,13 @@ class JobsLedger:
                                      deaths.get(_life(row)), group)
                       for row, status, model, priority, tenant, group, result_id in rows}
             s.execute(update(RequestRow).where(ids).values(holder=worker[:200], holder_life=self.life, started=False))
+        self._keep({row.id: (row.url, row.params, row.tokens) for row, *_ in rows})
         return claims
+
+    def _keep(self, facts: dict[int, tuple[str | None, dict | None, int]]) -> None:
+        self.kept.update(facts)
+        while len(self.kept) > KEPT_ROWS:  # requests claimed and never recorded here (handed back, closed jobs)
+            del self.kept[next(iter(self.kept))]
 
     @_translated
     def started(self, request_ids: list[int]) -> None:
@@ -140,6 +150,8 @@ class JobsLedger:
 
     @_translated
     def release(self, request_ids: list[int]) -> None:
+        for rid in request_ids:  # their outcomes are another delivery's to record
+            self.kept.pop(rid, None)
         with self.db.session() as s, s.begin():
             s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids), RequestRow.attempts > 0)
                       .values(attempts=RequestRow.attempts - 1))
@@ -164,12 +176,18 @@ class JobsLedger:
     def record(self, outcomes: list[Outcome], worker: str) -> set[int]:
         if not outcomes:
             return set()
-        with self.db.session() as s:
-            rows = {rid: (url, params) for rid, url, params in s.execute(
-                select(RequestRow.id, RequestRow.url, RequestRow.params)
-                .where(one_of(RequestRow.id, [o.request_id for o in outcomes], self.dialect))).all()}
-        records = [self._record_of(o, *rows.get(o.request_id, (None, None))) for o in outcomes]
-        recorded = record_outcomes(self.db, records, worker)
+        kept = self.kept
+        missing = [o.request_id for o in outcomes if o.request_id not in kept]
+        if missing:  # claimed by another process (a test), or forgotten: read from the rows
+            with self.db.session() as s:
+                self._keep({rid: (url, params, tokens) for rid, url, params, tokens in s.execute(
+                    select(RequestRow.id, RequestRow.url, RequestRow.params, RequestRow.tokens)
+                    .where(one_of(RequestRow.id, missing, self.dialect))).all()})
+        facts = {o.request_id: kept.get(o.request_id, (None, None, 0)) for o in outcomes}
+        records = [self._record_of(o, *facts[o.request_id][:2]) for o in outcomes]
+        recorded = record_outcomes(self.db, records, worker, {rid: f[2] for rid, f in facts.items()})
+        for o in outcomes:
+            kept.pop(o.request_id, None)
         errors = {o.request_id: o.error for o in outcomes if o.error is not None}
         if errors:
             with self.db.session() as s, s.begin():  # the reason, also on the request row
