@@ -6,7 +6,8 @@ per request around the engine (a message decoded, a ledger claim, a result row, 
 then decides the rate. A near-free model shows that cost on a CPU: ``random_model.py --shape tiny``
 (one layer, hidden size 64, the default tokenizer's vocabulary), written to a temporary folder unless
 ``--model`` names one. The same ``--requests`` requests (``--prompt-tokens`` random token ids each,
-``--output-tokens`` out, greedy, ``ignore_eos``) run through, each on a new engine warmed up first:
+``--output-tokens`` out, or a number drawn uniformly from a range ``A-B``, greedy, ``ignore_eos``) run
+through, each on a new engine warmed up first:
 
 1. engine: ``jobs.hosting.generate.generate_file`` (``berth generate``): no database, no queue.
 2. embedded: ``berth run``'s path (``api.submit`` with ingest in this process, then an engine worker
@@ -92,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="requests (default: 3000; 300 quick)")
     parser.add_argument("--quick", action="store_true", help="300 requests, one round, unless told otherwise")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="prompt tokens a request (default: %(default)s)")
-    parser.add_argument("--output-tokens", type=int, default=4, help="output tokens a request (default: %(default)s)")
+    parser.add_argument("--output-tokens", type=output_range, default=(4, 4), metavar="N or A-B",
+                        help="output tokens a request, or a range drawn from uniformly (default: 4)")
     parser.add_argument("--rounds", type=int, default=None, help="runs of every system, rotating (default: 2; 1 quick)")
     parser.add_argument("--skip", default="", help="comma-separated systems to skip: embedded, servers")
     parser.add_argument("--model", default=None, help="a model folder (default: a tiny random one, written here)")
@@ -119,6 +121,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def output_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    low, high = int(low), int(high or low)
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"want N or A-B with 0 < A <= B, not {text!r}")
+    return low, high
+
+
 def parse_override(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     key = key.strip().replace("-", "_")
@@ -139,7 +149,7 @@ def write_requests(path: Path, args, model_name: str) -> Path:
     with open(path, "w") as f:
         for i in range(args.requests):
             prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
-            f.write(json.dumps(batch_line(f"request-{i}", prompt, args.output_tokens, model_name)) + "\n")
+            f.write(json.dumps(batch_line(f"request-{i}", prompt, rng.randint(*args.output_tokens), model_name)) + "\n")
     return path
 
 
@@ -404,7 +414,8 @@ def fleet(cpu_ms: dict) -> dict:
 def print_report(report: dict) -> None:
     m = report["machine"]
     print(f"\njob path: {report['requests']} requests of {report['prompt_tokens']} prompt and "
-          f"{report['output_tokens']} output tokens, {report['rounds']} round(s); {m['cpu_model']} "
+          f"{'-'.join(map(str, sorted(set(report['output_tokens']))))} output tokens, {report['rounds']} round(s); "
+          f"{m['cpu_model']} "
           f"({', '.join(f for f in m['cpu_flags'] if f.startswith(('avx512f', 'amx'))) or 'no AVX-512, no AMX'}), "
           f"{m['cpu_count']} cores; settings {report['overrides'] or 'defaults'}"
           + (f"; a stand-in device of {report['device_ms']} ms a forward" if report["device_ms"] else ""))
