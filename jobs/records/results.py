@@ -70,13 +70,18 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
                 done[o.job_id] += tokens[rid]
         else:
             done = given_back(s, new)
+        jobs = Job.__table__.c  # SQLAlchemy's core: the ORM's bulk machinery costs more than the statements
+        connection, complete = s.connection(), []
         for job_id in sorted(counts):  # one order for every writer: no deadlocks between workers
             completed, failed, prompt, completion, cached = counts[job_id]
-            s.execute(update(Job).where(Job.id == job_id).values(
-                completed=Job.completed + completed, failed=Job.failed + failed,
-                prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion,
-                cached_tokens=Job.cached_tokens + cached, enqueued_tokens=Job.enqueued_tokens - done.get(job_id, 0)))
-        return Recorded(new, mark_finalizing(s, list(counts)))
+            if connection.execute(update(Job.__table__).where(jobs.id == job_id).values(
+                    completed=jobs.completed + completed, failed=jobs.failed + failed,
+                    prompt_tokens=jobs.prompt_tokens + prompt, completion_tokens=jobs.completion_tokens + completion,
+                    cached_tokens=jobs.cached_tokens + cached,
+                    enqueued_tokens=jobs.enqueued_tokens - done.get(job_id, 0))
+                    .returning(jobs.completed + jobs.failed >= jobs.total)).scalar():
+                complete.append(job_id)  # every request has its outcome now: finalizing, if in progress
+        return Recorded(new, mark_finalizing(s, complete))
 
 
 def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:
@@ -93,5 +98,6 @@ def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:
 def insert_results(session: Session, rows: list[dict]) -> set[int]:
     """Insert result rows, skipping requests that have one; the request ids inserted."""
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(Result).on_conflict_do_nothing(index_elements=["request_id"]).returning(Result.request_id)
-    return set(session.scalars(stmt, rows))
+    table = Result.__table__  # the core's insert: many rows in one statement, without the ORM's bulk machinery
+    stmt = dialect.insert(table).on_conflict_do_nothing(index_elements=["request_id"]).returning(table.c.request_id)
+    return set(session.connection().execute(stmt, rows).scalars())
