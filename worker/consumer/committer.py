@@ -9,18 +9,26 @@ kombu's channels belong to the thread that uses them. A message is thus still ac
 outcome committed, and a worker killed in between leaves a message that is redelivered and skipped.
 ``pending`` counts what was handed in and not taken back yet: the loop holds those requests (a
 redelivery is adopted, not run again) until then.
+
+Outcomes are committed in groups: a decode step finishes one or two requests, and a commit costs
+about the same CPU and round trips for one outcome as for thirty, so a small group waits for more
+until ``GATHER_SECONDS`` after the commit before it began (the messages stay unacked that much longer,
+which the prefetch window has room for; ``worker.consumer.admission.prefetch_window``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from worker.consumer.outcomes import OutcomeBook, Pending
 
 log = logging.getLogger("berth.worker")
 
 RETRY_POLL = 0.1  # seconds between looks at a database that is down, for its next try being due
+GATHER_SECONDS = 0.02  # a commit of fewer than GATHER_COUNT outcomes waits for more until this long after the last
+GATHER_COUNT = 32
 
 
 class Committer:
@@ -35,6 +43,7 @@ class Committer:
         self._flush = True  # on stopping, commit what was handed in first
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # what ended the thread, raised to the loop by ``take``
+        self._last = 0.0  # monotonic time the last commit began
 
     @property
     def pending(self) -> int:
@@ -91,10 +100,16 @@ class Committer:
             with self._cond:
                 while not self._due() and not self._stop:
                     self._cond.wait(RETRY_POLL if self.book.waiting else None)
+                while not self._stop and 0 < len(self._todo) < GATHER_COUNT:  # a few: gather more first
+                    left = self._last + GATHER_SECONDS - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 if self._stop and (not self._flush or not (self._todo or self.book.waiting)):
                     return
                 items, self._todo = self._todo, []
                 running = self._running
+                self._last = time.monotonic()
             if not items and not self.book.database.ready():  # stopping, the database down: wait for its try
                 with self._cond:
                     self._cond.wait(RETRY_POLL)
