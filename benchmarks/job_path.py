@@ -75,14 +75,15 @@ CORE_SHARE = 0.8  # of one core, what the fleet figure lets a broker queue or a 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # What the fleet figure relies on beyond this machine's measurement (benchmarks/README.md cites them):
 SOURCES = {
-    "rabbitmq_queue": "a RabbitMQ queue is one Erlang process, so one queue uses at most about one core "
-                      "(rabbitmq.com/docs/queues, 'Queues are single-threaded'); a node spreads queues over its "
-                      "cores",
-    "rabbitmq_acks": "acks with multiple=true settle a run of deliveries in one frame "
-                     "(rabbitmq.com/docs/confirms, 'Acknowledging Multiple Deliveries at Once')",
-    "postgres_commit": "PostgreSQL's WAL flushes the commits of concurrent sessions together (group commit; "
-                       "postgresql.org/docs/current/wal-configuration.html, commit_delay), and backends run on "
-                       "separate cores",
+    "rabbitmq_queue": "a queue is one Erlang process, about one core at most; a node spreads its queues over its "
+                      "cores (CloudAMQP, 'RabbitMQ Best Practices': 'Queues are single-threaded in RabbitMQ, and one "
+                      "queue can handle up to about 50 thousand messages')",
+    "rabbitmq_acks": "an ack with multiple=true settles every unacked delivery of the channel up to its tag in one "
+                     "frame (rabbitmq.com, 'Consumer Acknowledgements and Publisher Confirms', 'Acknowledging "
+                     "Multiple Deliveries at Once')",
+    "postgres_commit": "when a commit's WAL is flushed, the other commits ready at that time are flushed with it "
+                       "(postgresql.org docs, runtime-config-wal, commit_delay): concurrent workers' commits share "
+                       "flushes, and backends run on separate cores",
 }
 
 
