@@ -170,7 +170,8 @@ class EngineWorker:
                 if self.stop_requested:
                     if drain_deadline is None:
                         drain_deadline = self._begin_drain()
-                    finished = not self.engine.has_unfinished() and not self.committer.pending
+                    finished = (not self.engine.has_unfinished() and not self.committer.pending
+                                and self.claiming is None and not self.incoming)
                     if self.stop_requested > 1 or finished or t > drain_deadline:
                         graceful = True
                         break
@@ -500,19 +501,27 @@ class EngineWorker:
             self.incoming.clear()
 
     def _hand_back_claiming(self, count_attempt: bool) -> None:
-        """The deliveries of a claim under way, requeued once it answered (their attempts released)."""
+        """The deliveries of a claim under way, once it answered: acked where there is nothing to run
+        (a result, a closed job), the others requeued (their attempts released)."""
         if self.claiming is None:
             return
         (fresh, future), self.claiming = self.claiming, None
         wait_for([future], CLAIM_WAIT)
         claims = future.result() if future.done() and future.exception() is None else DOWN
-        if not count_attempt and claims is not DOWN and claims:
+        claims = {} if claims is DOWN else claims
+        done = [delivery for ref, delivery in fresh if admission.judge(
+            ref, claims.get(ref.request_id), self.engine.model_name, delivery.tenant).action is Action.SKIP]
+        for delivery in done:
+            self.broker.ack(delivery)
+        back = [ref.request_id for ref, delivery in fresh if delivery not in done and ref.request_id in claims]
+        if not count_attempt and back:
             try:
-                self.ledger.release(list(claims))
+                self.ledger.release(back)
             except Exception:
                 log.exception("could not release attempts")
         for _, delivery in fresh:
-            self.broker.requeue(delivery)
+            if delivery not in done:
+                self.broker.requeue(delivery)
 
     def _close(self) -> None:
         if self._claims is not None:
