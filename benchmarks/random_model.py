@@ -7,6 +7,10 @@ sharded in two files with an index as large checkpoints are. The tokenizer is th
 (its ids all lie inside the larger vocabulary). Random weights give random text: the benchmark's
 requests ignore EOS and run to their lengths, so the work is a real model's work.
 
+``--shape tiny`` writes a near-free model instead (one layer, hidden size 64, the default tokenizer's
+vocabulary of 49,152): its forward costs next to nothing, so what a benchmark times around it is the
+host's work (``benchmarks/job_path.py``).
+
     python benchmarks/random_model.py /tmp/llama3-1b          # then:
     python benchmarks/throughput.py --model /tmp/llama3-1b --dtype bfloat16 --requests 32
 """
@@ -37,6 +41,14 @@ LLAMA_3_8B = {
     "max_position_embeddings": 8192, "tie_word_embeddings": False, "rope_scaling": None,
 }
 """Llama 3 8B's shape (8.03 billion parameters: 32 layers, hidden 4096, 32 query and 8 key/value heads)."""
+TINY = {  # near-free: what is timed around its forward is the host's work
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False,
+}
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B, "tiny": TINY}
 STD = 0.02  # Llama's initializer_range
 
 
@@ -120,9 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     args = parser.parse_args(argv)
-    params = write(args.folder, LLAMA_3_2_1B, getattr(torch, args.dtype), args.seed)
-    print(f"wrote {args.folder}: a random Llama-3.2-1B-shaped model, {params / 1e9:.2f}B parameters, {args.dtype}")
+    params = write(args.folder, SHAPES[args.shape], getattr(torch, args.dtype), args.seed)
+    print(f"wrote {args.folder}: a random {args.shape}-shaped model, {params / 1e9:.4g}B parameters, {args.dtype}")
 
 
 if __name__ == "__main__":

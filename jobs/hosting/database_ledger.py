@@ -24,7 +24,7 @@ from jobs.lines.batch_format import BatchLine, response_line
 from jobs.lines.tool_formats import FORMATS
 from jobs.pipeline.celery_tasks import finalize_later, make_app
 from jobs.records import workers
-from jobs.records.db import open_database
+from jobs.records.db import one_of, open_database
 from jobs.records.lifecycle import LIVE
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.records.results import ResultRecord, record_outcomes
@@ -39,6 +39,7 @@ log = logging.getLogger("berth.worker")
 _DOWN = (sql_errors.OperationalError, sql_errors.InterfaceError)  # not reachable (bugs are other errors)
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 MAX_ERROR = 4000  # characters of an error kept in requests.last_error
+KEPT_ROWS = 100_000  # requests whose claimed row's facts for their outcome are kept at most (``JobsLedger.kept``)
 
 
 def params_from_dict(data: dict) -> SamplingParams:
@@ -78,17 +79,21 @@ class JobsLedger:
     def __init__(self, settings: Settings, tokenizer, model_name: str, eager_tasks: bool | None = None):
         """``eager_tasks``: run the finalize tasks in this process (default: when the broker is embedded)."""
         self.db = open_database(settings.database_url)
+        self.dialect = self.db.engine.dialect.name
         self.token_limit = settings.tenant_max_enqueued_tokens
         self.tasks = make_app(settings, eager_tasks)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.life = uuid.uuid4().hex  # this process, as its rows' ``holder_life`` and its death name it
+        # request id -> (url, params, tokens) as its claim read them: what its outcome's record needs of the
+        # row, which never changes, so that a step's record does not read them again (a transaction less)
+        self.kept: dict[int, tuple[str | None, dict | None, int]] = {}
 
     @_translated
     def claim(self, request_ids: list[int], worker: str) -> dict[int, Claim]:
         if not request_ids:
             return {}
-        ids = RequestRow.id.in_(request_ids)
+        ids = one_of(RequestRow.id, request_ids, self.dialect)
         with self.db.session() as s, s.begin():
             # the write first: it takes the rows' locks (SQLite: the database's) before they are read
             s.execute(update(RequestRow).where(ids).values(attempts=RequestRow.attempts + 1, delivered_at=now()))
@@ -103,18 +108,30 @@ class JobsLedger:
                                      deaths.get(_life(row)), group)
                       for row, status, model, priority, tenant, group, result_id in rows}
             s.execute(update(RequestRow).where(ids).values(holder=worker[:200], holder_life=self.life, started=False))
+        self._keep({row.id: (row.url, row.params, row.tokens) for row, *_ in rows})
         return claims
 
+    def _keep(self, facts: dict[int, tuple[str | None, dict | None, int]]) -> None:
+        self.kept.update(facts)
+        while len(self.kept) > KEPT_ROWS:  # requests claimed and never recorded here (handed back, closed jobs)
+            del self.kept[next(iter(self.kept))]
+
+    # ``started`` and ``begin`` run on the engine loop's thread, before a step: SQLAlchemy's core on a
+    # connection, not an ORM session's bulk update, which cost several times the statement's CPU
     @_translated
     def started(self, request_ids: list[int]) -> None:
-        with self.db.session() as s, s.begin():
-            s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids)).values(started=True))
+        rows = RequestRow.__table__
+        with self.db.engine.begin() as connection:
+            connection.execute(update(rows).where(one_of(rows.c.id, request_ids, self.dialect)).values(started=True))
 
     @_translated
     def begin(self, baselines: dict[int, tuple[int, int]]) -> None:
-        with self.db.session() as s, s.begin():
-            s.execute(update(RequestRow), [{"id": rid, "progress": tokens, "strikes": strikes}
-                                           for rid, (tokens, strikes) in baselines.items()])
+        rows = RequestRow.__table__
+        stmt = update(rows).where(rows.c.id == bindparam("rid")).values(progress=bindparam("b_progress"),
+                                                                        strikes=bindparam("b_strikes"))
+        with self.db.engine.begin() as connection:  # one executemany
+            connection.execute(stmt, [{"rid": rid, "b_progress": tokens, "b_strikes": strikes}
+                                      for rid, (tokens, strikes) in baselines.items()])
 
     @_translated
     def suspect(self, classes: dict[int, int]) -> None:
@@ -139,6 +156,8 @@ class JobsLedger:
 
     @_translated
     def release(self, request_ids: list[int]) -> None:
+        for rid in request_ids:  # their outcomes are another delivery's to record
+            self.kept.pop(rid, None)
         with self.db.session() as s, s.begin():
             s.execute(update(RequestRow).where(RequestRow.id.in_(request_ids), RequestRow.attempts > 0)
                       .values(attempts=RequestRow.attempts - 1))
@@ -163,12 +182,18 @@ class JobsLedger:
     def record(self, outcomes: list[Outcome], worker: str) -> set[int]:
         if not outcomes:
             return set()
-        with self.db.session() as s:
-            rows = {rid: (url, params) for rid, url, params in s.execute(
-                select(RequestRow.id, RequestRow.url, RequestRow.params)
-                .where(RequestRow.id.in_([o.request_id for o in outcomes]))).all()}
-        records = [self._record_of(o, *rows.get(o.request_id, (None, None))) for o in outcomes]
-        recorded = record_outcomes(self.db, records, worker)
+        kept = self.kept
+        missing = [o.request_id for o in outcomes if o.request_id not in kept]
+        if missing:  # claimed by another process (a test), or forgotten: read from the rows
+            with self.db.session() as s:
+                self._keep({rid: (url, params, tokens) for rid, url, params, tokens in s.execute(
+                    select(RequestRow.id, RequestRow.url, RequestRow.params, RequestRow.tokens)
+                    .where(one_of(RequestRow.id, missing, self.dialect))).all()})
+        facts = {o.request_id: kept.get(o.request_id, (None, None, 0)) for o in outcomes}
+        records = [self._record_of(o, *facts[o.request_id][:2]) for o in outcomes]
+        recorded = record_outcomes(self.db, records, worker, {rid: f[2] for rid, f in facts.items()})
+        for o in outcomes:
+            kept.pop(o.request_id, None)
         errors = {o.request_id: o.error for o in outcomes if o.error is not None}
         if errors:
             with self.db.session() as s, s.begin():  # the reason, also on the request row

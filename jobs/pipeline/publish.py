@@ -52,10 +52,12 @@ class Publisher:
         self._declared: set[tuple[str, str]] = set()
 
     def publish(self, messages: Iterable[RequestMessage]) -> int:
-        batch = []
+        batch, queues, dead = [], {}, self.topology.dead_queue  # kombu's Queue objects, made once a batch
         for m in messages:
-            queue = self.topology.request_queue(m.model, m.tenant)
-            batch.append(Outgoing(queue.exchange, queue.routing_key, m.to_body(), (queue, self.topology.dead_queue),
+            queue = queues.get((m.model, m.tenant))
+            if queue is None:
+                queue = queues[m.model, m.tenant] = self.topology.request_queue(m.model, m.tenant)
+            batch.append(Outgoing(queue.exchange, queue.routing_key, m.to_body(), (queue, dead),
                                   {"serializer": "json", "priority": min(max(m.priority, 0), MAX_PRIORITY)}))
         return self.send(batch)
 

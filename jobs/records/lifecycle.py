@@ -30,11 +30,11 @@ def mark_finalizing(session: Session, job_ids: list[str]) -> list[str]:
     """In-progress jobs among ``job_ids`` whose every request has an outcome move to finalizing."""
     if not job_ids:
         return []
-    t = now()
-    return list(session.scalars(
-        update(Job).where(Job.id.in_(sorted(job_ids)), Job.status == JobStatus.IN_PROGRESS,
-                          Job.completed + Job.failed >= Job.total)
-        .values(status=JobStatus.FINALIZING, finalizing_at=t).returning(Job.id)))
+    t, jobs = now(), Job.__table__.c  # SQLAlchemy's core: an ORM update's bulk machinery costs ten times more
+    return list(session.connection().execute(
+        update(Job.__table__).where(jobs.id.in_(sorted(job_ids)), jobs.status == JobStatus.IN_PROGRESS,
+                                    jobs.completed + jobs.failed >= jobs.total)
+        .values(status=JobStatus.FINALIZING, finalizing_at=t).returning(jobs.id)).scalars())
 
 
 def cancel(db: Database, job_id: str) -> JobStatus:

@@ -15,7 +15,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from jobs.records.db import Database
+from jobs.records.db import Database, one_of
 from jobs.records.lifecycle import mark_finalizing
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, now
 
@@ -42,8 +42,10 @@ class Recorded:
     finalize: list[str]  # jobs that this call finished
 
 
-def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | None = None) -> Recorded:
-    """Write each outcome that is the first for its request, and the counters of their jobs."""
+def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | None = None,
+                    tokens: dict[int, int] | None = None) -> Recorded:
+    """Write each outcome that is the first for its request, and the counters of their jobs. ``tokens``:
+    request id -> its ``requests.tokens``, where the caller read it already (else read here)."""
     if not outcomes:
         return Recorded(set(), [])
     with db.session() as s, s.begin():
@@ -51,24 +53,37 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
             "request_id": o.request_id, "job_id": o.job_id, "status": o.status, "response": o.response,
             "error": o.error, "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
             "cached_tokens": o.cached_tokens, "worker": worker, "created_at": now()} for o in outcomes])
-        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        firsts = {}  # the outcome of each request this call wrote: the first of its outcomes here
         for o in outcomes:
             if o.request_id in new:
-                c = counts[o.job_id]
-                c[0 if o.status is ResultStatus.COMPLETED else 1] += 1
-                c[2] += o.prompt_tokens
-                c[3] += o.completion_tokens
-                c[4] += o.cached_tokens
-        done = given_back(s, new)
+                firsts.setdefault(o.request_id, o)
+        counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        for o in firsts.values():
+            c = counts[o.job_id]
+            c[0 if o.status is ResultStatus.COMPLETED else 1] += 1
+            c[2] += o.prompt_tokens
+            c[3] += o.completion_tokens
+            c[4] += o.cached_tokens
+        if tokens is not None and new <= tokens.keys():  # what the requests held, known: no query
+            done: dict[str, int] = defaultdict(int)
+            for rid, o in firsts.items():
+                done[o.job_id] += tokens[rid]
+        else:
+            done = given_back(s, new)
+        jobs = Job.__table__.c  # SQLAlchemy's core: the ORM's bulk machinery costs more than the statements
+        connection, complete = s.connection(), []
         for job_id in sorted(counts):  # one order for every writer: no deadlocks between workers
             completed, failed, prompt, completion, cached = counts[job_id]
-            s.execute(update(Job).where(Job.id == job_id).values(
-                completed=Job.completed + completed, failed=Job.failed + failed,
-                prompt_tokens=Job.prompt_tokens + prompt, completion_tokens=Job.completion_tokens + completion,
-                cached_tokens=Job.cached_tokens + cached, enqueued_tokens=Job.enqueued_tokens - done.get(job_id, 0),
-                # the output budget of those done: what they held less their prompts (a progress estimate's)
-                finished_budget=Job.finished_budget + max(0, done.get(job_id, 0) - prompt)))
-        return Recorded(new, mark_finalizing(s, list(counts)))
+            if connection.execute(update(Job.__table__).where(jobs.id == job_id).values(
+                    completed=jobs.completed + completed, failed=jobs.failed + failed,
+                    prompt_tokens=jobs.prompt_tokens + prompt, completion_tokens=jobs.completion_tokens + completion,
+                    cached_tokens=jobs.cached_tokens + cached,
+                    enqueued_tokens=jobs.enqueued_tokens - done.get(job_id, 0),
+                    # the output budget of those done: what they held less their prompts (a progress estimate's)
+                    finished_budget=jobs.finished_budget + max(0, done.get(job_id, 0) - prompt))
+                    .returning(jobs.completed + jobs.failed >= jobs.total)).scalar():
+                complete.append(job_id)  # every request has its outcome now: finalizing, if in progress
+        return Recorded(new, mark_finalizing(s, complete))
 
 
 def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:
@@ -77,12 +92,14 @@ def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:
     if not request_ids:
         return {}
     return {job_id: int(tokens or 0) for job_id, tokens in session.execute(
-        select(RequestRow.job_id, func.sum(RequestRow.tokens)).where(RequestRow.id.in_(sorted(request_ids)))
+        select(RequestRow.job_id, func.sum(RequestRow.tokens))
+        .where(one_of(RequestRow.id, sorted(request_ids), session.get_bind().dialect.name))
         .group_by(RequestRow.job_id))}
 
 
 def insert_results(session: Session, rows: list[dict]) -> set[int]:
     """Insert result rows, skipping requests that have one; the request ids inserted."""
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(Result).on_conflict_do_nothing(index_elements=["request_id"]).returning(Result.request_id)
-    return set(session.scalars(stmt, rows))
+    table = Result.__table__  # the core's insert: many rows in one statement, without the ORM's bulk machinery
+    stmt = dialect.insert(table).on_conflict_do_nothing(index_elements=["request_id"]).returning(table.c.request_id)
+    return set(session.connection().execute(stmt, rows).scalars())

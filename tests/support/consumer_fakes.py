@@ -207,6 +207,8 @@ class FakeBroker:
 
     def receive(self, limit, timeout):
         taken, self.ready = self.ready[:max(limit, 0)], self.ready[max(limit, 0):]
+        if not taken and timeout:
+            time.sleep(timeout)  # as a broker's drain_events waits for the first delivery
         return [Delivery(body, ctype, None, False, tenant, FakeMessage(self, self.channel))
                 for body, ctype, tenant in taken]
 
@@ -223,6 +225,10 @@ class FakeBroker:
             except (ValueError, AttributeError):
                 request_id = None
             self.ledger.events.append(("ack", request_id, delivery.body))
+
+    def ack_all(self, deliveries):
+        for delivery in deliveries:
+            self.ack(delivery)
 
     def requeue(self, delivery):
         if self.is_current(delivery):

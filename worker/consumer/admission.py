@@ -45,9 +45,17 @@ def judge(ref: RequestRef, claim: Claim | None, model: str, queue_tenant: str | 
     return Verdict(Action.RUN)
 
 
-def prefetch_window(max_num_seqs: int, kv_capacity_tokens: int, mean_kv_tokens: float | None) -> int:
-    """Deliveries to hold: the requests the engine can run at once, plus a quarter more waiting."""
+CLAIM_BATCH = 32  # deliveries claimed together at least, while the engine has enough waiting (``loop``)
+
+
+def prefetch_window(max_num_seqs: int, kv_capacity_tokens: int, mean_kv_tokens: float | None,
+                    committing: int = 0) -> int:
+    """Deliveries to hold: the requests the engine can run at once, plus a quarter more waiting, plus
+    room for the finished ones whose outcomes are being committed (a quarter more, or ``committing``,
+    as many as lately were at once): their messages are unacked until then, and without room for
+    them the engine would run short of waiting work while a step's results commit. (RabbitMQ applies
+    a grown window to the queues consumed from then on; ``worker.consumer.broker``.)"""
     seats = max_num_seqs
     if mean_kv_tokens:
         seats = max(1, min(max_num_seqs, int(kv_capacity_tokens // mean_kv_tokens)))
-    return seats + max(1, seats // 4)
+    return seats + max(1, seats // 4) + max(committing, seats // 4)

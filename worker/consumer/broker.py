@@ -10,6 +10,12 @@ read by ``worker.messaging.message_body``, the function the queue door reads its
 A delivery is valid only on the channel it came on: after a reconnection the broker has requeued
 it, and ``is_current`` says so (its redelivery is then adopted by the request still running here).
 
+Acks: ``ack_all`` settles a step's deliveries together. On RabbitMQ a run of them goes in one frame,
+``basic.ack`` with ``multiple`` set on the run's last delivery tag, which acks every delivery of the
+channel up to it; so the link keeps the request channel's unsettled deliveries in tag order, and a
+run is only ever a prefix of them whose every delivery is being acked. The others are acked one by
+one. (The embedded transport ignores ``multiple``: there every ack is its own, and costs no I/O.)
+
 Interactive requests (``worker.consumer.interactive_queue``): a worker with ``interactive_prefetch`` > 0
 also consumes its model's interactive queue, on a channel of its own with that prefetch (the
 request queues' window and its channel-wide cap do not count them), and the aborts' fanout through
@@ -74,6 +80,8 @@ class BrokerLink:
         self.window = 1
         self.backoff = Backoff(*RECONNECT)
         self._received: list[Delivery] = []
+        self._unsettled: dict[int, Delivery] = {}  # the request channel's deliveries not acked or requeued, by tag
+        self.multiple_acks = not is_embedded(settings)
         self._dead: kombu.Connection | None = None  # publishes dead letters, with confirms
         # the embedded transport has no direct reply-to: berth serve answers in its own process there
         self.interactive_prefetch = 0 if is_embedded(settings) else settings.interactive_prefetch
@@ -115,6 +123,7 @@ class BrokerLink:
         self._qos(self.window)
         self.consumer.consume()
         self._received.clear()
+        self._unsettled.clear()  # the old channel's: requeued by the broker
         self._interactive_received.clear()
         self._aborts.clear()
         self.interactive = self._consume_interactive() if self.interactive_prefetch else None
@@ -171,8 +180,10 @@ class BrokerLink:
 
     def _on_message(self, message) -> None:
         info = message.delivery_info or {}
-        self._received.append(Delivery(message.body, message.content_type, message.content_encoding,
-                                       bool(info.get("redelivered")), self._tenant_of(info), message))
+        delivery = Delivery(message.body, message.content_type, message.content_encoding,
+                            bool(info.get("redelivered")), self._tenant_of(info), message)
+        self._received.append(delivery)
+        self._unsettled[message.delivery_tag] = delivery
 
     # ---- interactive requests in
     def _consume_interactive(self) -> kombu.Consumer:
@@ -279,11 +290,43 @@ class BrokerLink:
 
     def ack(self, delivery: Delivery | None) -> None:
         if self.is_current(delivery):
+            self._settled(delivery)
             with self._guard():
                 delivery.message.ack()
 
+    def ack_all(self, deliveries: list[Delivery | None]) -> None:
+        """Ack each of ``deliveries`` still current: the longest run of the request channel's oldest
+        unsettled deliveries that are all among them with one multiple ack, the rest one by one."""
+        current = {id(d): d for d in deliveries if self.is_current(d)}
+        if not current:
+            return
+        run: list[Delivery] = []
+        if self.multiple_acks:
+            for d in self._unsettled.values():  # in tag order: the order they were delivered on the channel
+                if id(d) not in current:
+                    break
+                run.append(d)
+        if len(run) > 1:
+            for d in run:
+                self._settled(d)
+                del current[id(d)]
+            with self._guard():
+                run[-1].message.ack(multiple=True)
+                for d in run[:-1]:  # acked by the frame above, which kombu's Message of an earlier tag does
+                    d.message._state = "ACK"  # not know of: so that nothing acks or rejects it again
+        for d in current.values():
+            self.ack(d)
+
+    def _settled(self, delivery: Delivery) -> None:
+        """No longer the worker's to settle: acked or requeued (another ack or reject of its tag,
+        RabbitMQ answers by closing the channel)."""
+        tag = getattr(delivery.message, "delivery_tag", None)
+        if self._unsettled.get(tag) is delivery:
+            del self._unsettled[tag]
+
     def requeue(self, delivery: Delivery | None) -> None:
         if self.is_current(delivery):
+            self._settled(delivery)
             with self._guard():
                 delivery.message.reject(requeue=True)
 

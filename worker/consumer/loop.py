@@ -13,6 +13,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 from worker.checkpoint.connector import StoreConnector
@@ -21,6 +23,7 @@ from worker.consumer import admission, suspects
 from worker.consumer.absent import NoInbox, NoRemote, NoStore
 from worker.consumer.admission import Action
 from worker.consumer.broker import BrokerLink, Delivery
+from worker.consumer.committer import Committer
 from worker.consumer.database_health import DOWN, DatabaseHealth
 from worker.consumer.housekeeper import Chore, Housekeeper
 from worker.consumer.interactive_inbox import InteractiveInbox
@@ -43,6 +46,8 @@ CHECKPOINT_FLUSH = 10.0  # seconds a stopping worker waits for its last checkpoi
 CONTROL_INTERVAL = 1.0  # seconds between checks for closed jobs, window resizing, metrics
 QUEUE_DEPTH_INTERVAL = 5.0
 HEARTBEAT_INTERVAL = 5.0  # seconds between the worker's heartbeats in the database
+ADMIT_DELAY = 0.05  # seconds a delivery may wait to be claimed with others while the engine has enough waiting
+CLAIM_WAIT = 10.0  # seconds a stopping worker waits for a claim under way, to hand its deliveries back
 
 
 def worker_name() -> str:
@@ -56,6 +61,7 @@ class Inflight:
     request: Request  # as the engine runs it
     delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
     suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``worker.consumer.suspects``)
+    finishing: bool = False  # its outcome is with the committer: held until committed, then acked
 
     @property
     def started(self) -> bool:
@@ -90,6 +96,7 @@ class EngineWorker:
         self.interactive.attach(engine)
         self.database = DatabaseHealth(self.name, self.metrics)
         self.outcomes = OutcomeBook(ledger, self.database, self.metrics, self.name)
+        self.committer = Committer(self.outcomes)  # commits them beside the engine's next step
         self.housekeeper = Housekeeper(list(chores))
         self.store: StoreConnector | NoStore = NoStore()  # checkpoints, restores and shared prefixes
         if settings.checkpoint_interval:
@@ -97,6 +104,11 @@ class EngineWorker:
         self.kv_capacity = self.engine.kv_usage()["blocks_total"] * self.engine.settings.block_size
         self.inflight: dict[str, Inflight] = {}
         self.incoming: list[Delivery] = []
+        self.incoming_since = 0.0  # monotonic time the oldest delivery in ``incoming`` came
+        # a claim under way on a thread of its own (the deliveries it claims, its answer): the loop steps on
+        self.claiming: tuple[list[tuple[RequestRef, Delivery]], Future] | None = None
+        self._claims: ThreadPoolExecutor | None = None  # its thread, made at the first claim
+        self.commit_peak = 0.0  # outcomes with the committer at a time, lately (their messages hold the window)
         self.mean_kv_tokens: float | None = None
         self.broker.window = settings.prefetch or admission.prefetch_window(
             self.engine.settings.max_num_seqs, self.kv_capacity, None)
@@ -135,9 +147,10 @@ class EngineWorker:
                     self._idle(IDLE_WAIT)  # no broker and nothing to run: wait, then try again
                 if not self.database.ready() and not busy:
                     self._idle(IDLE_WAIT)  # no database and nothing to run: the same
-                wait = 0 if busy else RESTORE_WAIT if self.store.reading else IDLE_WAIT
+                soon = self.store.reading or self.committer.pending or self.claiming is not None
+                wait = 0 if busy else RESTORE_WAIT if soon else IDLE_WAIT
                 self._receive(wait)
-                self._record([])  # outcomes kept while the database was down, when a try is due
+                self._settle()  # outcomes committed since: ack them
                 self._admit()
                 self.remote.admit()
                 self.interactive.admit()
@@ -157,7 +170,8 @@ class EngineWorker:
                 if self.stop_requested:
                     if drain_deadline is None:
                         drain_deadline = self._begin_drain()
-                    finished = not self.engine.has_unfinished() and not self.outcomes.waiting
+                    finished = (not self.engine.has_unfinished() and not self.committer.pending
+                                and self.claiming is None and not self.incoming)
                     if self.stop_requested > 1 or finished or t > drain_deadline:
                         graceful = True
                         break
@@ -165,6 +179,8 @@ class EngineWorker:
             self.remote.hand_back()  # those that said nothing yet: to another worker
             self.interactive.fail_all("the server's engine worker stopped", close=True)
             self.housekeeper.stop()
+            self.committer.close(flush=graceful, timeout=CHECKPOINT_FLUSH)  # a killed worker commits nothing more
+            self._settle()
             if graceful:  # what is handed back continues from here elsewhere
                 self.store.save_all(CHECKPOINT_FLUSH)
             self._hand_back(count_attempt=not graceful)
@@ -178,13 +194,15 @@ class EngineWorker:
     def _receive(self, wait: float) -> None:
         """Deliveries, waiting up to ``wait`` for the first; with live callers' requests beside the queue,
         the wait is on them (a request or an abort ends it) after one look at the queue."""
-        limit = self.window - len(self.incoming)
+        limit = self.window - len(self.incoming) - (len(self.claiming[0]) if self.claiming else 0)
         if not self.waits_on_inbox or not wait:  # the broker brings them all
-            self.incoming += self.broker.receive(limit, wait)
-            return
-        got = self.broker.receive(limit, 0)
-        if not got:
-            self.interactive.wait(wait)
+            got = self.broker.receive(limit, wait)
+        else:
+            got = self.broker.receive(limit, 0)
+            if not got:
+                self.interactive.wait(wait)
+        if got and not self.incoming:
+            self.incoming_since = time.monotonic()
         self.incoming += got
 
     def _idle(self, seconds: float) -> None:
@@ -201,8 +219,19 @@ class EngineWorker:
         return self.database.call(call, *args, running=len(self.inflight))
 
     # ---- admission
+    def _admit_due(self) -> bool:
+        """Whether to claim what came now. Each claim is a few round trips to the database, so while
+        the engine has waiting requests enough to fill the seats its steps free, deliveries gather for
+        up to ``ADMIT_DELAY`` seconds or a batch of ``admission.CLAIM_BATCH``."""
+        return (len(self.incoming) >= admission.CLAIM_BATCH or self.stop_requested
+                or self.engine.num_waiting < admission.CLAIM_BATCH
+                or time.monotonic() - self.incoming_since >= ADMIT_DELAY)
+
     def _admit(self) -> None:
-        if not self.database.ready() or not self.incoming:
+        """Deliveries to claims, on a thread of their own (one claim under way at a time: the loop
+        steps the engine meanwhile); ``_admit_claimed`` goes on once the database answered."""
+        self._admit_claimed()
+        if self.claiming is not None or not self.database.ready() or not self.incoming or not self._admit_due():
             return  # deliveries wait in ``incoming`` (the window keeps more from coming)
         batch, self.incoming = self.incoming, []
         fresh: list[tuple[RequestRef, Delivery]] = []
@@ -224,7 +253,17 @@ class EngineWorker:
                 self.broker.ack(delivery)  # a duplicate of what this worker runs
         if not fresh:
             return
-        claims = self._ledger(self.ledger.claim, list(dict.fromkeys(r.request_id for r, _ in fresh)), self.name)
+        ids = list(dict.fromkeys(r.request_id for r, _ in fresh))
+        if self._claims is None:
+            self._claims = ThreadPoolExecutor(1, thread_name_prefix="berth-claims")
+        self.claiming = (fresh, self._claims.submit(self._ledger, self.ledger.claim, ids, self.name))
+
+    def _admit_claimed(self) -> None:
+        """Admit the deliveries of the claim under way once it has its answer (its errors are raised here)."""
+        if self.claiming is None or not self.claiming[1].done():
+            return
+        (fresh, future), self.claiming = self.claiming, None
+        claims = future.result()
         if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
@@ -344,22 +383,29 @@ class EngineWorker:
                 outcome = Outcome.failure(claim.request_id, claim.job_id, "engine_error", output.error)
             else:
                 outcome = Outcome(claim.request_id, claim.job_id, output)
+            item.finishing = True
             done.append(Pending(outcome, claim.tenant, item.delivery))
         self._record(done)
 
     def _record(self, items: list[Pending]) -> None:
-        """Commit the outcomes (and those waiting), then dead-letter what must be and ack the rest."""
-        if not items and not self.outcomes.waiting:
-            return
-        for p in self.outcomes.commit(items, len(self.inflight)):
+        """Hand the outcomes to the committer; ``_settle`` acks them once committed."""
+        self.committer.put(items, len(self.inflight))
+        self.commit_peak = max(self.commit_peak, self.committer.pending)
+
+    def _settle(self) -> None:
+        """The outcomes committed since the last call: dead-letter what must be and ack the rest."""
+        acks = []
+        for p in self.committer.take():
             item = self.inflight.pop(p.engine_id, None)
             delivery = item.delivery if item is not None else p.delivery  # it may have been redelivered since
             if p.dead_reason is not None and delivery is not None:
                 if not self.broker.dead_letter(delivery, p.dead_reason, self.settings.max_delivery_attempts):
-                    self.broker.ack(delivery)  # its outcome is committed: the message has done its work
+                    acks.append(delivery)  # its outcome is committed: the message has done its work
             else:
-                self.broker.ack(delivery)
+                acks.append(delivery)
             self.store.finished(p.engine_id)
+        if acks:
+            self.broker.ack_all(acks)
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:
@@ -409,7 +455,7 @@ class EngineWorker:
         if closed is DOWN:
             return
         for engine_id, item in list(self.inflight.items()):
-            if item.claim.job_id in closed:
+            if item.claim.job_id in closed and not item.finishing:  # a finishing one is acked once committed
                 self.engine.abort(engine_id)
                 self.broker.ack(item.delivery)
                 del self.inflight[engine_id]
@@ -428,7 +474,9 @@ class EngineWorker:
     def _resize_window(self) -> None:
         if self.settings.prefetch:
             return
-        want = admission.prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens)
+        want = admission.prefetch_window(self.engine.settings.max_num_seqs, self.kv_capacity, self.mean_kv_tokens,
+                                         int(self.commit_peak))
+        self.commit_peak = max(self.committer.pending, 0.9 * self.commit_peak)  # forgets a burst slowly
         if abs(want - self.window) * 8 > self.window and not self.broker.broken:  # not for every small change
             self.broker.set_window(want)
 
@@ -444,6 +492,8 @@ class EngineWorker:
 
     def _hand_back(self, count_attempt: bool, only_unstarted: bool = False) -> None:
         """Abort requests and requeue their messages; a graceful hand-back is no failed attempt."""
+        if not only_unstarted:
+            self._hand_back_claiming(count_attempt)
         items = [(k, i) for k, i in self.inflight.items() if not (only_unstarted and i.started)]
         if not count_attempt and items:
             try:
@@ -460,7 +510,33 @@ class EngineWorker:
                 self.broker.requeue(delivery)
             self.incoming.clear()
 
+    def _hand_back_claiming(self, count_attempt: bool) -> None:
+        """The deliveries of a claim under way, once it answered: acked where there is nothing to run
+        (a result, a closed job), the others requeued (their attempts released)."""
+        if self.claiming is None:
+            return
+        (fresh, future), self.claiming = self.claiming, None
+        wait_for([future], CLAIM_WAIT)
+        claims = future.result() if future.done() and future.exception() is None else DOWN
+        claims = {} if claims is DOWN else claims
+        done = [delivery for ref, delivery in fresh if admission.judge(
+            ref, claims.get(ref.request_id), self.engine.model_name, delivery.tenant).action is Action.SKIP]
+        for delivery in done:
+            self.broker.ack(delivery)
+        back = [ref.request_id for ref, delivery in fresh if delivery not in done and ref.request_id in claims]
+        if not count_attempt and back:
+            try:
+                self.ledger.release(back)
+            except Exception:
+                log.exception("could not release attempts")
+        for _, delivery in fresh:
+            if delivery not in done:
+                self.broker.requeue(delivery)
+
     def _close(self) -> None:
+        if self._claims is not None:
+            self._claims.shutdown(wait=False)
+            self._claims = None
         self.engine.on_start = None
         self.store.close(CHECKPOINT_FLUSH)
         self.broker.close()

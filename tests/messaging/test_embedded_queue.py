@@ -1,0 +1,86 @@
+"""The embedded queue delivers a run of messages a poll, within the prefetch, shared among the queues
+consumed, each message once and in order."""
+
+from __future__ import annotations
+
+from kombu import Consumer, Producer
+
+from worker.config import Settings
+from worker.messaging.topology import EmbeddedChannel, Topology, connect
+
+
+def _publish(settings: Settings, tenant: str, ids: range) -> None:
+    queue = Topology(settings.queue_prefix).request_queue("m", tenant)
+    with connect(settings) as conn:
+        producer = Producer(conn.default_channel)
+        for i in ids:
+            producer.publish({"request_id": i, "tenant": tenant}, exchange=queue.exchange,
+                             routing_key=queue.routing_key, declare=[queue])
+
+
+def _consumer(conn, tenants: list[str], prefetch: int, got: list) -> Consumer:
+    topology = Topology(Settings().queue_prefix)
+    consumer = Consumer(conn.channel(), [topology.request_queue("m", t) for t in tenants], accept=["json"],
+                        callbacks=[lambda body, message: got.append((body, message))])
+    consumer.qos(prefetch_count=prefetch)
+    consumer.consume()
+    return consumer
+
+
+def _settings(tmp_path) -> Settings:
+    return Settings(database_url=f"sqlite:///{tmp_path}/berth.db")
+
+
+def test_one_poll_takes_a_run_but_never_more_than_the_prefetch(tmp_path):
+    settings = _settings(tmp_path)
+    _publish(settings, "default", range(20))
+    got: list = []
+    with connect(settings) as conn:
+        _consumer(conn, ["default"], 5, got)
+        conn.drain_events(timeout=1)
+        assert [b["request_id"] for b, _ in got] == [0, 1, 2, 3, 4]  # one poll, the whole window
+        for _, message in got:
+            message.ack()
+        conn.drain_events(timeout=1)
+        assert [b["request_id"] for b, _ in got] == list(range(10))
+
+
+def test_the_window_is_shared_among_the_queues_consumed(tmp_path):
+    settings = _settings(tmp_path)
+    _publish(settings, "a", range(20))
+    _publish(settings, "b", range(100, 120))
+    got: list = []
+    with connect(settings) as conn:
+        _consumer(conn, ["a", "b"], 8, got)
+        for _ in range(4):
+            try:
+                conn.drain_events(timeout=0.2)
+            except TimeoutError:
+                break
+        tenants = [b["tenant"] for b, _ in got]
+        assert len(tenants) == 8 and tenants.count("a") == tenants.count("b") == 4
+
+
+def test_every_message_is_delivered_once_in_order(tmp_path):
+    settings = _settings(tmp_path)
+    total = 3 * EmbeddedChannel.GET_BATCH + 7
+    _publish(settings, "default", range(total))
+    got: list = []
+    with connect(settings) as conn:
+        _consumer(conn, ["default"], 1000, got)
+        try:
+            while True:
+                conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+        for _, message in got:
+            message.ack()
+    assert [b["request_id"] for b, _ in got] == list(range(total))
+    with connect(settings) as conn:  # nothing left to deliver again
+        again: list = []
+        _consumer(conn, ["default"], 1000, again)
+        try:
+            conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+        assert again == []
