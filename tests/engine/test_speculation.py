@@ -74,15 +74,17 @@ def test_default_model_greedy_outputs_are_the_same_with_drafts(smol_loaded, text
     assert on.stats.output_tokens == off.stats.output_tokens
 
 
-@pytest.mark.parametrize("kv_memory", ["64MiB", "96KiB"])  # the small cache preempts (recompute)
-def test_preemption_and_the_prefix_cache_keep_the_outputs(tiny_loaded, text_ids, kv_memory, oracle):
+@pytest.mark.parametrize(("kv_memory", "mode"), [("64MiB", "recompute"), ("96KiB", "recompute"), ("96KiB", "swap")])
+def test_preemption_and_the_prefix_cache_keep_the_outputs(tiny_loaded, text_ids, kv_memory, mode, oracle):
+    """The small cache preempts, by recompute or by swap (which copies exactly the blocks a sequence holds:
+    none may be left over from a refused draft)."""
     prompts = _copying_prompts(text_ids, 12)
     params = [SamplingParams(max_tokens=20 + i % 9, temperature=0.0 if i % 4 else 0.8, seed=i, ignore_eos=True,
                              repetition_penalty=1.2 if i % 5 == 4 else 1.0) for i in range(12)]
     off = Engine(loaded=tiny_loaded, speculation="off", kv_memory=kv_memory, max_num_batched_tokens=64,
                  max_num_seqs=8, block_size=8)
     on = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory=kv_memory, max_num_batched_tokens=64,
-                max_num_seqs=8, block_size=8)
+                max_num_seqs=8, block_size=8, preemption_mode=mode)
     reference = off.generate(prompts, params)
     oracle(prompts, reference)
     expected = _texts(reference)
@@ -93,7 +95,8 @@ def test_preemption_and_the_prefix_cache_keep_the_outputs(tiny_loaded, text_ids,
     # every block the prefix cache names holds what its name says: a second run finds hits, same outputs
     cached = on.stats.prompt_tokens_cached
     assert _texts(on.generate(prompts, params)) == expected
-    assert on.stats.prompt_tokens_cached > cached
+    if mode == "recompute":  # swapping, the small cache's free list turns over before the second run
+        assert on.stats.prompt_tokens_cached > cached
     assert on.block_manager.num_free_blocks == on.block_manager.num_blocks  # nothing left held
 
 
