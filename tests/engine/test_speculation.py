@@ -11,6 +11,7 @@ import pytest
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
 from worker.engine.speculative.proposer import NgramIndex
+from worker.metrics import WorkerMetrics
 
 
 def _copying_prompts(text_ids: list[int], n: int) -> list[list[int]]:
@@ -150,5 +151,10 @@ def test_auto_speculates_for_a_few_sequences_and_not_for_many(tiny_loaded, text_
     many = Engine(loaded=tiny_loaded, speculation="auto", speculation_max_running=4, kv_memory="64MiB")
     few.generate(prompts[:2], params)
     _spoke(few)
+    metrics = WorkerMetrics()
+    metrics.observe_step(few, 0.1)
+    read = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
+    assert read("berth_draft_tokens_total") == few.stats.draft_tokens
+    assert read("berth_accepted_draft_tokens_total") == few.stats.accepted_tokens
     many.generate(prompts, params)  # 12 running, all to the end together: none drafts
     assert many.stats.draft_tokens == 0
