@@ -158,3 +158,24 @@ def test_auto_speculates_for_a_few_sequences_and_not_for_many(tiny_loaded, text_
     assert read("berth_accepted_draft_tokens_total") == few.stats.accepted_tokens
     many.generate(prompts, params)  # 12 running, all to the end together: none drafts
     assert many.stats.draft_tokens == 0
+
+
+def test_steps_with_drafts_keep_to_bucketed_row_counts(tiny_loaded, text_ids, oracle):
+    """A step's rows are at most 8 or a multiple of 8 once drafts are in it (unless its drafts are too few to
+    drop to one): on the CPU each new row count costs every linear layer a new oneDNN primitive."""
+    prompts = _copying_prompts(text_ids, 11)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    oracle(prompts, Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params))
+    engine = Engine(loaded=tiny_loaded, speculation="ngram:6", kv_memory="64MiB")
+    rows, execute = [], engine.runner.execute
+
+    def counted(step):
+        rows.append((len(step.input_ids), sum(bool(s.draft) for s in engine.scheduler.running)))
+        return execute(step)
+
+    engine.runner.execute = counted
+    assert _texts(engine.generate(prompts, params)) == _texts(
+        Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params))
+    _spoke(engine)
+    with_drafts = [n for n, drafting in rows if drafting]
+    assert with_drafts and all(n <= 8 or n % 8 == 0 for n in with_drafts), with_drafts

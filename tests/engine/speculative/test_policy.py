@@ -83,3 +83,10 @@ def test_drafts_never_take_the_blocks_running_sequences_need():
     # 2 running: two blocks kept for their next tokens, one left: one draft of 4 tokens fits
     drafts = _policy("ngram:4").draft(seqs, free_blocks=3)
     assert len(drafts.seqs) == 1
+
+
+def test_steps_with_drafts_keep_to_few_row_counts():
+    from worker.engine.speculative.policy import BUCKET, excess_rows
+
+    assert [excess_rows(r, 16) for r in (1, BUCKET, BUCKET + 3, 3 * BUCKET, 3 * BUCKET + 5)] == [0, 0, 3, 0, 5]
+    assert excess_rows(3 * BUCKET + 5, 4) == 0  # too few draft tokens to reach the bucket: left as it is
