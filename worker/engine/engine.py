@@ -30,7 +30,7 @@ from worker.engine.sampler import SampleRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.simulated_device import SimulatedRunner
 from worker.engine.speculative import verifier
-from worker.engine.speculative.policy import Drafts, SpeculationPolicy
+from worker.engine.speculative.policy import Drafts, SpeculationPolicy, excess_rows
 from worker.engine.stats import CLASSES, EngineStats, StepLatencies
 from worker.engine.step_pace import StepPace
 from worker.engine.structured import grammar
@@ -597,16 +597,25 @@ class Engine:
 
 def _fit_drafts(drafts: Drafts, plan: SchedulerOutput, blocks: BlockManager) -> None:
     """Cut each draft to what the scheduler gave its sequence this step (a budget's end, room in the cache),
-    with the blocks given for the rest, and drop those of sequences it did not run."""
+    and then the longest ones so that the step's rows are a bucket's (``policy.excess_rows``), with the
+    blocks given for the rest; drop the drafts of sequences it did not run."""
     given = {seq: n for seq, n in plan.scheduled if seq.draft}
     for seq in drafts.seqs:
         if seq.status is not SeqStatus.RUNNING or seq not in given:
             seq.draft = []
             continue
-        end = seq.num_computed_tokens + given[seq]
-        if end - len(seq.token_ids) < len(seq.draft):
-            del seq.draft[end - len(seq.token_ids):]
-            blocks.trim(seq, end)
+        del seq.draft[seq.num_computed_tokens + given[seq] - len(seq.token_ids):]
+    drafted = sorted((seq for seq in drafts.seqs if seq.draft), key=lambda seq: -len(seq.draft))
+    excess = excess_rows(plan.num_tokens, sum(len(seq.draft) for seq in drafted))  # each n is its seq's now
+    for seq in drafted:
+        cut = min(excess, len(seq.draft))
+        del seq.draft[len(seq.draft) - cut:]
+        excess -= cut
+    for i, (seq, n) in enumerate(plan.scheduled):
+        if seq in given:
+            n = len(seq.token_ids) + len(seq.draft) - seq.num_computed_tokens
+            plan.scheduled[i] = (seq, n)
+            blocks.trim(seq, seq.num_computed_tokens + n)
 
 
 def describe_model(config) -> str:

@@ -37,6 +37,7 @@ DECAY = 0.8  # of the acceptance counts, at each verification
 PRIOR = (3.0, 4.0)  # accepted, tried: an optimistic start (p = 0.75)
 RECOVERY = 0.02  # accepted and tried added each step a sequence does not draft for its estimate
 MIN_N, MAX_N = 1, 3  # the n-grams looked up, longest first
+BUCKET = 8  # a step with drafts has at most this many rows, or a multiple of it (``excess_rows``)
 
 
 def parse(spec: str) -> tuple[str, int]:
@@ -47,6 +48,15 @@ def parse(spec: str) -> tuple[str, int]:
     if m is None or not 1 <= int(m.group(1)) <= 32:
         raise ValueError(f"speculation {spec!r}: give auto, off or ngram:K with K from 1 to 32")
     return "ngram", int(m.group(1))
+
+
+def excess_rows(rows: int, draft_tokens: int) -> int:
+    """The draft tokens to drop from a step of ``rows`` rows so that it has at most ``BUCKET`` rows or a multiple
+    of it (0 where its drafts cannot make up the difference). Drafts make each step's row count another;
+    on the CPU a row count a linear layer has not seen costs oneDNN a new primitive for each weight
+    shape, several times the step's own time, so steps with drafts keep to few counts."""
+    over = rows % BUCKET if rows > BUCKET else 0
+    return over if over <= draft_tokens else 0
 
 
 @dataclass
