@@ -179,3 +179,23 @@ def test_steps_with_drafts_keep_to_bucketed_row_counts(tiny_loaded, text_ids, or
     _spoke(engine)
     with_drafts = [n for n, drafting in rows if drafting]
     assert with_drafts and all(n <= 8 or n % 8 == 0 for n in with_drafts), with_drafts
+
+
+def test_seeded_samples_are_the_same_tokens_with_drafts(tiny_loaded, text_ids, oracle):
+    """A seeded row is drawn at each verified position with that position's number (the sampler's), so a
+    draft token is kept exactly when the draw without drafts would have chosen it: for a draft of one token a
+    position that is rejection sampling (kept with probability p(x), the bonus token from the rest of p), and
+    the text stays a function of the seed whatever shares the batch."""
+    prompts = _copying_prompts(text_ids, 10)
+    params = [SamplingParams(max_tokens=24, temperature=(0.6, 1.0, 1.3)[i % 3], seed=100 + i, top_k=(0, 40)[i % 2],
+                             top_p=(1.0, 0.9)[i % 2 if i % 4 else 0], min_p=0.02 if i % 5 == 1 else 0.0,
+                             logprobs=1 if i % 3 == 2 else None, n=2 if i == 4 else 1) for i in range(10)]
+    off = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB")
+    reference = off.generate(prompts, params)
+    oracle(prompts, reference)
+    on = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+    assert _texts(on.generate(prompts, params)) == _texts(reference)
+    _spoke(on)
+    # and alone: a request's text does not depend on what ran beside it
+    alone = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+    assert _texts(alone.generate(prompts[1:2], params[1:2])) == _texts(reference[1:2])
