@@ -1,4 +1,4 @@
-"""Verifying drafts, greedily (vLLM's rejection sampler at temperature 0): a sequence with k draft tokens
+"""Verifying drafts (vLLM's rejection sampler, for drafts without a model): a sequence with k draft tokens
 was scored as one chunk of k + 1 query tokens (its last token and the drafts), so the step has k + 1
 rows of logits for it, each sampled as its own position (``Engine._sample_row`` with the row's offset:
 bias, ``min_tokens`` and logprobs as without drafts). The draft is accepted as far as it equals those
@@ -7,6 +7,12 @@ accepted tokens and the bonus (1 to k + 1 tokens), exactly the tokens k + 1 plai
 have sampled, and gives back the KV slots of the rejected ones: its computed count set back and the
 blocks past it freed. Those blocks were never named for the prefix cache (a block is named only once
 ``Sequence.token_ids`` fills it: drafts are never there), so no cached hash ever holds a rejected draft.
+
+Seeded rows alike: each row is drawn with the uniform number of its own position (``sampler.uniform``), the
+draw the engine makes there without drafts, so a draft token is kept exactly when that draw is it. A
+prompt-lookup draft is one token a position with certainty (q = 1), for which this is rejection sampling:
+kept with probability p(x), and on rejection the bonus token drawn from p without x, renormalised (the
+draw, given it is not x). The text is the same as without drafts, a function of the seed alone.
 """
 
 from __future__ import annotations
