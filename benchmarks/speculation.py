@@ -9,11 +9,13 @@ lookup drafts what the model writes. One run, on the default model, greedy, spec
    last), the draft tokens and those accepted, and whether every output is the same tokens as ``off``.
 2. Small batches: the first 1, 4 and 16 requests alone, tokens/s with each setting.
 
-    python benchmarks/speculation.py                      # about 10 minutes on 2 cores
+    python benchmarks/speculation.py                      # 10-30 minutes on 2 cores, by their load
     python benchmarks/speculation.py --requests 64 --batches 1,4
 
 Runs alternate (off, auto, then auto, off for ``--rounds 2``) so that a loaded machine's drift falls on
-both. Figures go in benchmarks/README.md and HISTORY.md, the JSON to ``--out``.
+both; each reports its process's CPU seconds beside the wall's (on a shared machine the CPU time varies
+less: the engine's threads are busy whenever it runs), and the best run of each setting is kept. Figures
+go in benchmarks/README.md and HISTORY.md, the JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -90,12 +92,12 @@ def run(loaded, settings: Settings, prompts: list[list[int]], max_tokens: int) -
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     for i, ids in enumerate(prompts):
         engine.add_request(Request(str(i), ids, params))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     done: dict[str, tuple[float, list[int]]] = {}
     while engine.has_unfinished():
         for out in engine.step():
             done[out.request_id] = (time.perf_counter() - t0, out.completions[0].token_ids)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     times = sorted(t for t, _ in done.values())
     tail_from = times[max(0, int(0.9 * len(times)) - 1)]
     tokens = [done[str(i)][1] for i in range(len(prompts))]
@@ -103,6 +105,7 @@ def run(loaded, settings: Settings, prompts: list[list[int]], max_tokens: int) -
     return {"seconds": round(seconds, 2), "output_tokens": sum(map(len, tokens)),
             "tokens_per_s": round(sum(map(len, tokens)) / seconds, 2),
             "last_10pct_seconds": round(seconds - tail_from, 2), "steps": s.steps,
+            "cpu_seconds": round(cpu, 2), "tokens_per_cpu_s": round(sum(map(len, tokens)) / cpu, 2),
             "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
             "acceptance": round(s.acceptance_rate, 3), "load_average_1m": round(os.getloadavg()[0], 2),
             "tokens": tokens}
@@ -125,14 +128,16 @@ def compare(loaded, base: Settings, modes: list[str], prompts, max_tokens: int, 
     off = out[modes[0]]
     for mode in modes[1:]:
         out[mode]["speedup_tokens_per_s"] = round(out[mode]["tokens_per_s"] / off["tokens_per_s"], 3)
-        out[mode]["speedup_last_10pct"] = round(off["last_10pct_seconds"] / out[mode]["last_10pct_seconds"], 3)
+        out[mode]["speedup_last_10pct"] = round(off["last_10pct_seconds"] / max(out[mode]["last_10pct_seconds"], 1e-3),
+                                                3)
+        out[mode]["speedup_tokens_per_cpu_s"] = round(out[mode]["tokens_per_cpu_s"] / off["tokens_per_cpu_s"], 3)
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=256, help="a cap the copies stay under: they end on EOS")
     parser.add_argument("--batches", default="1,4,16", help="small batches, comma-separated ('' = none)")
     parser.add_argument("--modes", default="off,auto", help="speculation settings, the first the reference")
     parser.add_argument("--rounds", type=int, default=1)
