@@ -27,11 +27,16 @@ accepted): milliseconds per step with a constrained row and per constrained row.
     python benchmarks/throughput.py --dtype bfloat16             # 256 requests
     python benchmarks/throughput.py --skip static,continuous --structured-share 0.25
     python benchmarks/throughput.py --quick --skip static,continuous --penalty-rounds 3
+    python benchmarks/throughput.py --quick --skip static,continuous --speculation-rounds 2
 
 ``--penalty-rounds N`` runs berth N more times without and N times with every request carrying
 ``PENALTIES`` (frequency, presence and repetition penalties and a logit_bias), interleaved (plain,
 penalised, penalised, plain, ...) so that a loaded machine's drift falls on both alike, and reports
 each run's useful tokens/s and the ratio of their medians.
+
+``--speculation-rounds N`` likewise runs berth N times with ``speculation`` off and N times auto,
+interleaved, and reports the ratio of the medians (auto / off), the draft tokens and those accepted;
+with how many outputs are the same tokens as without.
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--penalty-rounds", type=int, default=0,
                         help="also run berth this many times without and with penalties on every request, "
                              "interleaved (0 = not)")
+    parser.add_argument("--speculation-rounds", type=int, default=0,
+                        help="also run berth this many times with speculation off and auto, interleaved (0 = not)")
     args = parse_workload_args(parser, argv, "throughput")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.skip - {"static", "continuous"}:
@@ -152,10 +159,12 @@ def kv_bytes_for(workload: Workload, config, dtype: str, block_size: int) -> int
 
 
 def run_berth(loaded: LoadedModel, workload: Workload, settings: Settings, structured_share: float = 0.0,
-              penalized: bool = False) -> dict:
+              penalized: bool = False, speculation: str | None = None) -> dict:
     """Time ``Engine.generate`` over the workload; add the engine's counters and KV figures. With
     ``structured_share``, that share of the requests (spread evenly) is constrained by
     ``STRUCTURED_SCHEMA``, and the grammar's own time is measured too."""
+    if speculation is not None:
+        settings = settings.model_copy(update={"speculation": speculation})
     engine = warmed_engine(loaded, settings)
     peak = track_peak_blocks(engine)
     spec = StructuredOutput("json_schema", json.dumps(STRUCTURED_SCHEMA))
@@ -272,6 +281,7 @@ def _engine_figures(engine: Engine, peak_blocks: int) -> dict:
         "prompt_tokens_computed": s.prompt_tokens_computed, "prompt_tokens_cached": s.prompt_tokens_cached,
         "recomputed_tokens": s.recomputed_tokens, "forward_seconds": round(s.forward_seconds, 3),
         "mean_slot_utilization": round(s.mean_slot_utilization, 4),
+        "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
         "kv": {"block_size": engine.block_manager.block_size, "blocks_total": usage["blocks_total"],
                "peak_blocks_used": peak_blocks, "peak_share": round(peak_blocks / usage["blocks_total"], 4),
                "kv_bytes": usage["kv_bytes"]},
@@ -554,6 +564,21 @@ def penalty_figures(plain: list[dict], penalized: list[dict]) -> dict:
             "ratio_of_medians": round(median(b) / median(a), 3)}
 
 
+def speculation_figures(off: list[dict], auto: list[dict]) -> dict:
+    """Each interleaved run's useful tokens/s with speculation off and auto, the ratio of the medians and of
+    each round's pair; and how many requests' outputs in each auto run are the first off run's, token for token."""
+    median = lambda v: (sorted(v)[(len(v) - 1) // 2] + sorted(v)[len(v) // 2]) / 2  # noqa: E731
+    a, b = [r["tokens_per_s"] for r in off], [r["tokens_per_s"] for r in auto]
+    return {"tokens_per_s_off": a, "tokens_per_s_auto": b,
+            "load_average_1m": [r["load_average_1m"] for r in off + auto],
+            "round_ratios": [round(y / x, 3) for x, y in zip(a, b)],
+            "ratio_of_medians": round(median(b) / median(a), 3),
+            "draft_tokens": [r["engine"]["draft_tokens"] for r in auto],
+            "accepted_tokens": [r["engine"]["accepted_tokens"] for r in auto],
+            "same_outputs": [sum(x == y for x, y in zip(r["tokens"], off[0]["tokens"])) for r in auto],
+            "requests": len(off[0]["tokens"])}
+
+
 def ratios(results: dict) -> dict:
     """berth's useful tokens/s over each baseline's that ran."""
     berth = results["berth"]["tokens_per_s"]
@@ -662,6 +687,14 @@ def main(argv: list[str] | None = None) -> dict:
                               guarded=False)
                 (penalized if with_penalties else plain).append(run)
         penalties = penalty_figures(plain, penalized)
+    speculation = None
+    if args.speculation_rounds:
+        runs: dict[str, list[dict]] = {"off": [], "auto": []}
+        for i in range(args.speculation_rounds):  # off, auto, auto, off, ...: drift falls on both alike
+            for mode in (("off", "auto") if i % 2 == 0 else ("auto", "off")):
+                runs[mode].append(measure("berth", lambda: run_berth(loaded, workload, settings, speculation=mode),
+                                          guarded=False))
+        speculation = speculation_figures(runs["off"], runs["auto"])
     loaded = None  # the engine's copy of the weights went with run_berth; free these before transformers loads
     gc.collect()
     if {"static", "continuous"} - args.skip:
@@ -687,6 +720,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if structured:
         report["structured"] = structured
+    if speculation:
+        report["speculation"] = speculation
+        print(f"speculation: useful tok/s off {speculation['tokens_per_s_off']}, auto "
+              f"{speculation['tokens_per_s_auto']}: ratio of medians {speculation['ratio_of_medians']:.3f}, "
+              f"same-round ratios {speculation['round_ratios']}")
     if penalties:
         report["penalties"] = penalties
         print(f"penalties: useful tok/s plain {penalties['tokens_per_s_plain']}, penalised "

@@ -195,6 +195,17 @@ class Settings(BaseModel):
         "interactive decodes fill the bound of interactive_step_seconds grows so that batch work still has "
         "this share of it (the streams' steps take longer by up to floor / (1 - floor)). 0: batch work has "
         "only what interactive work leaves of the bound, which many streams leave none of.", cli="engine")
+    speculation: str = setting(
+        "off", "Speculative decoding (worker/engine/speculative/): draft tokens from each sequence's own prompt and "
+        "output (prompt lookup: what followed the longest recent n-gram match), scored in the same step as its "
+        "next token, the longest accepted prefix kept (outputs, greedy or seeded, are the same tokens). auto: decided "
+        "each "
+        "step, only while at most speculation_max_running sequences run, each drafting as many tokens (up to 8) "
+        "as its measured acceptance pays for; ngram:K: every sequence that may, K tokens each step; off: none. "
+        "Requests without a grammar or penalties speculate; others decode as ever.", cli="engine")
+    speculation_max_running: int = setting(
+        16, "With speculation auto, the most running sequences a step may speculate with: above it, the step is "
+        "compute-bound and draft tokens cost as much as decoded ones. Fewer running, longer drafts.", cli="engine")
     max_model_len: int = setting(0, "The most tokens (prompt and output) of one request; 0: the model's "
                                  "context length.")
 
@@ -438,6 +449,14 @@ class Settings(BaseModel):
             raise ValueError(f"simulated_device {v!r}: give GPU:SHAPE, e.g. h200:llama-3-8b")
         return v
 
+    @field_validator("speculation")
+    @classmethod
+    def _speculation(cls, v):
+        m = re.fullmatch(r"auto|off|ngram:(\d+)", v)
+        if m is None or (m.group(1) is not None and not 1 <= int(m.group(1)) <= 32):
+            raise ValueError(f"speculation {v!r}: give auto, off or ngram:K with K from 1 to 32")
+        return v
+
     @field_validator("block_size")
     @classmethod
     def _block_size(cls, v):
@@ -447,9 +466,9 @@ class Settings(BaseModel):
 
     @field_validator("max_num_batched_tokens", "max_num_seqs", "aging_steps", "max_delivery_attempts",
                      "max_file_lines", "max_file_bytes", "max_jobs_in_flight", "max_submit_bytes",
-                     "webhook_max_attempts", "structured_max_schema_bytes", "structured_max_regex_bytes",
-                     "structured_max_grammar_bytes", "structured_max_choices", "structured_compile_seconds",
-                     "job_input_retention_seconds")
+                     "speculation_max_running", "webhook_max_attempts", "structured_max_schema_bytes",
+                     "structured_max_regex_bytes", "structured_max_grammar_bytes", "structured_max_choices",
+                     "structured_compile_seconds", "job_input_retention_seconds")
     @classmethod
     def _positive(cls, v):
         if v < 1:

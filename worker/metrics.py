@@ -134,6 +134,9 @@ class WorkerMetrics:
         self.kv_used = Gauge("berth_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("berth_kv_blocks_free", "KV cache blocks free", registry=r)
         self.preemptions = Counter("berth_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
+        self.draft_tokens = Counter("berth_draft_tokens", "Speculation's draft tokens scored", registry=r)
+        self.accepted_draft_tokens = Counter("berth_accepted_draft_tokens", "Speculation's draft tokens accepted "
+                                             "(over berth_draft_tokens: the acceptance rate)", registry=r)
         self.step_seconds = Histogram("berth_step_seconds", "Wall time of one engine step", registry=r,
                                       buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.queue_depth = Gauge("berth_queue_depth", "Messages ready in this worker's request queue", registry=r)
@@ -202,7 +205,7 @@ class WorkerMetrics:
         self.enqueued_token_limit = Gauge("berth_tenant_enqueued_token_limit", "A tenant's enqueued tokens per model "
                                           "at most (0: no limit); a batch past it fails with token_limit_exceeded",
                                           ["tenant"], registry=r)
-        self._last = (0, 0, 0)  # engine totals last seen: output tokens, prompt tokens, preemptions
+        self._last = (0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted, accepted
         self._last_computed: dict[tuple[str, str], int] = {}
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
@@ -214,10 +217,12 @@ class WorkerMetrics:
     def observe_step(self, engine, seconds: float) -> None:
         """After each engine step: token counters and rates, occupancy, KV blocks."""
         st = engine.stats
-        totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions)
+        totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions, st.draft_tokens, st.accepted_tokens)
         self.output_tokens.inc(totals[0] - self._last[0])
         self.prefill_tokens.inc(totals[1] - self._last[1])
         self.preemptions.inc(totals[2] - self._last[2])
+        self.draft_tokens.inc(totals[3] - self._last[3])
+        self.accepted_draft_tokens.inc(totals[4] - self._last[4])
         self._last = totals
         for tenant, n in st.output_tokens_by_tenant.items():
             if n != self._last_by_tenant.get(tenant, 0):

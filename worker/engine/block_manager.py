@@ -148,6 +148,24 @@ class BlockManager:
                     del self.cached[h]
                 self.block_hash[b] = None
 
+    def trim(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Free ``seq``'s blocks past those its first ``num_tokens`` (its computed ones) fill: the KV slots
+        of draft tokens it did not accept (worker/engine/speculative/verifier.py). Such a block was never
+        named (drafts are not in ``token_ids``); one found named anyway is un-named, as ``forget_uncomputed``
+        does."""
+        keep = self.blocks_needed(seq.num_computed_tokens if num_tokens is None else num_tokens)
+        for b in reversed(seq.block_table[keep:]):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                h = self.block_hash[b]
+                if h is not None:
+                    if self.cached.get(h) == b:
+                        del self.cached[h]
+                    self.block_hash[b] = None
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent``; the first write to a shared block copies it."""
         child.block_table = list(parent.block_table)

@@ -25,10 +25,12 @@ from worker.engine.kv_view import KVView, RequestState, SampleState, SharedPrefi
 from worker.engine.launched_step import LaunchedStep, StepFailed
 from worker.engine.model_runner import ModelRunner, fill_inputs
 from worker.engine.penalties import TokenCounts
-from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, Sequence
+from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
 from worker.engine.sampler import SampleRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.simulated_device import SimulatedRunner
+from worker.engine.speculative import verifier
+from worker.engine.speculative.policy import Drafts, SpeculationPolicy, excess_rows
 from worker.engine.stats import CLASSES, EngineStats, StepLatencies
 from worker.engine.step_pace import StepPace
 from worker.engine.structured import grammar
@@ -113,6 +115,10 @@ class Engine:
         self.overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto" and (
             bool(settings.simulated_device) or self.device.type == "cuda"))
         self._in_flight: LaunchedStep | None = None  # the step whose tokens the host has not read yet
+        # Drafts from each sequence's own tokens, verified in the step (worker/engine/speculative/)
+        self.speculation = SpeculationPolicy(settings.speculation, settings.speculation_max_running,
+                                             self.max_model_len, settings.block_size,
+                                             settings.max_num_batched_tokens, self.long_rope_from is None)
         log.info("engine ready (%.1fs since the process started)", seconds_since_start())
 
     # ---- requests in and out
@@ -261,16 +267,22 @@ class Engine:
             outputs += self._resolve(previous)
             return outputs + self._isolated_step()
         t0 = time.perf_counter()
+        drafts = self.speculation.draft(self.scheduler.running, self.block_manager.num_free_blocks)
         plan = self.scheduler.schedule()
+        if drafts.seqs:
+            _fit_drafts(drafts, plan, self.block_manager)
         try:
             done, launched = self._launch(plan, self.scheduler, previous)
         except StepFailed as failed:  # the tokens before it first: the failure sets its sequences back
+            for seq in drafts.seqs:
+                seq.draft = []
             outputs += failed.outputs + self._resolve(previous)
             alive = [(seq, n) for seq, n in failed.scheduled
                      if not seq.is_finished and seq.request.request_id in self.requests]
             return outputs + self._step_failed(alive, self.scheduler, failed.exc)
         outputs += done + self._resolve(previous)
         if launched is not None:
+            launched.keep_on_host = drafts.keep_on_host
             if self.overlap and launched.may_defer(self.long_rope_from is None):
                 launched.defer(self.max_model_len)
                 self._in_flight = launched
@@ -362,22 +374,33 @@ class Engine:
             mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
                                                       self.grammars.vocab_size)) if constrained else None
             plain = mask is None and all(seq.request.plain_greedy for seq in rows)  # no row needs its SampleRow
-            draw = self.runner.sample(logits, None if plain else [self._sample_row(s) for s in rows], mask)
+            verifying = any(seq.draft for seq in samplers)
+            offsets = verifier.row_offsets(rows) if verifying else [0] * len(rows)
+            sample_rows = None if plain else [self._sample_row(s, j) for s, j in zip(rows, offsets)]
+            draw = self.runner.sample(logits, sample_rows, mask)
         except Exception as exc:
             raise StepFailed(outputs, [item for item in scheduled if item[0].request.params.embedding is None],
                               exc) from exc
-        return outputs, LaunchedStep(rows, draw, scheduler, forked=len(rows) != len(samplers))
+        return outputs, LaunchedStep(rows, draw, scheduler, forked=len(rows) != len(samplers) and not verifying,
+                                     verifying=verifying)
 
     def _resolve(self, launched: LaunchedStep | None) -> list[RequestOutput]:
         """Read a launched step's tokens and finish its rows: the tokens join their sequences, stops are found."""
         if launched is None:
             return []
         sampled = launched.draw.result()
+        rows, verified = launched.rows, []
+        if launched.verifying:  # drafts judged: the accepted tokens and the bonus stand, the rest go
+            rows, sampled, verified = verifier.settle(rows, sampled, self.block_manager)
+            self._count_verified(verified)
         deferred = False
-        for seq in launched.rows:
+        for seq in rows:
             if seq.inflight:
                 seq.inflight, seq.finishing, deferred = 0, False, True
-        outputs = self._finish_rows(launched.rows, sampled, None if deferred else launched.scheduler)
+        outputs = self._finish_rows(rows, sampled, None if deferred else launched.scheduler)
+        for seq, _, _ in verified:  # blocks its accepted tokens filled are named now they are known
+            if not seq.is_finished and seq.block_table:
+                self.block_manager.name_resolved(seq)
         if deferred:
             bs = self.block_manager.block_size
             for seq in launched.rows:
@@ -386,6 +409,11 @@ class Engine:
                 elif len(seq.token_ids) // bs > len(seq.block_hashes) and seq.block_table:
                     self.block_manager.name_resolved(seq)
         return outputs
+
+    def _count_verified(self, verified: list[tuple[Sequence, int, int]]) -> None:
+        for seq, drafted, accepted in verified:
+            seq.spec.observe(drafted, accepted)
+            self.stats.count_verified(drafted, accepted)
 
     def _finish_pooled(self, pool: pooling.PoolRows, scheduler: Scheduler) -> list[RequestOutput]:
         """Embeddings inputs whose last chunk ran are done: their blocks go, no token is sampled."""
@@ -411,7 +439,7 @@ class Engine:
         rows: list[Sequence] = []
         row_of: list[int] = []
         for i, seq in enumerate(samplers):
-            family = [seq] + self._fork_if_due(seq, scheduler)
+            family = [seq] + (self._fork_if_due(seq, scheduler) if not seq.draft else [])
             rows += family
             row_of += [i] * len(family)
         if len(row_of) != len(samplers):
@@ -505,14 +533,16 @@ class Engine:
         request.sequences.append(seq)
         return seq
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(self, seq: Sequence, offset: int = 0) -> SampleRow:
         """A constrained row's EOS is never suppressed for ``min_tokens``: its grammar says where it ends.
         A penalised row's token counts are built from its tokens when first needed (also after a
-        resume or a fork), then kept up to date by ``_finish_rows``."""
+        resume or a fork), then kept up to date by ``_finish_rows``. ``offset``: the row after a verified
+        sequence's ``offset``-th draft token, sampled as that position (worker/engine/speculative/)."""
         if seq.counts is None and seq.request.params.penalized:
             seq.counts = TokenCounts.of(seq.token_ids, seq.num_prompt_tokens)
-        return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens, seq.num_output_tokens,
-                         seq.request.stop_ids if seq.matcher is None else (), seq.counts)
+        return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens + offset,
+                         seq.num_output_tokens + offset, seq.request.stop_ids if seq.matcher is None else (),
+                         seq.counts)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         return stop_checker.finish_reason(seq, token, self.tokenizer, self.max_model_len)
@@ -570,6 +600,29 @@ class Engine:
         return {"blocks_used": used, "blocks_free": self.block_manager.num_free_blocks,
                 "blocks_total": self.block_manager.num_blocks, "kv_bytes": self.runner.kv_bytes,
                 "slot_utilization": sum(filled.values()) / (len(filled) * bs) if filled else 1.0}
+
+
+def _fit_drafts(drafts: Drafts, plan: SchedulerOutput, blocks: BlockManager) -> None:
+    """Cut each draft to what the scheduler gave its sequence this step (a budget's end, room in the cache),
+    and then the longest ones so that the step's rows are a bucket's (``policy.excess_rows``), with the
+    blocks given for the rest; drop the drafts of sequences it did not run."""
+    given = {seq: n for seq, n in plan.scheduled if seq.draft}
+    for seq in drafts.seqs:
+        if seq.status is not SeqStatus.RUNNING or seq not in given:
+            seq.draft = []
+            continue
+        del seq.draft[seq.num_computed_tokens + given[seq] - len(seq.token_ids):]
+    drafted = sorted((seq for seq in drafts.seqs if seq.draft), key=lambda seq: -len(seq.draft))
+    excess = excess_rows(plan.num_tokens, sum(len(seq.draft) for seq in drafted))  # each n is its seq's now
+    for seq in drafted:
+        cut = min(excess, len(seq.draft))
+        del seq.draft[len(seq.draft) - cut:]
+        excess -= cut
+    for i, (seq, n) in enumerate(plan.scheduled):
+        if seq in given:
+            n = len(seq.token_ids) + len(seq.draft) - seq.num_computed_tokens
+            plan.scheduled[i] = (seq, n)
+            blocks.trim(seq, seq.num_computed_tokens + n)
 
 
 def describe_model(config) -> str:

@@ -21,12 +21,14 @@ class LaunchedStep:
     draw: SampleLaunch
     scheduler: Scheduler
     forked: bool = False
+    verifying: bool = False  # some rows score drafts (worker/engine/speculative/): a sequence's rows are several
+    keep_on_host: bool = False  # a sequence would draft next step: the proposer reads its newest token
 
     def may_defer(self, rope_fixed: bool) -> bool:
         """Whether the host may read these tokens after launching the next step: no row needs its token on
         the host before its next draw (a grammar's matcher, a penalty's counts, an n > 1 request forking,
-        a longrope model's switch of factors: ``rope_fixed`` False)."""
-        return rope_fixed and not self.forked and all(
+        a longrope model's switch of factors: ``rope_fixed`` False; drafts verified, or to be proposed)."""
+        return rope_fixed and not self.forked and not self.verifying and not self.keep_on_host and all(
             seq.matcher is None and not seq.request.params.penalized for seq in self.rows)
 
     def defer(self, max_model_len: int) -> None:

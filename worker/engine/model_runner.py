@@ -175,6 +175,8 @@ class ModelRunner:
                 ids.append(0)
             else:
                 ids.extend(seq.token_ids[start:end])
+                if end > len(seq.token_ids):  # a draft to verify after its last token (worker.engine.speculative)
+                    ids.extend(seq.draft[:end - len(seq.token_ids)])
             if n == 1 and not prefill_tables:
                 num_decode += 1
                 decode_tables.append(seq.block_table)
@@ -194,6 +196,10 @@ class ModelRunner:
             elif end == seq.num_tokens:
                 samplers.append(seq)
                 logits_rows.append(len(ids) - 1)
+            elif seq.draft and end == seq.num_tokens + len(seq.draft):  # a row per draft token and the bonus
+                k = len(seq.draft)
+                samplers += [seq] * (k + 1)
+                logits_rows += range(len(ids) - 1 - k, len(ids))
         num_pooled = 0
         if pool is not None and not pool.rows:  # only chunks short of their last token (last-token pooling)
             pool = None

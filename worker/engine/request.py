@@ -163,6 +163,10 @@ class Sequence:
     inflight: int = 0
     inflight_row: int = -1
     finishing: bool = False
+    # Speculation (worker/engine/speculative/): this step's draft tokens, scored after its last token and never
+    # in ``token_ids`` until accepted; its proposer and acceptance (``policy.DraftState``), made when first needed.
+    draft: list[int] = field(default_factory=list)
+    spec: object | None = None
 
     @property
     def num_tokens(self) -> int:

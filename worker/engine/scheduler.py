@@ -208,9 +208,12 @@ class Scheduler:
             if queue:  # the hot path, kept inline: a decode per running sequence per step
                 seq = queue[-1]
                 given = partly.get(seq, 0) if partly else 0
-                wanted = seq.num_tokens - seq.num_computed_tokens - given
+                wanted = seq.num_tokens + len(seq.draft) - seq.num_computed_tokens - given  # drafts: speculative/
                 n = min(wanted, left)
                 if not self.bm.allocate(seq, given + n, (), step.keep_free):
+                    if seq.draft:  # a draft never costs a preemption: it goes instead (what was given stays)
+                        del seq.draft[max(0, given - 1):]
+                        continue
                     clock[tenant] = start + (cap - left) * rate  # up to date for the victim's choice
                     if not self._make_room(seq, given, n, step):
                         continue

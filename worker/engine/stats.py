@@ -29,6 +29,10 @@ class EngineStats:
     forward_seconds: float = 0.0
     slot_utilization_sum: float = 0.0  # of the samples taken every 8 steps (a sum: a worker runs for months)
     slot_utilization_count: int = 0
+    # speculation (worker/engine/speculative/): draft tokens scored, those accepted, sequences verified
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifications: int = 0
 
     def count_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Count a step's computed tokens, before their sequences advance: prompt tokens, generated ones
@@ -49,6 +53,16 @@ class EngineStats:
         for k, n in enumerate(by_class):
             if n:
                 self.computed_tokens[CLASSES[k >> 1], ("prompt", "output")[k & 1]] += n
+
+    def count_verified(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verifications += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Draft tokens accepted of those scored (0 before any)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def observe_slot_utilization(self, value: float) -> None:
         self.slot_utilization_sum += value

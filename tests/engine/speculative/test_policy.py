@@ -1,0 +1,92 @@
+"""When to speculate: auto drafts while few sequences run and their drafts are accepted, shrinking k step
+by step as the batch grows (no cliff); only rows without a grammar or penalty, never one whose token is
+in flight, never past max_tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
+from worker.engine.speculative.policy import MAX_K, DraftState, SpeculationPolicy, parse
+
+
+def test_parse():
+    assert parse("off") == ("off", 0) and parse("auto") == ("auto", MAX_K) and parse("ngram:5") == ("ngram", 5)
+    for bad in ("on", "ngram:0", "ngram:33", "ngram", "suffix:3"):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+def test_auto_k_shrinks_with_the_batch_and_with_rejections_without_a_cliff():
+    by_running = [SpeculationPolicy._auto_k(0.9, 0.3 + 0.7 * (r - 1) / 16) for r in range(1, 18)]
+    assert by_running[0] == MAX_K and by_running[-1] == 0
+    assert all(a >= b for a, b in zip(by_running, by_running[1:]))  # never grows as more run
+    assert all(a - b <= 2 for a, b in zip(by_running, by_running[1:])), by_running  # steps, not a cliff
+    assert [SpeculationPolicy._auto_k(p, 0.3) for p in (1.0, 0.9, 0.6, 0.29)] == [MAX_K, MAX_K, 2, 0]
+    state = DraftState()
+    for _ in range(6):
+        state.observe(4, 0)
+    assert state.acceptance < 0.3  # its drafts keep failing: it stops drafting
+    for _ in range(6):
+        state.observe(4, 4)
+    assert state.acceptance > 0.9
+
+
+def _decoding(params: SamplingParams, prompt: list[int], output: list[int]) -> Sequence:
+    seq = Sequence(Request("r", prompt, params), 0, prompt + output, len(prompt))
+    seq.status, seq.num_computed_tokens = SeqStatus.RUNNING, len(prompt) + len(output) - 1
+    return seq
+
+
+def _policy(spec: str) -> SpeculationPolicy:
+    return SpeculationPolicy(spec, max_running=4, max_model_len=1000, block_size=4, max_num_batched_tokens=64)
+
+
+REPEATS = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+
+
+def test_who_drafts():
+    greedy = SamplingParams(temperature=0, max_tokens=50)
+    rows = {"greedy": _decoding(greedy, REPEATS, [1, 2]),
+            "seeded": _decoding(SamplingParams(temperature=0.8, max_tokens=50), REPEATS, [1, 2]),
+            "penalty": _decoding(SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=50), REPEATS, [1, 2]),
+            "short": _decoding(SamplingParams(temperature=0, max_tokens=4), REPEATS, [1, 2, 3]),
+            "prefill": _decoding(greedy, REPEATS, [])}
+    rows["prefill"].num_computed_tokens = 5
+    drafts = _policy("ngram:4").draft(list(rows.values()), free_blocks=100)
+    assert drafts.seqs == [rows["greedy"], rows["seeded"]] and rows["greedy"].draft == [3, 4, 5, 6]
+    assert drafts.keep_on_host
+    assert all(not s.draft for name, s in rows.items() if name not in ("greedy", "seeded"))
+    # max_tokens 4 with 3 out: the next token is its last, no room for a draft (with the bonus token)
+    rows["short"].request = Request("r", REPEATS, SamplingParams(temperature=0, max_tokens=6))
+    assert _policy("ngram:4").draft([rows["short"]], 100).seqs and rows["short"].draft == [4, 5]
+
+
+def test_a_token_in_flight_is_never_drafted_after_but_keeps_the_step_on_the_host():
+    seq = _decoding(SamplingParams(temperature=0, max_tokens=50), REPEATS, [1, 2])
+    seq.inflight, seq.num_computed_tokens = 1, seq.num_computed_tokens + 1  # its newest token sampled, unread
+    drafts = _policy("ngram:4").draft([seq], 100)
+    assert drafts.seqs == [] and seq.draft == [] and drafts.keep_on_host
+
+
+def test_auto_stops_with_many_running_and_off_never_drafts():
+    seqs = [_decoding(SamplingParams(temperature=0, max_tokens=50), REPEATS, [1, 2]) for _ in range(5)]
+    assert _policy("auto").draft(seqs, 100).seqs == []  # 5 running, max_running 4
+    assert _policy("auto").draft(seqs[:1], 100).seqs == seqs[:1]
+    assert len(seqs[0].draft) == SpeculationPolicy._auto_k(DraftState().acceptance, 0.3) == 4  # the prior's k
+    seqs[0].draft = []
+    assert _policy("off").draft(seqs[:1], 100).seqs == []
+
+
+def test_drafts_never_take_the_blocks_running_sequences_need():
+    seqs = [_decoding(SamplingParams(temperature=0, max_tokens=50), REPEATS, [1, 2]) for _ in range(2)]
+    # 2 running: two blocks kept for their next tokens, one left: one draft of 4 tokens fits
+    drafts = _policy("ngram:4").draft(seqs, free_blocks=3)
+    assert len(drafts.seqs) == 1
+
+
+def test_steps_with_drafts_keep_to_few_row_counts():
+    from worker.engine.speculative.policy import BUCKET, excess_rows
+
+    assert [excess_rows(r, 16) for r in (1, BUCKET, BUCKET + 3, 3 * BUCKET, 3 * BUCKET + 5)] == [0, 0, 3, 0, 5]
+    assert excess_rows(3 * BUCKET + 5, 4) == 0  # too few draft tokens to reach the bucket: left as it is

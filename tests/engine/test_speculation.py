@@ -1,0 +1,201 @@
+"""Speculation (worker/engine/speculative/): drafts from a sequence's own tokens, verified in the step.
+Greedy outputs must be the engine's without drafts token for token, whatever else a request asks (stop
+strings, max_tokens inside a draft, n > 1, logprobs, min_tokens, logit_bias) and whatever happens to its
+blocks (preemption, the prefix cache, checkpoints restored elsewhere); and drafts must actually be
+accepted, or these tests would prove nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.engine.engine import Engine
+from worker.engine.request import Request, SamplingParams
+from worker.engine.speculative.proposer import NgramIndex
+from worker.metrics import WorkerMetrics
+
+
+def _copying_prompts(text_ids: list[int], n: int) -> list[list[int]]:
+    """Prompts that repeat a passage and begin it once more: a model goes on copying, drafts are accepted."""
+    return [text_ids[50 * i:50 * i + 40] * 2 + text_ids[50 * i:50 * i + 3 + i % 5] for i in range(n)]
+
+
+def _params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=(7, 24, 30, 13)[i % 4], temperature=0.0,
+                           stop=(" the",) if i % 5 == 2 else (), logprobs=2 if i % 3 == 1 else None,
+                           n=2 if i % 7 == 3 else 1, min_tokens=4 if i % 4 == 3 else 0,
+                           logit_bias=((13, 1.5),) if i % 6 == 5 else ()) for i in range(n)]
+
+
+def _texts(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason,
+              [(lp["token_id"], pytest.approx(lp["logprob"], rel=1e-3, abs=1e-4), [t for t, _ in lp["top"]])
+               for lp in c.logprobs or ()]) for c in o.completions] for o in outputs]
+
+
+def _spoke(engine: Engine) -> None:
+    """Speculation ran, and some drafts were accepted and some refused."""
+    s = engine.stats
+    assert s.draft_tokens > 0 and s.accepted_tokens > 0, "no draft was accepted: the test lost its point"
+    assert s.accepted_tokens <= s.draft_tokens and 0 < s.acceptance_rate <= 1
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """The tiny random model never repeats itself, so prompt lookup finds nothing to draft: its tests draft
+    from the outputs of a run without drafts instead, every third position's second draft token wrong, so
+    that drafts are accepted whole, in part and not at all. ``teach(prompts, outputs)`` gives the answers."""
+    answers: dict[tuple[int, ...], list[int]] = {}
+
+    def propose(self, tokens, k):
+        for prompt, output in answers.items():
+            if tuple(tokens[:len(prompt)]) == prompt and tokens[len(prompt):] == output[:len(tokens) - len(prompt)]:
+                draft = output[len(tokens) - len(prompt):][:k]
+                if len(tokens) % 3 == 0 and len(draft) > 1:
+                    draft[1] += 1
+                return draft
+        return []
+
+    monkeypatch.setattr(NgramIndex, "propose", propose)
+
+    def teach(prompts, outputs):
+        for prompt, out in zip(prompts, outputs):
+            answers[tuple(prompt)] = out.completions[0].token_ids + [0] * 8  # drafts past the end: refused
+    return teach
+
+
+def test_default_model_greedy_outputs_are_the_same_with_drafts(smol_loaded, text_ids):
+    prompts, params = _copying_prompts(text_ids, 8), _params(8)
+    off = Engine(loaded=smol_loaded, speculation="off", kv_memory="64MiB")
+    on = Engine(loaded=smol_loaded, speculation="ngram:4", kv_memory="64MiB")
+    expected = _texts(off.generate(prompts, params))
+    assert _texts(on.generate(prompts, params)) == expected
+    _spoke(on)
+    assert off.stats.draft_tokens == 0
+    assert on.stats.steps < off.stats.steps  # several tokens a step
+    assert on.stats.output_tokens == off.stats.output_tokens
+
+
+@pytest.mark.parametrize(("kv_memory", "mode"), [("64MiB", "recompute"), ("96KiB", "recompute"), ("96KiB", "swap")])
+def test_preemption_and_the_prefix_cache_keep_the_outputs(tiny_loaded, text_ids, kv_memory, mode, oracle):
+    """The small cache preempts, by recompute or by swap (which copies exactly the blocks a sequence holds:
+    none may be left over from a refused draft)."""
+    prompts = _copying_prompts(text_ids, 12)
+    params = [SamplingParams(max_tokens=20 + i % 9, temperature=0.0 if i % 4 else 0.8, seed=i, ignore_eos=True,
+                             repetition_penalty=1.2 if i % 5 == 4 else 1.0) for i in range(12)]
+    off = Engine(loaded=tiny_loaded, speculation="off", kv_memory=kv_memory, max_num_batched_tokens=64,
+                 max_num_seqs=8, block_size=8)
+    on = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory=kv_memory, max_num_batched_tokens=64,
+                max_num_seqs=8, block_size=8, preemption_mode=mode)
+    reference = off.generate(prompts, params)
+    oracle(prompts, reference)
+    expected = _texts(reference)
+    assert _texts(on.generate(prompts, params)) == expected
+    _spoke(on)
+    if kv_memory == "96KiB":
+        assert on.stats.preemptions > 0, "the small cache never preempted: the test lost its point"
+    # every block the prefix cache names holds what its name says: a second run finds hits, same outputs
+    cached = on.stats.prompt_tokens_cached
+    assert _texts(on.generate(prompts, params)) == expected
+    if mode == "recompute":  # swapping, the small cache's free list turns over before the second run
+        assert on.stats.prompt_tokens_cached > cached
+    assert on.block_manager.num_free_blocks == on.block_manager.num_blocks  # nothing left held
+
+
+def test_overlapped_steps_with_drafts_give_the_serial_engines_outputs(tiny_loaded, text_ids, oracle):
+    prompts, params = _copying_prompts(text_ids, 6), _params(6)
+    off = Engine(loaded=tiny_loaded, speculation="off", async_scheduling="off", kv_memory="64MiB")
+    on = Engine(loaded=tiny_loaded, speculation="auto", async_scheduling="on", kv_memory="64MiB")
+    reference = off.generate(prompts, params)
+    oracle(prompts, reference)
+    assert _texts(on.generate(prompts, params)) == _texts(reference)
+    _spoke(on)
+
+
+def test_a_checkpoint_holds_only_accepted_tokens_and_restores_elsewhere(tiny_loaded, text_ids, oracle):
+    """Between steps, a request's state and named blocks hold accepted tokens only: restored in another
+    engine (its named blocks loaded), it finishes with the text of an undisturbed run."""
+    prompt = _copying_prompts(text_ids, 1)[0]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    alone = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB", block_size=8).generate([prompt], params)
+    whole = alone[0].completions[0].token_ids
+    oracle([prompt], alone)
+    engine = Engine(loaded=tiny_loaded, speculation="ngram:6", kv_memory="64MiB", block_size=8)
+    engine.add_request(Request("r", prompt, params))
+    for _ in range(6):
+        engine.step()
+    _spoke(engine)
+    seq = engine.requests["r"].sequences[0]
+    assert seq.draft == [] and seq.num_computed_tokens == seq.num_tokens - 1
+    assert len(seq.block_table) == -(-seq.num_computed_tokens // 8)  # no block of a refused draft kept
+    state = engine.request_state("r")
+    (sample,) = state.samples
+    out = sample.output_token_ids
+    assert 6 < len(out) < 48 and out == whole[:len(out)]
+    assert len(sample.block_hashes) == (len(prompt) + len(out) - 1) // 8
+    data = engine.read_kv_blocks(sample.block_ids)
+    other = Engine(loaded=tiny_loaded, speculation="ngram:6", kv_memory="64MiB", block_size=8)
+    assert other.load_kv_blocks(sample.block_hashes, data) == len(sample.block_hashes)
+    other.add_request(Request("r", prompt, params, resume_output_ids=[out]))
+    done = []
+    while other.has_unfinished():
+        done += other.step()
+    assert done[0].completions[0].token_ids == whole
+    assert other.stats.prompt_tokens_cached == 8 * len(sample.block_hashes)
+
+
+def test_auto_speculates_for_a_few_sequences_and_not_for_many(tiny_loaded, text_ids, oracle):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _copying_prompts(text_ids, 12)
+    oracle(prompts, Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params))
+    few = Engine(loaded=tiny_loaded, speculation="auto", speculation_max_running=4, kv_memory="64MiB")
+    many = Engine(loaded=tiny_loaded, speculation="auto", speculation_max_running=4, kv_memory="64MiB")
+    few.generate(prompts[:2], params)
+    _spoke(few)
+    metrics = WorkerMetrics()
+    metrics.observe_step(few, 0.1)
+    read = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
+    assert read("berth_draft_tokens_total") == few.stats.draft_tokens
+    assert read("berth_accepted_draft_tokens_total") == few.stats.accepted_tokens
+    many.generate(prompts, params)  # 12 running, all to the end together: none drafts
+    assert many.stats.draft_tokens == 0
+
+
+def test_steps_with_drafts_keep_to_bucketed_row_counts(tiny_loaded, text_ids, oracle):
+    """A step's rows are at most 8 or a multiple of 8 once drafts are in it (unless its drafts are too few to
+    drop to one): on the CPU each new row count costs every linear layer a new oneDNN primitive."""
+    prompts = _copying_prompts(text_ids, 11)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    oracle(prompts, Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params))
+    engine = Engine(loaded=tiny_loaded, speculation="ngram:6", kv_memory="64MiB")
+    rows, execute = [], engine.runner.execute
+
+    def counted(step):
+        rows.append((len(step.input_ids), sum(bool(s.draft) for s in engine.scheduler.running)))
+        return execute(step)
+
+    engine.runner.execute = counted
+    assert _texts(engine.generate(prompts, params)) == _texts(
+        Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params))
+    _spoke(engine)
+    with_drafts = [n for n, drafting in rows if drafting]
+    assert with_drafts and all(n <= 8 or n % 8 == 0 for n in with_drafts), with_drafts
+
+
+def test_seeded_samples_are_the_same_tokens_with_drafts(tiny_loaded, text_ids, oracle):
+    """A seeded row is drawn at each verified position with that position's number (the sampler's), so a
+    draft token is kept exactly when the draw without drafts would have chosen it: for a draft of one token a
+    position that is rejection sampling (kept with probability p(x), the bonus token from the rest of p), and
+    the text stays a function of the seed whatever shares the batch."""
+    prompts = _copying_prompts(text_ids, 10)
+    params = [SamplingParams(max_tokens=24, temperature=(0.6, 1.0, 1.3)[i % 3], seed=100 + i, top_k=(0, 40)[i % 2],
+                             top_p=(1.0, 0.9)[i % 2 if i % 4 else 0], min_p=0.02 if i % 5 == 1 else 0.0,
+                             logprobs=1 if i % 3 == 2 else None, n=2 if i == 4 else 1) for i in range(10)]
+    off = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB")
+    reference = off.generate(prompts, params)
+    oracle(prompts, reference)
+    on = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+    assert _texts(on.generate(prompts, params)) == _texts(reference)
+    _spoke(on)
+    # and alone: a request's text does not depend on what ran beside it
+    alone = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+    assert _texts(alone.generate(prompts[1:2], params[1:2])) == _texts(reference[1:2])

@@ -1,0 +1,153 @@
+"""When to speculate and how far, decided each step (``Settings.speculation``): "off", "ngram:K" (every
+sequence that may draft K tokens each step, for tests and measurement) or "auto".
+
+Auto speculates where a step is memory-bound and drafts are accepted. A decode step streams every weight
+for a handful of tokens when few sequences run (a job's tail), and scoring a few more tokens per sequence
+costs little more; with many running the step is compute-bound and every draft token costs as much as a
+decoded one (vLLM #17984, #27379: n-gram slower at batch 32). So a draft token must pay: with a
+sequence's measured acceptance ``p`` (per draft token, given the ones before it were accepted), its
+j-th draft token is kept with probability ``p ** j``, and the policy drafts while that is at least a
+bar that rises with the running sequences, from ``BAR_ONE`` with one running to 1 at
+``max_running``: k = floor(log bar / log p), at most ``MAX_K``. k shrinks step by step as the batch grows
+and acceptance falls, so there is no cliff where speculation turns off (vLLM #49548).
+
+Acceptance is counted per sequence, decayed each time it is verified (``DECAY``), from an optimistic
+prior; a sequence whose drafts fail stops drafting, and its estimate creeps back up while it does not
+(``RECOVERY`` a step), so it tries again now and then.
+
+Which sequences may draft at all: those without a grammar or a penalty (a grammar's matcher and a
+penalty's counts would have to take the draft and roll back), decoding with their last token on the host
+(``Sequence.inflight`` 0: the proposer reads it), of a model without longrope's switch of factors. Drafts
+never exceed ``max_tokens`` or the model's length (with the bonus token), and never ask for KV blocks the
+running sequences' next tokens may need. Seeded rows draft too: the verifier draws each position as the
+engine would without drafts (``worker.engine.speculative.verifier``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from worker.engine.request import SeqStatus, Sequence
+from worker.engine.speculative.proposer import NgramIndex
+
+MAX_K = 8  # auto's longest draft
+BAR_ONE = 0.3  # the acceptance a draft token needs with one sequence running
+DECAY = 0.8  # of the acceptance counts, at each verification
+PRIOR = (3.0, 4.0)  # accepted, tried: an optimistic start (p = 0.75)
+RECOVERY = 0.02  # accepted and tried added each step a sequence does not draft for its estimate
+MIN_N, MAX_N = 1, 3  # the n-grams looked up, longest first
+BUCKET = 8  # a step with drafts has at most this many rows, or a multiple of it (``excess_rows``)
+
+
+def parse(spec: str) -> tuple[str, int]:
+    """"off" -> ("off", 0); "auto" -> ("auto", MAX_K); "ngram:K" -> ("ngram", K); ValueError else."""
+    if spec in ("off", "auto"):
+        return spec, (MAX_K if spec == "auto" else 0)
+    m = re.fullmatch(r"ngram:(\d+)", spec)
+    if m is None or not 1 <= int(m.group(1)) <= 32:
+        raise ValueError(f"speculation {spec!r}: give auto, off or ngram:K with K from 1 to 32")
+    return "ngram", int(m.group(1))
+
+
+def excess_rows(rows: int, draft_tokens: int) -> int:
+    """The draft tokens to drop from a step of ``rows`` rows so that it has at most ``BUCKET`` rows or a multiple
+    of it (0 where its drafts cannot make up the difference). Drafts make each step's row count another;
+    on the CPU a row count a linear layer has not seen costs oneDNN a new primitive for each weight
+    shape, several times the step's own time, so steps with drafts keep to few counts."""
+    over = rows % BUCKET if rows > BUCKET else 0
+    return over if over <= draft_tokens else 0
+
+
+@dataclass
+class DraftState:
+    """A sequence's proposer and its acceptance so far (``Sequence.spec``)."""
+
+    index: NgramIndex = field(default_factory=lambda: NgramIndex(MIN_N, MAX_N))
+    accepted: float = PRIOR[0]
+    tried: float = PRIOR[1]
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verification: ``accepted`` of ``drafted`` tokens kept (a rejection is one more try)."""
+        self.accepted = self.accepted * DECAY + accepted
+        self.tried = self.tried * DECAY + accepted + (accepted < drafted)
+
+
+@dataclass
+class Drafts:
+    """One step's decision: the sequences given drafts (``Sequence.draft`` set), and whether the step's
+    tokens must be read on the host before the next is launched (a sequence that would draft has its
+    token in flight: overlapped steps wait for it, ``LaunchedStep.may_defer``)."""
+
+    seqs: list[Sequence]
+    keep_on_host: bool = False
+
+
+class SpeculationPolicy:
+    def __init__(self, spec: str, max_running: int, max_model_len: int, block_size: int,
+                 max_num_batched_tokens: int, rope_fixed: bool = True):
+        self.mode, self.k = parse(spec)
+        self.max_running = max_running
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enabled = self.mode != "off" and rope_fixed  # longrope: a switch of factors recomputes everything
+
+    def draft(self, running: list[Sequence], free_blocks: int) -> Drafts:
+        """Give this step's drafts to the running sequences that should speculate."""
+        if not self.enabled or not running or (self.mode == "auto" and len(running) > self.max_running):
+            return Drafts([])
+        bar = BAR_ONE + (1 - BAR_ONE) * (len(running) - 1) / self.max_running
+        blocks_left = free_blocks - len(running)  # each running sequence's next token may need a block
+        tokens_left = self.max_num_batched_tokens - len(running)
+        bs = self.block_size
+        drafted, keep_on_host = [], False
+        for seq in running:
+            if not self._may_draft(seq):
+                continue
+            state = seq.spec = seq.spec or DraftState()
+            k = self.k if self.mode == "ngram" else self._auto_k(state.acceptance, bar)
+            if k == 0:
+                state.accepted += RECOVERY
+                state.tried += RECOVERY
+                continue
+            # never past max_tokens or the model's length with the bonus token, never over the step's room
+            k = min(k, seq.request.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1, tokens_left)
+            if k < 1:
+                continue
+            draft = state.index.propose(seq.token_ids, k)
+            if not draft:
+                continue
+            if seq.inflight:  # its newest token is on the device: it drafts next step, read on the host
+                keep_on_host = True
+                continue
+            computed = seq.num_computed_tokens
+            need = -(-(computed + 1 + len(draft)) // bs) - -(-(computed + 1) // bs)
+            if need > blocks_left:
+                continue
+            blocks_left -= need
+            tokens_left -= len(draft)
+            seq.draft = draft
+            drafted.append(seq)
+        return Drafts(drafted, keep_on_host or bool(drafted))
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        p = seq.request.params
+        return (seq.status is SeqStatus.RUNNING and not seq.finishing and not p.penalized
+                and p.structured is None and p.embedding is None and seq.matcher is None
+                and seq.num_output_tokens >= 1 and seq.num_computed_tokens == seq.num_tokens - 1)
+
+    @staticmethod
+    def _auto_k(p: float, bar: float) -> int:
+        """The most draft tokens whose chance of being kept (p ** j for the j-th) reaches ``bar``."""
+        if bar >= 1 or p < bar:
+            return 0
+        if p >= 1:
+            return MAX_K
+        return min(MAX_K, int(math.log(bar) / math.log(p)))
