@@ -115,7 +115,7 @@ def test_a_tenant_at_its_live_limit_gets_429_while_another_is_served(held):
         a, b = key_for(settings, "alice"), key_for(settings, "bob")
         first, second = Caller(url, a, body()), Caller(url, a, body())
         wait_until(lambda: len(channel.ids()) == 2, "A's two requests running")
-        assert assert_rate_limited(post(url, a, body()), "BERTH_HTTP_TENANT_LIVE_REQUESTS", "2 chat") == 1
+        assert assert_rate_limited(post(url, a, body()), "BERTH_HTTP_TENANT_LIVE_REQUESTS", "2 interactive") == 1
         with pytest.raises(openai.RateLimitError):
             openai.OpenAI(base_url=url + "/v1", api_key=a, max_retries=0).completions.create(**body())
 
@@ -212,8 +212,8 @@ def test_a_tenants_own_limits_beat_the_defaults_and_default_again(held):
         a, b = key_for(settings, "alice"), key_for(settings, "bob")
         callers = [Caller(url, a, body()) for _ in range(3)] + [Caller(url, b, body()) for _ in range(2)]
         wait_until(lambda: len(channel.ids()) == 5, "alice's 3 and bob's 2 running")
-        assert_rate_limited(post(url, a, body()), "3 chat")
-        assert_rate_limited(post(url, b, body()), "2 chat", "BERTH_HTTP_TENANT_LIVE_REQUESTS")
+        assert_rate_limited(post(url, a, body()), "3 interactive")
+        assert_rate_limited(post(url, b, body()), "2 interactive", "BERTH_HTTP_TENANT_LIVE_REQUESTS")
 
         set_interactive_limits(db, "alice", live_requests=0)
         assert post(url, a, body())[0] == 429  # still the cached 3
@@ -223,7 +223,7 @@ def test_a_tenants_own_limits_beat_the_defaults_and_default_again(held):
 
         set_interactive_limits(db, "alice", live_requests=None)
         clock.advance(6)
-        assert_rate_limited(post(url, a, body()), "6 chat", "BERTH_HTTP_TENANT_LIVE_REQUESTS")
+        assert_rate_limited(post(url, a, body()), "6 interactive", "BERTH_HTTP_TENANT_LIVE_REQUESTS")
         for request_id in channel.ids():
             channel.finish(request_id)
         assert all(c.result()[0] == 200 for c in callers)
