@@ -53,13 +53,22 @@ def submit(path: str | Path, settings: Settings | None = None, *, spec: JobSpec 
     """Accept a request file as a job. Its lines are checked and queued by the ingest task: in this
     process on the embedded default (or with ``eager=True``), else on a Celery worker."""
     from jobs.pipeline.celery_tasks import INGEST, make_app
-    from jobs.pipeline.submit import JobSpec, create_job
+    from jobs.pipeline.submit import JobSpec, create_job, withdraw_job
 
     settings = settings or Settings()
     db = open_database(settings.database_url)
-    job_id = create_job(db, JobFiles(settings.storage_url), path, settings.served_model_name(), spec or JobSpec(),
-                        settings)
-    make_app(settings, eager).tasks[INGEST].delay(job_id)
+    app = make_app(settings, eager)
+    if not app.conf.task_always_eager:  # a broker that does not answer: refused before anything is stored
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=0)
+    files = JobFiles(settings.storage_url)
+    job_id = create_job(db, files, path, settings.served_model_name(), spec or JobSpec(), settings)
+    try:
+        app.tasks[INGEST].delay(job_id)
+    except Exception:
+        if not app.conf.task_always_eager:  # its ingest not queued: no job (an eager ingest's failure is the job's)
+            withdraw_job(db, files, job_id)
+        raise
     return get_job(db, job_id)
 
 
@@ -68,9 +77,10 @@ def status(job_id: str, settings: Settings | None = None) -> JobView:
 
 
 def list_jobs(settings: Settings | None = None, tenant: str | None = None, status: str | None = None,
-              limit: int = 20) -> list[JobView]:
+              limit: int = 20, **filters) -> list[JobView]:
+    """The newest jobs; ``filters``: since, until, metadata (``jobs.records.status.list_jobs``)."""
     return query_jobs(open_database((settings or Settings()).database_url), tenant,
-                      JobStatus(status) if status else None, limit)
+                      JobStatus(status) if status else None, limit, **filters)
 
 
 def cancel(job_id: str, settings: Settings | None = None) -> JobView:
@@ -130,15 +140,18 @@ def _partial_results(job_id: str, output: Path, errors: Path | None, settings: S
 
 
 def run(path: str | Path, output: str | Path, settings: Settings | None = None, *, errors: str | Path | None = None,
-        spec: JobSpec | None = None, engine=None, on_progress: Callable[[JobView], None] | None = None
-        ) -> tuple[JobView, ResultFiles]:
+        spec: JobSpec | None = None, engine=None, on_progress: Callable[[JobView], None] | None = None,
+        job_id: str | None = None) -> tuple[JobView, ResultFiles | None]:
     """Submit, work and fetch the results in this process: ingest and finalize run in-process, an
-    engine worker consumes the queue until the job ends. Zero servers on the default settings."""
+    engine worker consumes the queue until the job ends. Zero servers on the default settings.
+    ``job_id``: go on with that job (``unfinished_run``) instead of submitting the file again. The
+    files are None when the worker was stopped (SIGINT, SIGTERM) before the job ended: the job stays
+    queued, for ``berth worker`` (or this call again) to finish."""
     from jobs.hosting.engine_worker import engine_worker
 
     settings = settings or Settings()
     worker = engine_worker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
-    job = submit(path, settings, spec=spec, eager=True)
+    job = status(job_id, settings) if job_id else submit(path, settings, spec=spec, eager=True)
     if not job.status.is_final:
 
         def job_over() -> bool:
@@ -149,7 +162,26 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
 
         worker.run(until=job_over)
     job = status(job.id, settings)
+    if not job.status.is_final:
+        return job, None
     return job, results(job.id, output, errors, settings)
+
+
+def unfinished_run(path: str | Path, settings: Settings | None = None, spec: JobSpec | None = None) -> JobView | None:
+    """The newest job an earlier ``run`` of this file left unfinished (stopped, or its process killed):
+    the same tenant, model, file name and number of lines, submitted by the CLI, not yet over."""
+    from jobs.pipeline.submit import JobSpec
+
+    settings, spec = settings or Settings(), spec or JobSpec()
+    path = Path(path)
+    with open(path, "rb") as f:
+        lines = sum(1 for line in f if line.strip())
+    for view in query_jobs(open_database(settings.database_url), spec.tenant, None, 20, input_name=path.name,
+                           cli_only=True):
+        if (view.status in (JobStatus.VALIDATING, JobStatus.IN_PROGRESS) and view.model == settings.served_model_name()
+                and view.total in (0, lines)):
+            return view
+    return None
 
 
 def usage(settings: Settings | None = None, tenant: str | None = None, since: float | None = None,

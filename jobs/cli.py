@@ -95,11 +95,16 @@ def prefault_heap(settings: Settings) -> None:
     heap_prefault.start(settings)
 
 
+_settings: Settings | None = None  # the command's, once read: the addresses ``user_errors`` names
+
+
 def settings_from(flags: dict) -> Settings:
     """Settings from the environment, overridden by the flags that were given."""
+    global _settings
     given = {k: v for k, v in flags.items() if v is not None and k in Settings.model_fields}
     try:
-        return Settings(**given)
+        _settings = Settings(**given)
+        return _settings
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         raise click.UsageError(f"bad setting: {problems}") from None
@@ -190,15 +195,21 @@ def job_options(command):
     return command
 
 
-def job_spec(flags: dict):
-    from jobs.pipeline.submit import JobSpec
-
-    metadata = {}
-    for item in flags.pop("metadata"):
+def _labels(items) -> dict[str, str]:
+    """``--metadata KEY=VALUE`` options as a dict."""
+    labels = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{item!r}: give KEY=VALUE", param_hint="--metadata")
-        metadata[key] = value
+        labels[key] = value
+    return labels
+
+
+def job_spec(flags: dict):
+    from jobs.pipeline.submit import JobSpec
+
+    metadata = _labels(flags.pop("metadata"))
     spec = JobSpec(flags.pop("tenant"), flags.pop("priority"), flags.pop("completion_window"), metadata)
     try:
         spec.check()
@@ -222,14 +233,39 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
 
 @contextmanager
-def user_errors():
-    """berth's own errors become one line for the user, not a traceback."""
+def user_errors(settings: Settings | None = None):
+    """berth's own errors, and a database or broker that does not answer, become one line for the user,
+    not a traceback."""
     try:
         yield
     except Exception as exc:
+        unreachable = _unreachable(exc, settings or _settings or Settings())
+        if unreachable is not None:
+            raise click.ClickException(unreachable) from None
         if not isinstance(exc, user_error_types()):
             raise
         raise click.ClickException(str(exc)) from None
+
+
+def _unreachable(exc: BaseException, settings: Settings) -> str | None:
+    """The line for an error of the database's driver or of the broker's connection; None for others.
+    Looked up among the modules already imported, as ``USER_ERRORS``."""
+    database = sys.modules.get("sqlalchemy.exc")
+    if database is not None and isinstance(exc, (database.OperationalError, database.InterfaceError)):
+        from sqlalchemy.engine import make_url
+
+        url = make_url(settings.database_url).render_as_string(hide_password=True)
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        return (f"the database at {url}: {reason}; check that it runs and takes connections there, or set "
+                "BERTH_DATABASE_URL (--database-url)")
+    broker = sys.modules.get("kombu.exceptions")
+    if broker is not None and isinstance(exc, broker.OperationalError):
+        from kombu import Connection
+
+        url = Connection(settings.broker_url).as_uri() if settings.broker_url else "(embedded)"
+        return (f"the broker at {url} does not answer ({exc}); check that RabbitMQ runs there, or set "
+                "BERTH_BROKER_URL (--broker-url; empty: the embedded queue)")
+    return None
 
 
 def _print_job(view, as_json: bool) -> None:
@@ -352,16 +388,22 @@ def _moment(text: str, flag: str) -> float:
 @main.command(name="list")
 @click.option("--tenant", help="only this tenant's jobs")
 @click.option("--status", "state", type=click.Choice([s.value for s in JobStatus]), help="only jobs in this state")
+@click.option("--since", help="created since this long ago (e.g. 90m, 24h, 7d) or this date (YYYY-MM-DD, UTC)")
+@click.option("--until", help="created before this date (YYYY-MM-DD, UTC) or this long ago")
+@click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="only jobs with this label (repeatable: all)")
 @click.option("--limit", type=int, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @service_options
-def list_command(tenant, state, limit, as_json, **flags):
+def list_command(tenant, state, since, until, metadata, limit, as_json, **flags):
     """The newest jobs."""
     from jobs import api
     from jobs.records.progress import job_table
 
+    start = _moment(since, "--since") if since else None
+    end = _moment(until, "--until") if until else None
+    labels = _labels(metadata)
     with user_errors():
-        views = api.list_jobs(settings_from(flags), tenant, state, limit)
+        views = api.list_jobs(settings_from(flags), tenant, state, limit, since=start, until=end, metadata=labels)
     if as_json:
         click.echo(json.dumps([v.to_dict() for v in views], indent=2))
     else:
@@ -561,11 +603,15 @@ def events(**flags):
 @click.option("--errors", type=click.Path(dir_okay=False), help="errors JSONL [default: OUTPUT.errors.jsonl]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--fail-on-line-errors", is_flag=True, help=f"exit {EXIT_LINES_FAILED} if any line failed (not only all)")
+@click.option("--new", "new_job", is_flag=True,
+              help="submit the file as a new job even when an earlier run of it was left unfinished")
 @job_options
 @service_options
 @engine_options
-def run(input_file, output, errors, quiet, fail_on_line_errors, **flags):
-    """Submit, run and fetch a job in this process (no servers on the default settings)."""
+def run(input_file, output, errors, quiet, fail_on_line_errors, new_job, **flags):
+    """Submit, run and fetch a job in this process (no servers on the default settings). Ctrl-C stops
+    it (up to drain_timeout to finish the running requests; again to stop at once) and leaves the
+    job queued; the same `berth run` goes on with it."""
     configure_logging(quiet)
     from jobs import api
     from jobs.records.progress import JobProgress
@@ -578,8 +624,24 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, **flags):
         check_output(Path(output))  # before the model loads
     except InputError as exc:
         raise click.ClickException(str(exc)) from None
-    with user_errors(), JobProgress(disabled=quiet) as progress:
-        view, files = api.run(input_file, output, settings, errors=errors, spec=spec, on_progress=progress.update)
+    with user_errors(settings):
+        earlier = None if new_job else api.unfinished_run(input_file, settings, spec)
+    if earlier is not None:
+        click.echo(f"going on with {earlier.id}, which an earlier run of {Path(input_file).name} left unfinished "
+                   f"({earlier.completed} of {earlier.total} lines done); --new submits the file again", err=True)
+    try:
+        with user_errors(settings), JobProgress(disabled=quiet) as progress:
+            view, files = api.run(input_file, output, settings, errors=errors, spec=spec, on_progress=progress.update,
+                                  job_id=earlier.id if earlier else None)
+    except KeyboardInterrupt:  # while the model loaded, before the worker took the signal
+        click.echo(f"stopped while starting; `berth run {input_file} -o {output}` again goes on with any job it "
+                   "submitted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if files is None:  # Ctrl-C or SIGTERM: the worker stopped, the job waits in the queue
+        click.echo(f"stopped: {view.id} left with {view.completed} of {view.total} lines done, its other lines queued; "
+                   f"`berth run {input_file} -o {output}` again goes on with it (or `berth worker`, then "
+                   f"`berth results {view.id} -o {output}`)", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     click.echo(f"{view.id} {view.status.value}: {view.completed} completed, {view.failed} failed of {view.total}; "
                f"{view.prompt_tokens} input tokens, "  # all an embeddings job has
                f"{view.completion_tokens} output tokens at {view.output_tokens_per_second:.1f} tok/s "

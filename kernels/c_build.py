@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from kernels.cpu_features import cpu_signature
@@ -45,6 +46,8 @@ def build(source: Path, folder: Path, flags: list[str] = (), without: str = "") 
     target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
+        log.info("building %s for this CPU: once, about 2-10 s, kept in %s for the runs after", source.name, folder)
+        started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / target.name
             cmd = [compiler, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(built),
@@ -55,4 +58,5 @@ def build(source: Path, folder: Path, flags: list[str] = (), without: str = "") 
                             result.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic: a concurrent build never leaves a torn file
+        log.info("built %s in %.1f s", source.name, time.monotonic() - started)
     return ctypes.CDLL(str(target))

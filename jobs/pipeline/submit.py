@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -139,6 +139,14 @@ def create_job_from(db: Database, files: JobFiles, source: BinaryIO, input_name:
                 raise DuplicateSubmit(existing) from None
         raise
     return job_id
+
+
+def withdraw_job(db: Database, files: JobFiles, job_id: str) -> None:
+    """Undo ``create_job`` when its ingest could not be queued (the broker did not answer): a refused
+    submission leaves no job, and no stored input, behind."""
+    with db.session() as s, s.begin():
+        s.execute(delete(Job).where(Job.id == job_id, Job.status == JobStatus.VALIDATING))
+    files.store.delete(keys.input_key(job_id))
 
 
 def submitted_job(db: Database, tenant: str, message_id: str) -> str | None:

@@ -201,9 +201,11 @@ def get_job(db: Database, job_id: str) -> JobView:
     return JobView.of_columns(row, row["tenant_name"])
 
 
-def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None = None,
-              limit: int = 20) -> list[JobView]:
-    """The newest jobs first."""
+def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None = None, limit: int = 20, *,
+              since: float | None = None, until: float | None = None, metadata: Mapping[str, str] | None = None,
+              input_name: str | None = None, cli_only: bool = False) -> list[JobView]:
+    """The newest jobs first; each filter narrows: created in [``since``, ``until``) (epoch seconds), every
+    ``metadata`` label equal, submitted from a file of that name (``cli_only``: by the CLI, not the API)."""
     where, params = [], {"limit": limit, "fresh": time.time() - FRESH}
     if tenant is not None:
         where.append("tenants.name = :tenant")
@@ -211,11 +213,33 @@ def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None 
     if status is not None:
         where.append("jobs.status = :status")
         params["status"] = JobStatus(status).value
+    if since is not None:
+        where.append("jobs.created_at >= :since")
+        params["since"] = since
+    if until is not None:
+        where.append("jobs.created_at < :until")
+        params["until"] = until
+    if input_name is not None:
+        where.append("jobs.input_name = :input_name")
+        params["input_name"] = input_name
+    if cli_only:
+        where.append("jobs.endpoint IS NULL")
+    for i, (key, value) in enumerate((metadata or {}).items()):
+        where.append(_metadata_equals(db, i))
+        params[f"mk{i}"] = key if db.engine.dialect.name == "postgresql" else '$."' + key.replace('"', '""') + '"'
+        params[f"mv{i}"] = value
     query = _SELECT + (" WHERE " + " AND ".join(where) if where else "") + \
         " ORDER BY jobs.created_at DESC LIMIT :limit"
     with db.engine.connect() as conn:
         rows = conn.execute(text(query), params).mappings().all()
     return [JobView.of_columns(row, row["tenant_name"]) for row in rows]
+
+
+def _metadata_equals(db: Database, i: int) -> str:
+    """The SQL that holds where the job's metadata label ``:mk<i>`` is ``:mv<i>`` (a JSON column)."""
+    if db.engine.dialect.name == "postgresql":
+        return f"(jobs.metadata ->> :mk{i}) = :mv{i}"
+    return f"json_extract(jobs.metadata, :mk{i}) = :mv{i}"
 
 
 # The states of a job that may hold enqueued tokens (jobs.records.budgets): a job that ended holds none.

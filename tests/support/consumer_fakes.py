@@ -199,6 +199,9 @@ class FakeBroker:
     def connect(self, max_retries=None):
         self.broken = False
 
+    def start(self):
+        self.connect()
+
     def maintain(self):
         return not self.broken
 

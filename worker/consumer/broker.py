@@ -131,6 +131,21 @@ class BrokerLink:
         self.broken = False
         self.metrics.broker_up.set(1)
 
+    def start(self) -> None:
+        """The first connection, without waiting: a broker that does not answer is said once, in a line
+        with its address, and marked broken, so that ``maintain`` tries again with the backoff while the
+        loop stays free to stop on SIGTERM."""
+        try:
+            self.connect(max_retries=0)
+        except self._errors() as exc:
+            self.broken = True
+            self.metrics.broker_up.set(0)
+            self.backoff.failed()
+            address = self.connection.as_uri() if self.connection is not None else self.settings.broker_url
+            log.warning("worker %s: the broker at %s does not answer (%s); trying again every %.0f-%.0f s until it "
+                        "does (check that RabbitMQ runs there, or BERTH_BROKER_URL)", self.name, address, exc,
+                        *RECONNECT)
+
     def maintain(self) -> bool:
         """While broken, one try to reconnect when due; True once connected."""
         if not self.broken:
@@ -142,7 +157,8 @@ class BrokerLink:
         try:
             self.connect(max_retries=0)
         except self._errors() as exc:
-            log.debug("worker %s: broker still unreachable: %s", self.name, exc)
+            log.info("worker %s: the broker still does not answer after %.0f s (%s)", self.name,
+                     time.monotonic() - self.backoff.down_since, exc)
             return False
         self.backoff.succeeded()
         self.metrics.broker_reconnects.inc()

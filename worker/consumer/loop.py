@@ -129,7 +129,7 @@ class EngineWorker:
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         previous_handlers = self._install_signal_handlers()
-        self.broker.connect()
+        self.broker.start()  # a broker that does not answer: tried again in the loop, which stops on SIGTERM
         self._follow_tenants()
         self.housekeeper.start()
         log.info("worker %s consuming %s.requests.%s.* (prefetch %d)%s: ready, %.1fs since the process started",
@@ -482,8 +482,9 @@ class EngineWorker:
 
     # ---- stopping
     def _begin_drain(self) -> float:
-        log.info("worker %s stopping: %d requests running, up to %.0fs to finish", self.name,
-                 len(self.inflight), self.settings.drain_timeout)
+        log.warning("worker %s stopping: %d requests running, up to %.0f s to finish them; Ctrl-C (SIGINT or "
+                    "SIGTERM) again to stop now, handing them back", self.name, len(self.inflight),
+                    self.settings.drain_timeout)
         self.broker.cancel()
         self.remote.hand_back()
         self.interactive.close("the server is stopping: try again on another")

@@ -5,11 +5,7 @@ act on before the model loads; exit statuses a script can trust."""
 from __future__ import annotations
 
 import json
-import os
-import pty
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +14,8 @@ from click.testing import CliRunner
 
 from jobs.cli import EXIT_INTERRUPTED, EXIT_LINES_FAILED, main
 from jobs.hosting.generate import GenerateInterrupted, generate_file, partial_path
+from tests.support.terminal import berth_in_a_terminal
 from worker.engine.engine import Engine
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def _requests(path: Path, n: int, max_tokens: int = 24) -> Path:
@@ -30,39 +25,6 @@ def _requests(path: Path, n: int, max_tokens: int = 24) -> Path:
                                 "body": {"model": "SmolLM2-135M-Instruct", "prompt": f"Item {i}: the number",
                                          "max_tokens": max_tokens + i % 7, "temperature": 0}}) + "\n")
     return path
-
-
-def _berth_in_a_terminal(args: list[str], interrupt_when, timeout: float = 240) -> tuple[int, str]:
-    """Run ``python -m jobs.cli ARGS`` on a pseudo-terminal; type Ctrl-C there once ``interrupt_when()``
-    is true (the terminal sends SIGINT to the process, as a user's key does). Its exit status and output."""
-    master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], stdin=slave, stdout=slave, stderr=slave,
-                            cwd=ROOT, start_new_session=True, env={**os.environ, "TERM": "dumb"})
-    os.close(slave)
-    os.set_blocking(master, False)
-    out, sent, deadline = b"", False, time.monotonic() + timeout
-
-    def read():
-        nonlocal out
-        try:
-            while chunk := os.read(master, 65536):
-                out += chunk
-        except (BlockingIOError, OSError):
-            pass
-
-    # the child leads its own session: make the pty its controlling terminal's foreground group's signal target
-    while proc.poll() is None and time.monotonic() < deadline:
-        read()
-        if not sent and interrupt_when():
-            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does with ^C: the foreground group
-            sent = True
-        time.sleep(0.05)
-    if proc.poll() is None:
-        proc.kill()
-        pytest.fail(f"berth {' '.join(args)} did not stop: {out.decode(errors='replace')[-2000:]}")
-    read()
-    os.close(master)
-    return proc.returncode, out.decode(errors="replace")
 
 
 def _lines(path: Path) -> list[str]:
@@ -88,18 +50,21 @@ def finished(tmp_path_factory, smol_loaded):
     return src, _answers(_lines(folder / "out.jsonl"))
 
 
-@pytest.mark.parametrize("moment", ["starting", "midway"])
+@pytest.mark.parametrize("moment", ["starting", "midway", "late"])
 def test_ctrl_c_keeps_what_was_done_and_resume_finishes_the_same_file(tmp_path, finished, moment):
+    """Ctrl-C in the first second (torch's import), after 3 of 24 lines, and with 4 lines to go."""
     src, whole = finished
     out = tmp_path / "out.jsonl"
     partial = partial_path(out)
     started = time.monotonic()
-    when = {"starting": lambda: time.monotonic() - started > 0.3,  # importing torch, before any line ran
-            "midway": lambda: partial.exists() and len(_lines(partial)) >= 3}[moment]
+    done = {"starting": 0, "midway": 3, "late": len(whole) - 4}[moment]
+    when = {"starting": lambda _: time.monotonic() - started > 0.3,  # importing torch, before any line ran
+            "midway": lambda _: partial.exists() and len(_lines(partial)) >= done,
+            "late": lambda _: partial.exists() and len(_lines(partial)) >= done}[moment]
     args = ["generate", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "4"]
-    code, text = _berth_in_a_terminal(args, when)
+    code, text = berth_in_a_terminal(args, [when])
     assert not out.exists() and " completed" not in text, text[-2000:]  # stopped, not swallowed
-    if moment == "midway" or code == EXIT_INTERRUPTED:
+    if moment != "starting" or code == EXIT_INTERRUPTED:
         assert code == EXIT_INTERRUPTED and "Traceback" not in text, text[-2000:]
         last = text.strip().splitlines()[-1]
         assert last.startswith("stopped") and "--resume" in last, last
@@ -107,9 +72,8 @@ def test_ctrl_c_keeps_what_was_done_and_resume_finishes_the_same_file(tmp_path, 
         assert code in (1, -signal.SIGINT), text[-2000:]
     kept = _answers(_lines(partial)) if partial.exists() else []
     assert set(kept) <= set(whole)  # every finished line kept whole, none made up
-    if moment == "midway":
-        assert len(kept) >= 3
-    code, text = _berth_in_a_terminal(args + ["--resume", "--quiet"], lambda: False)
+    assert len(kept) >= done
+    code, text = berth_in_a_terminal(args + ["--resume", "--quiet"])
     assert code == 0, text[-2000:]
     assert _answers(_lines(out)) == whole and not partial.exists()
     assert f"({len(kept)} kept from the run before)" in text or not kept
