@@ -22,9 +22,11 @@ from fastapi import APIRouter, Form, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from jobs.http.job_chart import ProgressChart, progress_chart
 from jobs.records import workers
 from jobs.records.db import Database
 from jobs.records.job_files import JobFiles
+from jobs.records.job_timeline import progress_over_time
 from jobs.records.lifecycle import JobNotFound
 from jobs.records.models import now
 from jobs.records.progress import duration
@@ -45,6 +47,16 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
            "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
 _templates.filters["utc"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def job_progress_chart(db: Database, view: JobView) -> ProgressChart | None:
+    """Requests done over time since the job started; None before it started."""
+    if view.in_progress_at is None:
+        return None
+    end = next((t for t in (view.finalizing_at, view.completed_at, view.failed_at, view.cancelled_at,
+                            view.expired_at) if t), now())
+    return progress_chart(progress_over_time(db, view.id, view.in_progress_at, end), view.total,
+                          end - view.in_progress_at)
 
 
 def job_summary(v: JobView) -> dict:
@@ -169,6 +181,7 @@ def dashboard_router(db: Database, files: JobFiles, tenant_of_key: Callable[[str
         def render(tenant):
             view = viewed_job(job_id, tenant)
             return _templates.get_template("job.html").render(job=job_summary(view), view=view.to_dict(),
+                                                              chart=job_progress_chart(db, view),
                                                               errors=job_errors(files, view),
                                                               files_gone=files_gone(view), actions=actions is not None,
                                                               signed_in=signed_in(request), error=error)

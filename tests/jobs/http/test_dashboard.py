@@ -1,7 +1,8 @@
 """The dashboard in a real browser (Debian's headless Chromium through Selenium): while a job runs,
 its progress bar advances between two reads for its tenant, who sees no fleet, and the worker's
 charts have points for the operator (``--open``, no key). The test saves a screenshot
-(``dashboard.png``) of what the operator sees."""
+(``dashboard.png``) of what the operator sees. The ETA on the page is what ``berth status`` says at
+that moment, and the job's page charts its requests done over time (``job-page.png``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 import worker.consumer.loop as consumer
+from jobs import api
 from tests.support.browser import chromium, until
 from tests.support.jobs_env import TINY_NAME
 from tests.support.serving import client, embedded_settings, key_for, serving, upload, wait_for
@@ -50,6 +52,9 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_operator_the_workers_
         first = until("the first finished requests", progress)
         second = until("the bar moving on", lambda: (p := progress()) > first and p)
         assert first < second < 60
+        shown = browser.find_element(By.CSS_SELECTOR, f"#job-{batch.id} .eta").text
+        said = api.status(batch.id, settings).eta_seconds  # what `berth status` says at the same moment
+        assert said is not None and abs(_seconds(shown) - said) <= max(5.0, 0.25 * said), (shown, said)
         assert browser.find_elements(By.ID, "workers") == [] and browser.find_elements(By.ID, "charts") == []
         browser.find_element(By.CSS_SELECTOR, "header button[type=submit]").click()  # Sign out
         until("the sign-in page", lambda: browser.current_url.endswith("/dashboard/login"))
@@ -69,5 +74,17 @@ def test_the_dashboard_shows_a_running_job_advance_and_the_operator_the_workers_
 
         browser.get(f"{server.url}/dashboard/jobs/{batch.id}")
         assert batch.id in browser.find_element(By.TAG_NAME, "h1").text
+        chart = browser.find_element(By.CSS_SELECTOR, "svg.progress")  # requests done over time, with axes
+        assert int(chart.get_attribute("data-points")) >= 2, chart.get_attribute("outerHTML")
+        labels = [t.text for t in chart.find_elements(By.CSS_SELECTOR, "text.tick")]
+        assert labels[:3] == ["0", "30", "60"] and labels[3].startswith("0 "), labels
+        assert _seconds(browser.find_element(By.CSS_SELECTOR, "td.eta").text) > 0
+        browser.save_screenshot(str(tmp_path.parent / "job-page.png"))
         c.batches.cancel(batch.id)
         wait_for(c, batch.id)
+
+
+def _seconds(shown: str) -> float:
+    """The dashboard's duration ("3m07s", "1h02m") in seconds."""
+    big, small = shown.replace("h", "m").rstrip("ms").split("m")
+    return int(big) * (3600 if "h" in shown else 60) + int(small) * (60 if "h" in shown else 1)
