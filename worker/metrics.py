@@ -123,6 +123,9 @@ class WorkerMetrics:
                                             registry=r)
         self.prefill_tokens = Counter("berth_prefill_tokens",
                                       "Prompt tokens computed (prefix-cache hits excluded)", registry=r)
+        self.recomputed_tokens = Counter("berth_recomputed_tokens", "Generated tokens computed again, after a "
+                                         "preemption or a restore without their KV: work done twice (of "
+                                         "berth_computed_tokens{kind=\"output\"})", registry=r)
         self.output_rate = Gauge("berth_output_tokens_per_second",
                                  f"Output tokens/s over the last {RATE_WINDOW:.0f}s", registry=r)
         self.prefill_rate = Gauge("berth_prefill_tokens_per_second",
@@ -205,7 +208,8 @@ class WorkerMetrics:
         self.enqueued_token_limit = Gauge("berth_tenant_enqueued_token_limit", "A tenant's enqueued tokens per model "
                                           "at most (0: no limit); a batch past it fails with token_limit_exceeded",
                                           ["tenant"], registry=r)
-        self._last = (0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted, accepted
+        self._last = (0, 0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted, accepted,
+        # recomputed
         self._last_computed: dict[tuple[str, str], int] = {}
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
@@ -217,12 +221,14 @@ class WorkerMetrics:
     def observe_step(self, engine, seconds: float) -> None:
         """After each engine step: token counters and rates, occupancy, KV blocks."""
         st = engine.stats
-        totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions, st.draft_tokens, st.accepted_tokens)
+        totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions, st.draft_tokens, st.accepted_tokens,
+                  st.recomputed_tokens)
         self.output_tokens.inc(totals[0] - self._last[0])
         self.prefill_tokens.inc(totals[1] - self._last[1])
         self.preemptions.inc(totals[2] - self._last[2])
         self.draft_tokens.inc(totals[3] - self._last[3])
         self.accepted_draft_tokens.inc(totals[4] - self._last[4])
+        self.recomputed_tokens.inc(totals[5] - self._last[5])
         self._last = totals
         for tenant, n in st.output_tokens_by_tenant.items():
             if n != self._last_by_tenant.get(tenant, 0):
