@@ -85,20 +85,25 @@ class InteractiveLimitMetrics:
     """``berth serve``'s interactive limits by tenant, read from ``usage()`` when the page is served: the
     tenant -> (requests running, tokens of the last 60 s) of this server process, and ``refusals()``, the
     (tenant, reason) -> 429s so far. Registered with the page's registry: the engine worker's in ``berth
-    serve``'s process, or a page of the server's own (``jobs.http.server``)."""
+    serve``'s process, or a page of the server's own (``jobs.http.server``). ``reasons``: those a request may
+    be refused for, each at 0 for a tenant holding anything until its first, so that ``rate()`` counts the
+    first 429 too (a counter that appears at 1 shows no increase)."""
 
-    def __init__(self, usage, refusals):
-        self._usage, self._refusals = usage, refusals
+    def __init__(self, usage, refusals, reasons: tuple[str, ...] = ()):
+        self._usage, self._refusals, self._reasons = usage, refusals, reasons
 
     def describe(self):
         return self._families()
 
     def collect(self):
         live, tokens, refused = self._families()
-        for tenant, (running, spent) in sorted(self._usage().items()):
+        usage = self._usage()
+        for tenant, (running, spent) in sorted(usage.items()):
             live.add_metric([tenant], running)
             tokens.add_metric([tenant], spent)
-        for (tenant, reason), n in sorted(self._refusals().items()):
+        counts = {(tenant, reason): 0 for tenant in usage for reason in self._reasons}
+        counts.update(self._refusals())
+        for (tenant, reason), n in sorted(counts.items()):
             refused.add_metric([tenant, reason], n)
         return [live, tokens, refused]
 
@@ -123,6 +128,9 @@ class WorkerMetrics:
                                             registry=r)
         self.prefill_tokens = Counter("berth_prefill_tokens",
                                       "Prompt tokens computed (prefix-cache hits excluded)", registry=r)
+        self.recomputed_tokens = Counter("berth_recomputed_tokens", "Generated tokens computed again, after a "
+                                         "preemption or a restore without their KV: work done twice (of "
+                                         "berth_computed_tokens{kind=\"output\"})", registry=r)
         self.output_rate = Gauge("berth_output_tokens_per_second",
                                  f"Output tokens/s over the last {RATE_WINDOW:.0f}s", registry=r)
         self.prefill_rate = Gauge("berth_prefill_tokens_per_second",
@@ -164,6 +172,8 @@ class WorkerMetrics:
                                 registry=r)
         self.restores = Counter("berth_checkpoint_restores", "Requests resumed from a checkpoint, by how their KV "
                                 "came back", ["kv"], registry=r)
+        for kv in ("loaded", "recomputed"):  # 0 until the first: a panel's rate of 0, not "no data"
+            self.restores.labels(kv)
         self.restored_tokens = Counter("berth_checkpoint_restored_tokens",
                                        "Generated tokens taken from checkpoints instead of generated again", registry=r)
         self.prefix_blocks = Counter("berth_prefix_store_blocks", "Prompt KV blocks shared through the store: "
@@ -205,7 +215,8 @@ class WorkerMetrics:
         self.enqueued_token_limit = Gauge("berth_tenant_enqueued_token_limit", "A tenant's enqueued tokens per model "
                                           "at most (0: no limit); a batch past it fails with token_limit_exceeded",
                                           ["tenant"], registry=r)
-        self._last = (0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted, accepted
+        self._last = (0, 0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted, accepted,
+        # recomputed
         self._last_computed: dict[tuple[str, str], int] = {}
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
@@ -217,12 +228,14 @@ class WorkerMetrics:
     def observe_step(self, engine, seconds: float) -> None:
         """After each engine step: token counters and rates, occupancy, KV blocks."""
         st = engine.stats
-        totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions, st.draft_tokens, st.accepted_tokens)
+        totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions, st.draft_tokens, st.accepted_tokens,
+                  st.recomputed_tokens)
         self.output_tokens.inc(totals[0] - self._last[0])
         self.prefill_tokens.inc(totals[1] - self._last[1])
         self.preemptions.inc(totals[2] - self._last[2])
         self.draft_tokens.inc(totals[3] - self._last[3])
         self.accepted_draft_tokens.inc(totals[4] - self._last[4])
+        self.recomputed_tokens.inc(totals[5] - self._last[5])
         self._last = totals
         for tenant, n in st.output_tokens_by_tenant.items():
             if n != self._last_by_tenant.get(tenant, 0):
@@ -258,8 +271,16 @@ class WorkerMetrics:
         (t0, out0), (t1, out1) = recent[0], recent[-1]
         return (out1 - out0) / max(t - t0, t1 - t0, 1e-9)
 
+    def follow_tenants(self, tenants) -> None:
+        """The tenants whose queues this worker consumes: their finished and failed counters are there at 0
+        from then on, so that ``rate()`` counts a tenant's first outcome here (a counter that appears at 1
+        shows no increase) and its failures read 0, not nothing."""
+        for tenant in tenants:
+            self.finished.labels(tenant)
+            self.failed.labels(tenant)
+
     def set_worker_deaths(self, by_host: dict[str, int]) -> None:
-        """The deaths of the last hour per host, as just read (hosts without any drop out)."""
+        """The deaths of the last hour per host, as just read (hosts not in ``by_host`` drop out)."""
         self.worker_deaths.clear()
         for host, n in by_host.items():
             self.worker_deaths.labels(host).set(n)

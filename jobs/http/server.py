@@ -28,6 +28,7 @@ from jobs.http.app import create_app
 from jobs.http.background import Tasks
 from jobs.http.interactive_channel import EmbeddedChannel
 from jobs.http.interactive_channel_broker import BrokerChannel
+from jobs.http.interactive_limits import LIVE_REQUESTS, TOKENS_PER_MINUTE
 from jobs.http.jobs_metrics import JobsMetrics
 from worker.config import Settings
 from worker.messaging.topology import is_embedded
@@ -60,7 +61,8 @@ class Server:
         self.app = create_app(settings, open_access=open_access, tasks=self.tasks, listen_host=host,
                               channel=self.channel)
         limiter = self.app.state.limiter
-        self.limit_metrics = InteractiveLimitMetrics(limiter.tenants, limiter.refusals)
+        self.limit_metrics = InteractiveLimitMetrics(limiter.tenants, limiter.refusals,
+                                                     (LIVE_REQUESTS, TOKENS_PER_MINUTE))
         self.jobs_metrics = JobsMetrics(settings.database_url)
         self._metrics_page = None
         self._engine = engine

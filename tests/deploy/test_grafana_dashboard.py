@@ -4,7 +4,6 @@ every query is PromQL Prometheus accepts, and the panels name the datasource Gra
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,38 +11,25 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.dashboard import grafana_variables, panels, queries, with_variables
 from tests.support.exported_metrics import exported_metric_names, metric_names_in
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 
 
-def _panels() -> list[dict]:
-    found, todo = [], list(json.loads((GRAFANA / "berth.json").read_text())["panels"])
-    while todo:
-        panel = todo.pop(0)
-        todo += panel.get("panels", [])
-        if panel["type"] != "row":
-            found.append(panel)
-    return found
-
-
-def _queries() -> list[tuple[str, str]]:
-    return [(p["title"], t["expr"]) for p in _panels() for t in p["targets"]]
-
-
 def test_every_panel_queries_only_metrics_berth_exports():
     exported = exported_metric_names()
-    for panel in _panels():
+    for panel in panels():
         assert panel["targets"], f"panel {panel['title']!r} has no query"
-    for title, expr in _queries():
+    for title, expr in queries():
         read = metric_names_in(expr)
         assert read, f"panel {title!r} reads no berth metric: {expr}"
         assert read <= exported, f"panel {title!r} reads metrics berth does not export: {sorted(read - exported)}"
 
 
 def test_the_dashboard_covers_what_an_operator_watches():
-    read = set().union(*(metric_names_in(expr) for _, expr in _queries()))
+    read = set().union(*(metric_names_in(expr) for _, expr in queries()))
     wanted = {
         "throughput, effective and computed": {"berth_output_tokens_total", "berth_computed_tokens_total"},
         "KV use": {"berth_kv_blocks_used", "berth_kv_blocks_free", "berth_preemptions_total"},
@@ -61,7 +47,7 @@ def test_the_dashboard_covers_what_an_operator_watches():
 def test_panels_use_the_provisioned_prometheus_datasource():
     [source] = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "berth.yml").read_text())["datasources"]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
-    for panel in _panels():
+    for panel in panels():
         for target in (panel, *panel["targets"]):
             assert target["datasource"] == {"type": "prometheus", "uid": source["uid"]}, panel["title"]
 
@@ -69,9 +55,9 @@ def test_panels_use_the_provisioned_prometheus_datasource():
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (Debian: apt-get install "
                     "prometheus; the README's test command installs it)")
 def test_every_panel_query_is_valid_promql(tmp_path):
-    """promtool parses each query as a recording rule's expression (Grafana's $__rate_interval as 5m)."""
-    rules = [{"record": f"berth_panel_{i}", "expr": expr.replace("$__rate_interval", "5m")}
-             for i, (_, expr) in enumerate(_queries())]
+    """promtool parses each query as a recording rule's expression (Grafana's variables as it fills them)."""
+    rules = [{"record": f"berth_panel_{i}", "expr": with_variables(expr, grafana_variables())}
+             for i, (_, expr) in enumerate(queries())]
     path = tmp_path / "panels.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
     checked = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)

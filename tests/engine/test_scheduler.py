@@ -139,6 +139,23 @@ def test_preemption_keeps_greedy_tokens_exact(tiny_loaded, hf_tiny, text_ids, mo
         assert results[i] == hf_greedy(hf_tiny, prompt, outs[i]), f"request {i} differs after preemption"
 
 
+def test_recomputed_tokens_are_measured_as_work_done_twice(tiny_loaded, text_ids):
+    """What a recompute preemption computes again of a sequence's generated tokens is on the metrics page
+    (the dashboard's recomputed share of output work), part of the output-kind tokens computed."""
+    from worker.metrics import WorkerMetrics
+
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # as above: a cache of 12 blocks for 6 requests of about 100 tokens
+    engine = Engine(loaded=tiny_loaded, kv_memory=12 * block_bytes, block_size=16, preemption_mode="recompute")
+    prompts = cut_prompts(text_ids, [40] * 6)
+    engine.generate(prompts, SamplingParams(max_tokens=60, min_tokens=60, temperature=0))
+    metrics = WorkerMetrics()
+    metrics.observe_step(engine, 0.0)
+    read = metrics.registry.get_sample_value
+    assert engine.stats.preemptions > 0, "the workload was meant to preempt"
+    recomputed = read("berth_recomputed_tokens_total")
+    assert recomputed == engine.stats.recomputed_tokens > 0
+    assert recomputed < read("berth_computed_tokens_total", {"class": "batch", "kind": "output"})
+
 def fake_run(sched: Scheduler, arrivals: dict[int, list[Request]], steps: int):
     """Drive ``sched`` with a fake model; returns per-step lists of (tenant, request id) that got a token."""
     history = []

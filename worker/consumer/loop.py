@@ -468,6 +468,7 @@ class EngineWorker:
             return
         for tenant, weight in tenants.items():
             self.engine.set_tenant_share(tenant, weight)
+        self.metrics.follow_tenants(tenants)
         held = {item.claim.tenant for item in self.inflight.values()}
         self.broker.follow(set(tenants) | held)
 
