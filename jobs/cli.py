@@ -248,7 +248,7 @@ def user_errors(settings: Settings | None = None):
 
 
 def _unreachable(exc: BaseException, settings: Settings) -> str | None:
-    """The line for an error of the database's driver or of the broker's connection; None for others.
+    """The line for an error of the database's driver, the job store or the broker's connection; None for others.
     Looked up among the modules already imported, as ``USER_ERRORS``."""
     database = sys.modules.get("sqlalchemy.exc")
     if database is not None and isinstance(exc, (database.OperationalError, database.InterfaceError)):
@@ -258,6 +258,10 @@ def _unreachable(exc: BaseException, settings: Settings) -> str | None:
         reason = str(exc.orig or exc).strip().splitlines()[0]
         return (f"the database at {url}: {reason}; check that it runs and takes connections there, or set "
                 "BERTH_DATABASE_URL (--database-url)")
+    store = sys.modules.get("storage.base")
+    if store is not None and isinstance(exc, store.StorageError):
+        return (f"the store {exc}; check BERTH_STORAGE_URL (--storage-url) and, for S3, its credentials "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for MinIO)")
     broker = sys.modules.get("kombu.exceptions")
     if broker is not None and isinstance(exc, broker.OperationalError):
         from kombu import Connection

@@ -75,3 +75,22 @@ def test_a_worker_whose_broker_is_down_says_so_retries_and_stops_on_sigterm(tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_store_that_does_not_answer_is_one_line_and_leaves_no_job(tmp_path, tiny_llama_dir, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "berth")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    database = ["--database-url", f"sqlite:///{tmp_path / 'berth.db'}"]
+    src = write_requests(tmp_path / "in.jsonl", 1)
+    result = CliRunner().invoke(main, ["submit", str(src), "--model", str(tiny_llama_dir), *database,
+                                       "--storage-url", "s3://bucket/jobs"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith("Error: the store s3://bucket/jobs/: ") and "Could not connect" in lines[0], lines
+    assert lines[0].endswith("check BERTH_STORAGE_URL (--storage-url) and, for S3, its credentials "
+                             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for MinIO)"), lines
+    listed = CliRunner().invoke(main, ["list", "--json", *database])
+    assert listed.exit_code == 0 and listed.output.strip() == "[]", listed.output
