@@ -37,6 +37,7 @@ LIVE_EXAMPLES = 30  # per route and mode, against the live engine
 LIVE_CONTEXT = 128  # the live engine's context: no request it runs is longer, whatever its max_tokens
 LIVE_MAX_TOKENS = 8  # explicit max_tokens and min_tokens over this are cut to it: the answers stay quick
 ROUTES = ("/v1/chat/completions", "/v1/completions")
+ANSWERED_NOW = (*ROUTES, "/v1/responses")  # the routes an engine answers at once (503 without one)
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
@@ -86,8 +87,9 @@ def _fuzz(operation, mode: GenerationMode, examples: int, headers: dict, check, 
 
 
 def _unserved(case, response) -> bool:
-    """The documented 503 of a chat or completions body that passed its checks, on an app without an engine."""
-    return (case.path in ROUTES and response.status_code == 503
+    """The documented 503 of a chat, completions or responses body that passed its checks, on an app
+    without an engine."""
+    return (case.path in ANSWERED_NOW and response.status_code == 503
             and response.json()["error"]["code"] == "engine_unavailable")
 
 
