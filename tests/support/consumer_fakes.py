@@ -301,6 +301,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def queued_to_start(self) -> list[str]:
+        return [rid for rid, r in self.requests.items() if not r.started and not r.isolated]
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)

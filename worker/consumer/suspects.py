@@ -165,6 +165,7 @@ class CrashSuspects:
         self.inflight = inflight
         self._deaths_seen: dict[int, None] = {}  # ids of the deaths logged, the latest last
         self._pause_at_start: list[int] | None = None  # the others, paused when a group's first step starts
+        self._marked: set[str] = set()  # requests said started in the database by ``on_start`` (ids)
         self._next_deaths = 0.0
 
     def wait(self, item: Held) -> None:
@@ -174,14 +175,33 @@ class CrashSuspects:
     def on_start(self, request_ids: list[str]) -> None:
         """Before the engine's step that first runs these: say so, so that a crash in it counts. Before
         the first step of a group of suspects, the others stop running in the same transaction: a death
-        is charged to the others until then, to the group from then on, never to nobody."""
-        ids = [int(r) for r in request_ids if r in self.inflight]
+        is charged to the others until then, to the group from then on, never to nobody.
+
+        One write says it for the requests queued in the scheduler too (not those waiting for a grammar,
+        nor while a group runs alone): they start in the next steps, which then need none. A transaction a step was most of the job
+        path's cost at a device's pace (benchmarks/HISTORY.md, "The job path at GPU speed"); the price
+        is that a death in those steps makes suspects of requests that had not run yet, which recover
+        more slowly (in groups), and none of which can take a strike for it."""
         pause, self._pause_at_start = self._pause_at_start, None
-        if ids and self.database.ready():
-            if pause:
-                self._ledger(self.ledger.paused, pause, ids)
-            else:
-                self._ledger(self.ledger.started, ids)
+        if pause:
+            ids = [int(r) for r in request_ids if r in self.inflight]
+            if ids and self.database.ready() and self._ledger(self.ledger.paused, pause, ids) is not DOWN:
+                self._marked.difference_update(str(r) for r in pause)
+                self._marked.update(str(r) for r in ids)
+            return
+        fresh = [r for r in request_ids if r in self.inflight and r not in self._marked]
+        if not fresh or not self.database.ready():
+            return
+        ahead = [] if self.state.group is not None else [
+            rid for rid in self.engine.queued_to_start()
+            if rid in self.inflight and rid not in self._marked and not self.inflight[rid].suspect]
+        if self._ledger(self.ledger.started, [int(r) for r in fresh + ahead]) is not DOWN:
+            self._marked.intersection_update(self.inflight)  # those gone since
+            self._marked.update(fresh + ahead)
+
+    def said_started(self) -> list[int]:
+        """The requests the database holds as running here: run by a step, or said ahead of their first."""
+        return [int(rid) for rid, item in self.inflight.items() if item.request.started or rid in self._marked]
 
     def start_next(self, stopping: bool, add: Callable[[Held, list[Pending]], None],
                    record: Callable[[list[Pending]], None]) -> None:
@@ -192,7 +212,7 @@ class CrashSuspects:
         self._end_group_if_over()
         if stopping or not s.due(self.engine.has_unfinished()) or not self.database.ready():
             return
-        others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
+        others = self.said_started()
         self._pause_at_start = others
         group = s.take_group()
         log.info("worker %s: running %d suspect(s) of size class %d alone (they were running when a worker died); "
@@ -236,8 +256,8 @@ class CrashSuspects:
             if s.leave([*cleared, *gone]):
                 self._pause_at_start = None  # a group that never ran (its members refused) paused nothing
                 others = [int(rid) for rid, item in self.inflight.items() if item.request.started]
-                if others:
-                    self._ledger(self.ledger.started, others)
+                if others and self._ledger(self.ledger.started, others) is not DOWN:
+                    self._marked.update(str(r) for r in others)
         self.metrics.suspects.set(s.held)
 
     # ---- deaths

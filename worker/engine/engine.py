@@ -242,6 +242,12 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running) + len(self.isolation.apart.running)
 
+    def queued_to_start(self) -> list[str]:
+        """Requests in the scheduler's queue that no step has run yet (not those waiting for a grammar,
+        nor suspects set apart): what the next steps start, as seats free."""
+        return list(dict.fromkeys(seq.request.request_id for seq in self.scheduler.waiting
+                                  if not seq.request.started and not seq.request.isolated))
+
     @property
     def num_waiting(self) -> int:
         """Sequences not running: never admitted, preempted, swapped out, or suspects of a failed step."""
