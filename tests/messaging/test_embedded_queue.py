@@ -105,3 +105,13 @@ def test_higher_priority_messages_are_delivered_first_read_in_the_index_order(tm
             "coalesce(json_extract(payload, '$.properties.priority'), 0) DESC, timestamp, id LIMIT 5")))
     assert [b["request_id"] for b, _ in got] == [*range(10, 20), *range(20, 25), *range(10)]
     assert EmbeddedChannel.PRIORITY_INDEX in plan and "TEMP B-TREE" not in plan, plan  # no sort of the queue
+
+
+def test_a_message_priority_is_the_jobs_urgency_then_its_priority():
+    from worker.messaging.topology import MAX_PRIORITY, message_priority
+
+    hour, day, week = 3600.0, 24 * 3600.0, 7 * 24 * 3600.0
+    assert message_priority(0, 15 * 60) == message_priority(0, hour) == 6
+    assert message_priority(9, day) == 3 < message_priority(0, 6 * hour) == 4 < message_priority(0, hour)
+    assert message_priority(9, week) == 1 < message_priority(0, day) == message_priority(0, None) == 2
+    assert all(0 <= message_priority(p, w) <= MAX_PRIORITY for p in range(10) for w in (60, hour, day, week))

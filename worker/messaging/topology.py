@@ -22,7 +22,18 @@ from sqlalchemy.engine import make_url
 
 from worker.config import ConfigError, Settings
 
-MAX_PRIORITY = 9  # job priorities 0..9 become message priorities 0..9
+MAX_PRIORITY = 9  # message priorities 0..9 (the queues' x-max-priority is 10: a redeclare must not change it)
+# A request message's priority: its job's urgency (the length of its completion window) first, then whether the
+# job's priority is high (5-9) or low (0-4): (window at most, urgency), the longest windows last. docs/queue.md.
+URGENCY = ((3600.0, 3), (6 * 3600.0, 2), (24 * 3600.0, 1))
+
+
+def message_priority(priority: int, window: float | None) -> int:
+    """The message priority of a request of a job of ``priority`` (0-9) and completion window ``window``
+    seconds (None: a 24-hour one): 2 x urgency + (priority >= 5), 0..7 of 0..MAX_PRIORITY."""
+    window = 24 * 3600.0 if window is None else window
+    urgency = next((u for most, u in URGENCY if window <= most), 0)
+    return min(2 * urgency + (priority >= 5), MAX_PRIORITY)
 DEAD_ROUTING_KEY = "dead"
 REASON_HEADER = "x-berth-reason"  # a dead letter's reason, on every message published to <prefix>.dead
 
