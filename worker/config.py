@@ -173,6 +173,11 @@ class Settings(BaseModel):
         "auto", "What a request preempted for room keeps: recompute, nothing (its KV is computed again when it "
         "resumes); swap, its KV copied to host memory; auto, swap on CUDA and recompute on the CPU.")
     aging_steps: int = setting(50, "A waiting request gains one priority level every this many steps.")
+    tail_first: bool = setting(
+        True, "A job's tail: once a job's waiting requests fit in the running batch's seats, its longest expected "
+        "requests start first (lengths from max_tokens and the job's finished requests of the same max_tokens), "
+        "so its last minutes run full batches; --no-tail-first starts them in queue order.", cli="engine",
+        flags=("--no-tail-first",))
     interactive_seats: float = setting(
         0.0, "The share of max_num_seqs held for interactive requests (berth serve's chat and completions): "
         "batch work never runs in more than the rest of the seats, so an interactive request finds one free "

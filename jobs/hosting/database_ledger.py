@@ -98,15 +98,16 @@ class JobsLedger:
             # the write first: it takes the rows' locks (SQLite: the database's) before they are read
             s.execute(update(RequestRow).where(ids).values(attempts=RequestRow.attempts + 1, delivered_at=now()))
             rows = s.execute(
-                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Tenant.cache_group, Result.id)
+                select(RequestRow, Job.status, Job.model, Job.priority, Tenant.name, Tenant.cache_group, Job.expires_at,
+                       Result.id)
                 .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
                 .outerjoin(Result, Result.request_id == RequestRow.id).where(ids)).all()
             dead = {_life(row): row.holder for row, *_, result_id in rows
                     if result_id is None and row.holder is not None and row.started}
             deaths = workers.found_dead(s, dead)
             claims = {row.id: _claim(row, status, model, priority, tenant, result_id is None and status in LIVE,
-                                     deaths.get(_life(row)), group)
-                      for row, status, model, priority, tenant, group, result_id in rows}
+                                     deaths.get(_life(row)), group, expires_at)
+                      for row, status, model, priority, tenant, group, expires_at, result_id in rows}
             s.execute(update(RequestRow).where(ids).values(holder=worker[:200], holder_life=self.life, started=False))
         self._keep({row.id: (row.url, row.params, row.tokens) for row, *_ in rows})
         return claims
@@ -251,7 +252,7 @@ def cache_salt_of(row: RequestRow, group: str | None) -> str | None:
 
 
 def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_open: bool,
-           death: Death | None, group: str | None = None) -> Claim:
+           death: Death | None, group: str | None = None, deadline: float | None = None) -> Claim:
     params, unreadable = None, None
     try:
         params = params_from_dict(dict(row.params))
@@ -261,4 +262,4 @@ def _claim(row: RequestRow, status, model: str, priority: int, tenant: str, is_o
                  row.attempts, crashed=row.holder is not None and row.started, progress=row.progress,
                  strikes=row.strikes, last_error=row.last_error, unreadable=unreadable, suspect=row.suspect,
                  death=death if row.holder is not None and row.started else None, checkpoint=row.checkpoint,
-                 cache_salt=cache_salt_of(row, group))
+                 cache_salt=cache_salt_of(row, group), deadline=deadline)

@@ -32,6 +32,17 @@ def _stamp(t: float | None) -> int | None:
     return None if t is None else int(t)
 
 
+def _metadata(view: JobView) -> dict | None:
+    """The job's metadata, and while it runs berth's expected finish and whether it is at risk of missing
+    its window (OpenAI's metadata is strings: a unix time and "true"/"false"; an extension, docs/http-api.md)."""
+    metadata = dict(view.metadata or {})
+    finish = view.expected_finish_at
+    if finish is not None:
+        metadata["berth_expected_finish"] = str(int(finish))
+        metadata["berth_at_risk"] = "true" if view.at_risk else "false"
+    return metadata or None
+
+
 def batch_object(view: JobView) -> dict:
     """The job as OpenAI's Batch object (its file ids made by ``jobs.http.files.attach_job_files``)."""
     errors = None
@@ -47,7 +58,7 @@ def batch_object(view: JobView) -> dict:
         "status": view.status.value, "output_file_id": view.output_file_id, "error_file_id": view.error_file_id,
         **stamps,
         "request_counts": {"total": view.total, "completed": view.completed, "failed": view.failed},
-        "metadata": view.metadata or None,
+        "metadata": _metadata(view),
         "usage": {"input_tokens": view.prompt_tokens, "input_tokens_details": {"cached_tokens": view.cached_tokens},
                   "output_tokens": view.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": view.prompt_tokens + view.completion_tokens},

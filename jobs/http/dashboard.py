@@ -63,7 +63,9 @@ def job_summary(v: JobView) -> dict:
     return {"id": v.id, "status": v.status.value, "tenant": v.tenant, "model": v.model, "total": v.total,
             "done": v.done, "completed": v.completed, "failed": v.failed, "prompt_tokens": v.prompt_tokens,
             "completion_tokens": v.tokens_made, "tokens_per_second": round(v.tokens_per_second, 1),
-            "eta": duration(v.eta_seconds), "created_at": int(v.created_at), "error": v.error}
+            "eta": duration(v.eta_seconds), "created_at": int(v.created_at), "error": v.error,
+            "expected_finish_at": None if v.expected_finish_at is None else int(v.expected_finish_at),
+            "expires_at": int(v.expires_at), "at_risk": v.at_risk}
 
 
 def dashboard_data(db: Database, tenant: str | None,

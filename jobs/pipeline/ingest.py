@@ -47,15 +47,16 @@ class JobTarget:
     model: str
     priority: int
     tenant: str
+    window: float | None = None  # seconds from the job's creation to the end of its completion window
 
     def message(self, row: RequestRow) -> RequestMessage:
-        return RequestMessage.from_row(row, self.model, self.priority, self.tenant)
+        return RequestMessage.from_row(row, self.model, self.priority, self.tenant, self.window)
 
 
 def job_target(db: Database, job_id: str) -> JobTarget:
     with db.session() as s:
         job, tenant = s.execute(select(Job, Tenant.name).join(Tenant).where(Job.id == job_id)).one()
-        return JobTarget(job.id, job.model, job.priority, tenant)
+        return JobTarget(job.id, job.model, job.priority, tenant, job.expires_at - job.created_at)
 
 
 def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> list[str]:

@@ -50,7 +50,7 @@ def reconcile(db: Database, settings: Settings, older_than: float = 60.0,
             if orphans:
                 lost = or_(lost, RequestRow.id.in_(orphans))
         rows = s.execute(
-            select(RequestRow, Job.model, Job.priority, Tenant.name)
+            select(RequestRow, Job.model, Job.priority, Tenant.name, Job.expires_at - Job.created_at)
             .join(Job, Job.id == RequestRow.job_id).join(Tenant, Tenant.id == Job.tenant_id)
             .outerjoin(Result, Result.request_id == RequestRow.id)
             .where(open_requests, lost)).all()
@@ -65,8 +65,8 @@ def reconcile(db: Database, settings: Settings, older_than: float = 60.0,
     republished = 0
     if rows:
         with Publisher(settings) as publisher:
-            republished = publish(db, publisher, [RequestMessage.from_row(r, model, priority, tenant)
-                                                  for r, model, priority, tenant in rows])
+            republished = publish(db, publisher, [RequestMessage.from_row(r, model, priority, tenant, window)
+                                                  for r, model, priority, tenant, window in rows])
     return Reconciled(republished, stuck, sorted(silent))
 
 

@@ -27,6 +27,10 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
 def describe(view: JobView) -> str:
     lines = [f"{view.id}  {view.status.value}  (tenant {view.tenant}, priority {view.priority}, model {view.model})",
              f"requests  {view.done}/{view.total} done: {view.completed} completed, {view.failed} failed",
@@ -34,8 +38,10 @@ def describe(view: JobView) -> str:
              + (f" (+{view.tokens_in_flight} running)" if view.tokens_in_flight else "")
              + (f" of ~{view.expected_tokens} expected" if view.expected_tokens and not view.status.is_final else "")
              + f"; {view.tokens_per_second:.1f} output tok/s, {view.requests_per_second:.2f} req/s",
-             f"time      running {duration(view.seconds_running)}, ETA {duration(view.eta_seconds)}, "
-             f"window {view.completion_window}"]
+             f"time      running {duration(view.seconds_running)}, ETA {duration(view.eta_seconds)}"
+             + (f", expected to finish {_clock(view.expected_finish_at)}" if view.expected_finish_at else "")
+             + f"; window {view.completion_window}, ends {_clock(view.expires_at)}"
+             + (" — AT RISK: expected to finish after its window ends" if view.at_risk else "")]
     if view.error:
         lines.append(f"error     {view.error}")
     if view.errors_key:

@@ -38,6 +38,7 @@ COLUMNS = {
     "error_code": "error_code", "enqueued_tokens": "enqueued_tokens", "output_budget": "output_budget",
     "finished_budget": "finished_budget",
 }
+AT_RISK_MARGIN = 0.05  # of its window: a job expected to finish later than this before it ends is at risk
 FRESH = 30.0  # seconds: a worker's progress counts while its heartbeat is this recent (workers.GONE_AFTER)
 _ORM_ATTRIBUTE = {"metadata": "metadata_"}  # where the model's attribute is not named as its column
 _SELECT = ("SELECT " + ", ".join(f"jobs.{c}" for c in COLUMNS.values()) + ", tenants.name AS tenant_name, "
@@ -167,6 +168,22 @@ class JobView:
             return None
         return (self.total - self.done) / rate
 
+    @property
+    def expected_finish_at(self) -> float | None:
+        """When it will have run all its requests at its measured rate (``eta_seconds`` from now); None
+        where there is no rate yet, or once over."""
+        eta = self.eta_seconds
+        return None if eta is None else time.time() + eta
+
+    @property
+    def at_risk(self) -> bool:
+        """Live, and expected to finish later than ``AT_RISK_MARGIN`` of its window before the window ends:
+        it will expire with requests undone unless it speeds up."""
+        finish = self.expected_finish_at
+        if finish is None or self.status not in (JobStatus.VALIDATING, JobStatus.IN_PROGRESS):
+            return False
+        return finish > self.expires_at - AT_RISK_MARGIN * max(self.expires_at - self.created_at, 0.0)
+
     def to_dict(self) -> dict:
         """Shaped like OpenAI's Batch object, with berth's tenant, priority and throughput."""
         stamp = lambda t: None if t is None else int(t)  # noqa: E731
@@ -186,6 +203,7 @@ class JobView:
             "progress_tokens": {"made": self.tokens_made, "running": self.tokens_in_flight,
                                 "expected": self.expected_tokens},
             "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),
+            "expected_finish_at": stamp(self.expected_finish_at), "at_risk": self.at_risk,
             **{f"{name}_at": stamp(getattr(self, f"{name}_at")) for name in (
                 "created", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired",
                 "expires")},

@@ -1,21 +1,22 @@
 """The embedded queue delivers a run of messages a poll, within the prefetch, shared among the queues
-consumed, each message once and in order."""
+consumed, each message once and in order: the highest priority first, as RabbitMQ's priority queues."""
 
 from __future__ import annotations
 
 from kombu import Consumer, Producer
+from sqlalchemy import text
 
 from worker.config import Settings
 from worker.messaging.topology import EmbeddedChannel, Topology, connect
 
 
-def _publish(settings: Settings, tenant: str, ids: range) -> None:
+def _publish(settings: Settings, tenant: str, ids: range, priority: int | None = None) -> None:
     queue = Topology(settings.queue_prefix).request_queue("m", tenant)
     with connect(settings) as conn:
         producer = Producer(conn.default_channel)
         for i in ids:
             producer.publish({"request_id": i, "tenant": tenant}, exchange=queue.exchange,
-                             routing_key=queue.routing_key, declare=[queue])
+                             routing_key=queue.routing_key, declare=[queue], priority=priority)
 
 
 def _consumer(conn, tenants: list[str], prefetch: int, got: list) -> Consumer:
@@ -84,3 +85,33 @@ def test_every_message_is_delivered_once_in_order(tmp_path):
         except TimeoutError:
             pass
         assert again == []
+
+
+def test_higher_priority_messages_are_delivered_first_read_in_the_index_order(tmp_path):
+    settings = _settings(tmp_path)
+    _publish(settings, "default", range(10), priority=None)  # no priority: 0
+    _publish(settings, "default", range(10, 20), priority=7)  # published later, more urgent
+    _publish(settings, "default", range(20, 25), priority=2)
+    got: list = []
+    with connect(settings) as conn:
+        _consumer(conn, ["default"], 1000, got)
+        try:
+            while True:
+                conn.drain_events(timeout=0.3)
+        except TimeoutError:
+            pass
+        plan = " ".join(str(r) for r in conn.default_channel.session.execute(text(
+            "EXPLAIN QUERY PLAN SELECT id FROM kombu_message WHERE queue_id = 1 AND visible = 1 ORDER BY "
+            "coalesce(json_extract(payload, '$.properties.priority'), 0) DESC, timestamp, id LIMIT 5")))
+    assert [b["request_id"] for b, _ in got] == [*range(10, 20), *range(20, 25), *range(10)]
+    assert EmbeddedChannel.PRIORITY_INDEX in plan and "TEMP B-TREE" not in plan, plan  # no sort of the queue
+
+
+def test_a_message_priority_is_the_jobs_urgency_then_its_priority():
+    from worker.messaging.topology import MAX_PRIORITY, message_priority
+
+    hour, day, week = 3600.0, 24 * 3600.0, 7 * 24 * 3600.0
+    assert message_priority(0, 15 * 60) == message_priority(0, hour) == 6
+    assert message_priority(9, day) == 3 < message_priority(0, 6 * hour) == 4 < message_priority(0, hour)
+    assert message_priority(9, week) == 1 < message_priority(0, day) == message_priority(0, None) == 2
+    assert all(0 <= message_priority(p, w) <= MAX_PRIORITY for p in range(10) for w in (60, hour, day, week))

@@ -56,6 +56,7 @@ class Claim:
     # who shares its cached prefixes (``Request.cache_salt``): None, its tenant alone; else its tenant's
     # sharing group ("group:<name>") or the request's own cache_salt ("salt:<text>")
     cache_salt: str | None = None
+    deadline: float | None = None  # unix time its job's completion window ends (the engine runs earlier ones first)
 
     @property
     def kv_tokens(self) -> int:

@@ -94,7 +94,7 @@ class Engine:
                                    interactive_seats=int(settings.max_num_seqs * settings.interactive_seats),
                                    interactive_blocks=int(self.runner.num_blocks * settings.interactive_kv_blocks),
                                    interactive_step_tokens=self.pace.tokens,
-                                   batch_floor=settings.interactive_batch_floor)
+                                   batch_floor=settings.interactive_batch_floor, tail_first=settings.tail_first)
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer, loaded.path)
         self.vocab_size = loaded.config.vocab_size
         self.hidden_size = loaded.config.hidden_size  # an embedding's length before ``dimensions`` cuts it

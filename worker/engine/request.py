@@ -196,8 +196,10 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0  # higher runs first
+    priority: int = 0  # higher runs first (among its tenant's requests of the same deadline)
     tenant: str = "default"
+    deadline: float | None = None  # unix time its job's completion window ends: earlier runs first; None: none
+    job: str | None = None  # the job it belongs to: a job's tail starts its longest requests first
     arrival_step: int = 0  # set by the engine
     resume_output_ids: list[list[int]] = field(default_factory=list)  # per sample, from a checkpoint
     sequences: list[Sequence] = field(default_factory=list)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.fair_share import TokenShares, Turns
+from worker.engine.job_tail import JobLengths
 from worker.engine.request import SeqStatus, Sequence
 from worker.engine.waiting_queue import WaitingQueue
 
@@ -51,12 +52,14 @@ class _Step:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  aging_steps: int = 50, preemption_mode: str = "recompute", interactive_seats: int = 0,
-                 interactive_blocks: int = 0, interactive_step_tokens: int = 0, batch_floor: float = 0.0):
+                 interactive_blocks: int = 0, interactive_step_tokens: int = 0, batch_floor: float = 0.0,
+                 tail_first: bool = False):
         """``interactive_seats``: seats of ``max_num_seqs`` that batch work never takes (held for interactive);
         ``interactive_blocks``: KV blocks that batch sequences never hold; ``interactive_step_tokens``: the
         tokens of a step while interactive work is in the engine (0: ``max_num_batched_tokens``);
         ``batch_floor``: the share of a step's tokens batch work keeps while interactive work runs and
-        batch work waits (``Settings.interactive_batch_floor``)."""
+        batch work waits (``Settings.interactive_batch_floor``); ``tail_first``: a job whose waiting
+        sequences fit in the batch's seats starts its longest first (``worker.engine.job_tail``)."""
         if not 0 <= batch_floor < 1:
             raise ValueError(f"batch_floor is a share of a step's tokens: at least 0, under 1, not {batch_floor}")
         if preemption_mode not in ("recompute", "swap"):
@@ -70,7 +73,8 @@ class Scheduler:
         self.interactive_step_tokens = interactive_step_tokens or max_num_batched_tokens
         self.batch_floor = batch_floor
         self.shares: dict[str, float] = {}  # tenant -> weight, 1.0 when not set
-        self.waiting = WaitingQueue(aging_steps, self.shares)
+        self.lengths = JobLengths() if tail_first else None
+        self.waiting = WaitingQueue(aging_steps, self.shares, max_num_seqs, self.lengths)
         self.fair = {False: TokenShares(self.shares), True: TokenShares(self.shares)}  # per class
         self.asking: dict[bool, set[str]] = {False: set(), True: set()}  # per class: asked for a seat last step
         self.running: list[Sequence] = []
@@ -91,6 +95,8 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
+        if self.lengths is not None:
+            self.lengths.finished(seq)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.bm.free_sequence(seq)

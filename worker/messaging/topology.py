@@ -17,12 +17,23 @@ from queue import Empty
 from kombu import Connection, Exchange, Queue
 from kombu.transport import sqlalchemy as kombu_sqla
 from kombu.utils.encoding import bytes_to_str
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.engine import make_url
 
 from worker.config import ConfigError, Settings
 
-MAX_PRIORITY = 9  # job priorities 0..9 become message priorities 0..9
+MAX_PRIORITY = 9  # message priorities 0..9 (the queues' x-max-priority is 10: a redeclare must not change it)
+# A request message's priority: its job's urgency (the length of its completion window) first, then whether the
+# job's priority is high (5-9) or low (0-4): (window at most, urgency), the longest windows last. docs/queue.md.
+URGENCY = ((3600.0, 3), (6 * 3600.0, 2), (24 * 3600.0, 1))
+
+
+def message_priority(priority: int, window: float | None) -> int:
+    """The message priority of a request of a job of ``priority`` (0-9) and completion window ``window``
+    seconds (None: a 24-hour one): 2 x urgency + (priority >= 5), 0..7 of 0..MAX_PRIORITY."""
+    window = 24 * 3600.0 if window is None else window
+    urgency = next((u for most, u in URGENCY if window <= most), 0)
+    return min(2 * urgency + (priority >= 5), MAX_PRIORITY)
 DEAD_ROUTING_KEY = "dead"
 REASON_HEADER = "x-berth-reason"  # a dead letter's reason, on every message published to <prefix>.dead
 
@@ -64,6 +75,13 @@ def _sqlite_wal(path: str) -> sqlite3.Connection:
     return conn
 
 
+_PRIORITY_SQL = "coalesce(json_extract(payload, '$.properties.priority'), 0)"  # a message's priority in its row
+
+
+def _priority(table):
+    return func.coalesce(func.json_extract(table.c.payload, "$.properties.priority"), 0)
+
+
 class EmbeddedChannel(kombu_sqla.Channel):
     """kombu's SQLAlchemy channel, able to store a batch of publishes in one transaction, and to take
     a run of deliveries in one.
@@ -80,6 +98,9 @@ class EmbeddedChannel(kombu_sqla.Channel):
     """
 
     GET_BATCH = 64  # deliveries one poll takes from a queue at most
+    PRIORITY_INDEX = "berth_message_priority"  # (queue, visible, priority, timestamp, id): the polls' order
+
+    _indexed = False
 
     _pending: list[dict] | None = None
     _queue_ids: dict[str, int] | None = None
@@ -116,18 +137,28 @@ class EmbeddedChannel(kombu_sqla.Channel):
         for payload in self._get_many_from(queue, max(1, limit)):
             callback(payload, queue)
 
+    def _index_priorities(self, table) -> None:
+        """The index the polls read in order (made once, by the first poll of any channel on the file)."""
+        if not self._indexed:
+            self.session.execute(text(
+                f"CREATE INDEX IF NOT EXISTS {self.PRIORITY_INDEX} ON {table.name} (queue_id, visible, "
+                f"{_PRIORITY_SQL} DESC, timestamp, id)"))
+            self._indexed = True
+
     def _get_many_from(self, queue, limit: int) -> list:
-        """Up to ``limit`` messages of ``queue``, oldest first, made invisible in one transaction;
-        ``Empty`` when there are none (as kombu's ``_get``)."""
+        """Up to ``limit`` messages of ``queue``, the highest message priority first (as RabbitMQ's
+        ``x-max-priority`` queues), then oldest first, made invisible in one transaction; ``Empty`` when
+        there are none (as kombu's ``_get``)."""
         table = self.message_cls.__table__
         queue_id = self._get_or_create(queue).id
         session = self.session
         if session.bind.name == "sqlite":
             session.execute(text("BEGIN IMMEDIATE TRANSACTION"))
         try:
+            self._index_priorities(table)
             rows = session.execute(
-                select(table.c.id, table.c.payload).where(table.c.queue_id == queue_id, table.c.visible != False)  # noqa: E712
-                .order_by(table.c.timestamp, table.c.id).limit(limit).with_for_update()).all()
+                select(table.c.id, table.c.payload).where(table.c.queue_id == queue_id, table.c.visible == True)  # noqa: E712
+                .order_by(_priority(table).desc(), table.c.timestamp, table.c.id).limit(limit).with_for_update()).all()
             if rows:
                 session.execute(update(table).where(table.c.id.in_([r.id for r in rows])).values(visible=False))
         finally:
