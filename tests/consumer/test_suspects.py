@@ -173,3 +173,40 @@ def test_with_the_real_engine_a_death_at_any_step_is_charged_to_what_that_step_r
     for ran, charged in steps:
         assert ran == charged, (ran, charged)
     assert any(ran <= set(suspects) and len(ran) <= 3 for ran, _ in steps)
+
+
+def test_the_requests_queued_in_the_engine_are_said_started_in_one_write_before_their_steps(ledger, broker,
+                                                                                          tiny_llama_dir):
+    """On the real engine, 2 seats and 8 requests of different lengths: each is said started before the
+    step that first runs it (a crash in that step counts it), and the requests queued behind the first
+    two are said in the same write, so that the steps that start them later need none."""
+    from tests.support.jobs_env import TINY_NAME, tiny_settings
+    from worker.engine.engine import Engine
+
+    engine = Engine(tiny_settings(tiny_llama_dir, max_num_seqs=2))
+    ids = list(range(1, 9))
+    for i in ids:
+        ledger.rows[i] = Row("batch_a", model=TINY_NAME, prompt=[1, 2, 3, 4 + i],
+                             params=SamplingParams(max_tokens=2 + 3 * i, temperature=0, ignore_eos=True))
+        broker.publish_request(i, "batch_a")
+    writes, starts = [], []
+    said = ledger.started
+
+    def counted(request_ids):
+        writes.append(sorted(request_ids))
+        said(request_ids)
+
+    ledger.started = counted
+    worker = make_worker(ledger, broker, engine, prefetch=16)
+    on_start = engine.on_start
+
+    def checked(request_ids):  # the engine calls this before the step that first runs these
+        on_start(request_ids)
+        starts.append(list(request_ids))
+        unsaid = [r for r in request_ids if not ledger.rows[int(r)].started]
+        assert not unsaid, f"requests {unsaid} run before the database says so"
+
+    engine.on_start = checked
+    run_until_done(worker, ledger, ids)
+    assert all(ledger.rows[i].outcome is not None for i in ids)
+    assert len(starts) >= 4 and writes == [ids], (starts, writes)  # 4+ steps started requests; one write said all

@@ -178,10 +178,10 @@ class CrashSuspects:
         is charged to the others until then, to the group from then on, never to nobody.
 
         One write says it for the requests queued in the scheduler too (not those waiting for a grammar,
-        nor while a group runs alone): they start in the next steps, which then need none. A transaction a step was most of the job
-        path's cost at a device's pace (benchmarks/HISTORY.md, "The job path at GPU speed"); the price
-        is that a death in those steps makes suspects of requests that had not run yet, which recover
-        more slowly (in groups), and none of which can take a strike for it."""
+        nor while a group runs alone): they start in the next steps, which then need none. A transaction
+        a step was most of the job path's cost at a device's pace (benchmarks/HISTORY.md, "The job path
+        at GPU speed"); the price is that a death before their first step counts them as running, so
+        they run again as suspects (in groups, more slowly) though they had not run."""
         pause, self._pause_at_start = self._pause_at_start, None
         if pause:
             ids = [int(r) for r in request_ids if r in self.inflight]

@@ -38,7 +38,8 @@ def test_a_job_that_cannot_finish_in_its_window_is_at_risk(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     settings = tiny_settings(tiny_llama_dir, storage_url=f"file://{tmp_path / 'store'}", prefetch=1)
     # a window shorter than 15 minutes, so the job's rate (a request at a time) misses it within seconds
-    job = api.submit(write_requests(tmp_path / "in.jsonl", 200, max_tokens=16), settings, eager=True,
+    # 400 x 64 tokens a request at a time: over a minute at the few hundred tokens/s of the fastest CPUs here
+    job = api.submit(write_requests(tmp_path / "in.jsonl", 400, max_tokens=64), settings, eager=True,
                      spec=JobSpec(completion_window="20s"))
     engine_worker(settings, tiny_engine, eager_tasks=True).run(until=lambda: api.status(job.id, settings).done >= 3)
     view = api.status(job.id, settings)
