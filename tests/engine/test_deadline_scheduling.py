@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from tests.support.scheduling import arrive
 from worker.engine.block_manager import BlockManager
 from worker.engine.job_tail import JobLengths
 from worker.engine.request import Request, SamplingParams, Sequence
@@ -24,11 +25,7 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]], steps: int, length
     done: dict[str, int] = {}
     for step in range(steps):
         for req in arrivals.get(step, []):
-            seq = Sequence(request=req, sample_index=0, token_ids=list(req.prompt_token_ids),
-                           num_prompt_tokens=len(req.prompt_token_ids))
-            req.sequences.append(seq)
-            req.arrival_step = sched.step_count
-            sched.add(seq)
+            arrive(sched, req)
         if not sched.has_work() and step > max(arrivals):
             break
         for seq, n in sched.schedule().scheduled:

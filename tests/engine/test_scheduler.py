@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.support.exactness import hf_greedy
 from tests.support.models import cut_prompts
-from tests.support.scheduling import check_block_accounting
+from tests.support.scheduling import arrive, check_block_accounting
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
@@ -161,11 +161,7 @@ def fake_run(sched: Scheduler, arrivals: dict[int, list[Request]], steps: int):
     history = []
     for step in range(steps):
         for req in arrivals.get(step, []):
-            seq = Sequence(request=req, sample_index=0, token_ids=list(req.prompt_token_ids),
-                           num_prompt_tokens=len(req.prompt_token_ids))
-            req.sequences.append(seq)
-            req.arrival_step = sched.step_count
-            sched.add(seq)
+            arrive(sched, req)
         plan = sched.schedule()
         produced = []
         for seq, n in plan.scheduled:

@@ -37,3 +37,13 @@ def fake_step(sched: Scheduler):
             if seq.num_output_tokens >= seq.request.params.max_tokens:
                 sched.finish(seq)
     return plan
+
+
+def arrive(sched: Scheduler, request: Request) -> Sequence:
+    """``request`` arrives at ``sched`` as the engine adds one: its one sequence, its arrival step."""
+    seq = Sequence(request=request, sample_index=0, token_ids=list(request.prompt_token_ids),
+                   num_prompt_tokens=len(request.prompt_token_ids))
+    request.sequences.append(seq)
+    request.arrival_step = sched.step_count
+    sched.add(seq)
+    return seq
