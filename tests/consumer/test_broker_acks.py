@@ -61,3 +61,31 @@ def test_a_multiple_ack_covers_only_deliveries_that_are_done(queue_prefix):
             except TimeoutError:
                 pass
     assert left == [{"n": 5}]
+
+
+def test_a_tenant_whose_jobs_ended_is_left_only_once_its_queue_is_empty(queue_prefix):
+    """Copies of finished requests (redelivered after an outage) left in a tenant's queue would hold its
+    depth, and an autoscaler, up for good: the worker takes them (and acks them) before leaving it."""
+    settings = Settings(broker_url=AMQP_URL, queue_prefix=queue_prefix)
+    queue = Topology(queue_prefix).request_queue(TINY_NAME, "alice")
+    link = BrokerLink(settings, TINY_NAME, WorkerMetrics(), "test")
+    link.window = 1
+    link.connect(max_retries=1)
+    link.follow({"alice"})
+    with Connection(AMQP_URL) as conn:
+        producer = Producer(conn.default_channel)
+        for i in range(3):
+            producer.publish({"n": i}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue])
+    [first] = _receive(link, 1)  # the window holds one: two wait in the queue
+    link.follow(set())  # alice has no live job now
+    assert "alice" in link.queues
+    link.ack(first)
+    for _ in range(2):
+        [copy] = _receive(link, 1)
+        link.ack(copy)
+    deadline = time.monotonic() + 10
+    while "alice" in link.queues and time.monotonic() < deadline:
+        link.follow(set())
+        time.sleep(0.1)
+    assert "alice" not in link.queues and link.depth() == 0
+    link.close()

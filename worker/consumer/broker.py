@@ -167,7 +167,8 @@ class BrokerLink:
 
     # ---- deliveries in
     def follow(self, tenants: Iterable[str]) -> None:
-        """Consume exactly the queues of ``tenants`` (those with live jobs): new ones added, gone ones left."""
+        """Consume exactly the queues of ``tenants`` (those with live jobs): new ones added, gone ones left
+        once empty (a message left there would hold the queue's depth up, and an autoscaler with it)."""
         tenants = set(tenants)
         new = {t: self.topology.request_queue(self.model, t) for t in tenants - self.queues.keys()}
         gone = [t for t in self.queues if t not in tenants]
@@ -175,6 +176,8 @@ class BrokerLink:
             return
         with self._guard():
             for tenant in gone:
+                if queue_depth(self.connection, [self.queues[tenant]]):
+                    continue  # copies of its ended jobs' requests (redelivered after an outage): taken and acked first
                 self.consumer.cancel_by_queue(self.queues.pop(tenant).name)
             for queue in new.values():
                 self.consumer.add_queue(queue)

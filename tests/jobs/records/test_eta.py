@@ -38,7 +38,8 @@ def test_the_eta_at_a_quarter_and_half_of_a_jobs_time(tmp_path, monkeypatch, tin
     for share in (0.25, 0.5):
         moment = start + share * (end - start)
         at, eta, by_requests = min((r for r in seen if r[1] is not None), key=lambda r: abs(r[0] - moment))
-        assert abs(at - moment) < max(0.15 * (end - start), 1.0), "no reading near that moment (one a second)"
+        # readings come a second apart: on a fast CPU a job of 6 s has none closer than that to its 25%
+        assert abs(at - moment) < max(0.15 * (end - start), 1.5), "no reading near that moment (one a second)"
         left = end - at
         assert abs(eta - left) <= within * left, f"at {share:.0%}: ETA {eta:.1f} s, {left:.1f} s left in fact"
         if seats == 256 and share == 0.25:  # the finding: requests done a second say far more
