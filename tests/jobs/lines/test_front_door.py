@@ -396,15 +396,25 @@ def test_a_tiny_temperature_is_greedy(tiny_engine):
 
 def test_a_line_with_many_messages_is_checked_in_linear_time(tiny_engine):
     validator = LineValidator(ModelInfo.of_engine(tiny_engine))
-    parts = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * 16_000
-    line = _chat("many", parts + [{"role": "user", "content": 5}])
-    assert len(line) < 1 << 20
-    raw = next(read_lines(io.BufferedReader(io.BytesIO(line.encode()))))
-    # this thread's CPU seconds, not the wall clock: a loaded machine stretched 0.02 s of work to 0.7 s of wall
-    started = time.thread_time()
-    with pytest.raises(LineError, match=r"body.messages\[16000\].content: must be a string"):
-        validator.check(raw)
-    assert time.thread_time() - started < 0.5  # 0.02 s of CPU here; 1.3 s when it was quadratic
+
+    def cpu_seconds(n):
+        parts = [{"role": "user", "content": [{"type": "text", "text": "x"}]}] * n
+        line = _chat("many", parts + [{"role": "user", "content": 5}])
+        assert len(line) < 1 << 20
+        raw = next(read_lines(io.BufferedReader(io.BytesIO(line.encode()))))
+        best = float("inf")
+        for _ in range(3):  # the best of three: a busy machine only ever adds time
+            started = time.thread_time()  # this thread's CPU, not the wall clock
+            with pytest.raises(LineError, match=rf"body.messages\[{n}\].content: must be a string"):
+                validator.check(raw)
+            best = min(best, time.thread_time() - started)
+        return best
+
+    cpu_seconds(100)  # whatever is built once (caches, lazy imports) is not counted
+    small, large = cpu_seconds(1_000), cpu_seconds(16_000)
+    # 16 times the messages: linear is 16 times the time, quadratic 256 (1.3 s against 0.02 s
+    # when it was); the ratio, not a figure in seconds, so a slow or busy machine passes too
+    assert large < 64 * max(small, 1e-3), (small, large)
 
 
 def test_an_unexpected_exception_fails_only_its_line(tiny_engine):
