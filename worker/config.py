@@ -298,6 +298,11 @@ class Settings(BaseModel):
         16, "A checkpoint round every this many engine steps (a decoding request makes a token a step): every "
         "request with progress since its last one, all their states in one object; 0: no checkpoints.")
     checkpoint_seconds: float = setting(30.0, "... or after this many seconds, whichever comes first.")
+    checkpoint_min_seconds: float = setting(
+        2.0, "... but never sooner than this many seconds after the last round: at a GPU's pace 16 steps take "
+        "0.1 s, and a round every 0.1 s costs the host more time than a crash would lose (and the database a row "
+        "update per running request each time). A crash costs at most about this much of the worker's work beyond "
+        "the interval; 0: every checkpoint_interval steps, however fast.")
     checkpoint_queue_bytes: int = setting(256 << 20, "KV block data waiting for upload at most; beyond, blocks "
                                           "wait.", text=True)
     checkpoint_kv_threads: int = setting(
@@ -440,7 +445,8 @@ class Settings(BaseModel):
     def _bytes(cls, v):
         return int(parse_memory(v))
 
-    @field_validator("checkpoint_interval", "checkpoint_seconds", "checkpoint_queue_bytes", "checkpoint_gc_min_age")
+    @field_validator("checkpoint_interval", "checkpoint_seconds", "checkpoint_min_seconds", "checkpoint_queue_bytes",
+                     "checkpoint_gc_min_age")
     @classmethod
     def _not_negative(cls, v):
         if v < 0:

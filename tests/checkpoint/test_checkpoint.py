@@ -76,9 +76,11 @@ def test_a_round_is_one_put_and_short_requests_write_no_kv(tiny_loaded, store):
     """The recovery issue's regression guard, counted on the store (no clocks): with the defaults a
     user gets (every 16 tokens, KV "auto"), a worker running 24 requests writes one state object a
     round, not one per request, and no KV for requests this short: a handful of writes per 1,000
-    generated tokens (berth 0.x wrote a state per request every 16 tokens and every full block: >100)."""
+    generated tokens (berth 0.x wrote a state per request every 16 tokens and every full block: >100).
+    The tiny model makes 16 steps in milliseconds where the default model on a CPU takes seconds:
+    the floor between rounds is off here (it has its test below)."""
     engine = tiny_engine(tiny_loaded)
-    settings = Settings()
+    settings = Settings(checkpoint_min_seconds=0)
     assert (settings.checkpoint_interval, settings.checkpoint_kv) == (16, "auto")
     cp = Checkpointer(engine, store, settings, WorkerMetrics())
     requests = [Request(str(i), p, SamplingParams(max_tokens=160, temperature=0, ignore_eos=True))
@@ -101,6 +103,29 @@ def test_a_round_is_one_put_and_short_requests_write_no_kv(tiny_loaded, store):
     assert kv_puts(store) == 0, "KV blocks were written for requests that end long before a crash is likely"
     writes = sum(store.puts.values())
     assert 1000 * writes / generated <= 10, f"{writes} writes for {generated} tokens"
+
+
+def test_rounds_of_fast_steps_wait_for_the_floor_between_them(tiny_loaded, store):
+    """At a GPU's pace 16 steps take a tenth of a second: with the default floor of 2 s between
+    rounds, steps ten times faster than that still make a round every 2 s, not every 16 steps."""
+    engine = tiny_engine(tiny_loaded)
+    settings = Settings()
+    assert settings.checkpoint_min_seconds == 2
+    cp = Checkpointer(engine, store, settings, WorkerMetrics())
+    requests = [Request(str(i), p, SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts([20, 30, 40, 50]))]
+    started, steps = time.monotonic(), 0
+
+    def stepped():
+        nonlocal steps
+        steps += 1
+        return time.monotonic() - started > 4.5
+
+    run_steps(engine, cp, requests, until=stepped)
+    assert cp.writer.flush(30)
+    cp.close()
+    assert steps >= 10 * 16 * 2, f"only {steps} steps in 4.5 s: too slow a machine to tell the floor from the interval"
+    assert 1 <= segment_puts(store) <= 3, f"{segment_puts(store)} rounds in 4.5 s of {steps} steps"
 
 
 def test_the_kv_decision_weighs_a_crash_against_the_write():
@@ -135,7 +160,8 @@ def test_kv_is_written_once_recomputing_it_would_cost_more_than_writing_it(tiny_
     short requests' KV blocks pay for their writes."""
     engine = tiny_engine(tiny_loaded)
     rates = _SlowPrefill(prefill_tokens_per_second=20.0)
-    cp = Checkpointer(engine, store, Settings(checkpoint_interval=16, checkpoint_mtbf=1.0), WorkerMetrics(),
+    cp = Checkpointer(engine, store, Settings(checkpoint_interval=16, checkpoint_min_seconds=0, checkpoint_mtbf=1.0),
+                      WorkerMetrics(),
                       on_durable=Pointers(), rates=rates)
     cp.pointers = cp.writer.on_durable
     requests = [Request(str(i), p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))

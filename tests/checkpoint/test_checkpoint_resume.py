@@ -4,9 +4,10 @@ are ignored with a warning; the choice between reading and recomputing follows m
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -313,6 +314,15 @@ def test_what_a_checkpoint_holds_is_checked_against_the_engine():
         assert bad != raw
         with pytest.raises(CorruptCheckpoint, match="is not an integer"):
             RequestCheckpoint.from_json(bad)
+
+
+def test_a_state_reads_back_as_written_with_every_field():
+    state = RequestCheckpoint("r-1", "f" * 32, "d" * 32, 40, [SampleCheckpoint(0, [5, 6], [b"\x01" * 16]),
+                                                         SampleCheckpoint(1, [7], [])],
+                              1234.5, params={"seed": 3, "temperature": 0.5}, kv_runs=[b"\x01" * 16])
+    written = json.loads(state.to_json())
+    assert set(written) == {f.name for f in fields(RequestCheckpoint)}  # a field added is a field written
+    assert RequestCheckpoint.from_json(state.to_json()) == state
 
 
 def test_the_estimate_follows_measured_rates():

@@ -112,9 +112,11 @@ def kv_puts(store: ControlledStore) -> int:
 
 
 def checkpointer(engine: Engine, store: ObjectStore, pointers: Pointers | None = None, **settings) -> Checkpointer:
-    """A checkpointer every 8 tokens (``settings`` override), its refs recorded in ``cp.pointers``."""
+    """A checkpointer every 8 tokens however fast the steps (``settings`` override), its refs recorded
+    in ``cp.pointers``."""
     pointers = Pointers() if pointers is None else pointers
-    cp = Checkpointer(engine, store, Settings(**{"checkpoint_interval": 8, **settings}), WorkerMetrics(),
+    cp = Checkpointer(engine, store, Settings(**{"checkpoint_interval": 8, "checkpoint_min_seconds": 0, **settings}),
+                      WorkerMetrics(),
                       on_durable=pointers)
     cp.pointers = pointers
     return cp

@@ -45,8 +45,10 @@ def test_a_worker_killed_six_times_loses_nothing(tmp_path, tiny_llama_dir, pg_ur
                        "temperature": 0, "ignore_eos": True}} for i in range(N)]
     requests = tmp_path / "long.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # a round every 16 steps however fast: the tiny model makes them at a GPU's pace, where the default
+    # floor of 2 s between rounds would leave most lives of this test with no checkpoint to resume from
     env = {**os.environ, **tiny_env(settings), **S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
-           "BERTH_CHECKPOINT_INTERVAL": "16"}
+           "BERTH_CHECKPOINT_INTERVAL": "16", "BERTH_CHECKPOINT_MIN_SECONDS": "0"}
     job = api.submit(requests, settings, eager=True)  # ingested here; the messages wait in RabbitMQ
     db = open_database(pg_url)
     rng = random.Random(20240601)

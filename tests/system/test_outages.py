@@ -212,8 +212,10 @@ def test_s3_stopped_mid_job_and_started_again(tmp_path, tiny_llama_dir, pg_url, 
         job = api.submit(requests, settings, eager=True)
         db = open_database(pg_url)
         # KV written whatever it costs (the default writes it only where it pays, never for requests this
-        # short), so that the outage meets KV uploads too, and objects to find again after moto's restart
-        env = {**os.environ, **tiny_env(settings), "BERTH_CHECKPOINT_INTERVAL": "16", "BERTH_CHECKPOINT_KV": "always"}
+        # short), so that the outage meets KV uploads too, and objects to find again after moto's restart;
+        # a round every 16 steps however fast the tiny model makes them (the default floor is 2 s)
+        env = {**os.environ, **tiny_env(settings), "BERTH_CHECKPOINT_INTERVAL": "16", "BERTH_CHECKPOINT_KV": "always",
+               "BERTH_CHECKPOINT_MIN_SECONDS": "0"}
         worker = Worker(env, tmp_path / "worker.log")
         try:
             worker.run_until(0.15 * total)

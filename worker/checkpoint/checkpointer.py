@@ -1,7 +1,8 @@
-"""Checkpoints of running requests, as rounds: every ``checkpoint_interval`` steps (or
-``checkpoint_seconds``) each running request with progress is snapshotted between steps (its tokens,
-and the KV blocks worth writing, ``KvPolicy``, in aligned runs named by their last block's hash), and
-the ``CheckpointWriter``'s threads store the round as one segment. docs/engine.md says more."""
+"""Checkpoints of running requests, as rounds: every ``checkpoint_interval`` steps, no sooner than
+``checkpoint_min_seconds`` after the last (or after ``checkpoint_seconds``), each running request with
+progress is snapshotted between steps (its tokens, and the KV blocks worth writing, ``KvPolicy``, in
+aligned runs named by their last block's hash), and the ``CheckpointWriter``'s threads store the
+round as one segment. docs/engine.md says more."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class Checkpointer:
         self.metrics = metrics
         self.interval = settings.checkpoint_interval
         self.seconds = settings.checkpoint_seconds
+        self.min_seconds = settings.checkpoint_min_seconds
         self.policy = KvPolicy(settings.checkpoint_kv, settings.checkpoint_mtbf)
         self.rates = rates or TransferRates()
         self.fingerprint = engine.fingerprint
@@ -53,9 +55,14 @@ class Checkpointer:
                                        rates=self.rates)
         self.rounds = 0  # rounds that snapshotted something
         self._progress: dict[str, _Progress] = {}
+        self._described: dict[str, tuple[str, dict]] = {}  # request id -> its digest and parameters, once
         self._steps = 0  # since the last round
         self._round_at = time.monotonic()
         self._last_step: float | None = None
+        # the lag gauges are read when scraped, not set every step: a step at a GPU's pace has no
+        # time to walk every running request
+        metrics.checkpoint_lag_tokens.set_function(self._lag_tokens)
+        metrics.checkpoint_lag_seconds.set_function(self.writer.lag_seconds)
 
     @property
     def store_up(self) -> bool:
@@ -70,12 +77,12 @@ class Checkpointer:
             self.rates.observe_step_time(now - self._last_step)
         self._last_step = now
         self.rates.observe_step(self.engine.stats)
-        self._forget_ended()
         self._steps += 1
-        with_progress = self._with_progress(now)
-        self.metrics.checkpoint_lag_seconds.set(self.writer.lag_seconds())
-        if self._steps >= self.interval or now - self._round_at >= self.seconds:
+        since = now - self._round_at
+        if (self._steps >= self.interval and since >= self.min_seconds) or since >= self.seconds:
             self._steps, self._round_at = 0, now
+            self._forget_ended()
+            with_progress = self._with_progress(now)
             if with_progress and self.writer.up:
                 self._snapshot(with_progress, now)
 
@@ -91,11 +98,13 @@ class Checkpointer:
     def finished(self, request_id: str) -> None:
         """The request's result is committed (or it was dropped): nothing more of it is written."""
         self._progress.pop(request_id, None)
+        self._described.pop(request_id, None)
         self.writer.delete(request_id)
 
     def released(self, request_id: str) -> None:
         """The request left this worker unfinished: its checkpoint stays for the next one."""
         self._progress.pop(request_id, None)
+        self._described.pop(request_id, None)
 
     def resumed(self, checkpoint: RequestCheckpoint, bad_runs: set[bytes] = frozenset()) -> None:
         """A request continues from ``checkpoint``: its tokens and runs are on the store already (but
@@ -112,22 +121,30 @@ class Checkpointer:
         """Drop the bookkeeping of requests no longer in the engine (the writer's threads add to
         ``durable_tokens`` too: only single-key operations on it here)."""
         holds = self.engine.kv.holds
-        for book in (self._progress, self.writer.durable_tokens):
+        for book in (self._progress, self.writer.durable_tokens, self._described):
             for request_id in [r for r in list(book) if not holds(r)]:
                 book.pop(request_id, None)
 
     # ---- snapshots
     def _with_progress(self, now: float) -> list[str]:
-        """Requests with progress since their last snapshot that can be resumed (and, on the way, the
-        gauge of tokens not yet in a recorded state)."""
-        found, behind = [], 0
+        """Requests with progress since their last snapshot that can be resumed."""
+        found = []
         for request_id, tokens, resumable in self.engine.kv.progress():
             last = self._progress.setdefault(request_id, _Progress(0, now))
-            behind += tokens - self.writer.durable_tokens.get(request_id, 0)
             if tokens > last.tokens and resumable:
                 found.append(request_id)
-        self.metrics.checkpoint_lag_tokens.set(behind)
         return found
+
+    def _lag_tokens(self) -> float:
+        """Tokens of running requests not yet in a recorded state (the scrape's thread reads the engine's
+        requests while the loop changes them: a walk that meets a change is walked again)."""
+        durable = self.writer.durable_tokens
+        for _ in range(5):
+            try:
+                return float(sum(tokens - durable.get(rid, 0) for rid, tokens, _ in self.engine.kv.progress()))
+            except RuntimeError:  # the loop added or removed a request during the walk
+                continue
+        return float("nan")
 
     def _snapshot(self, request_ids: list[str], now: float) -> None:
         states = [s for s in map(self.engine.kv.request_state, request_ids) if s is not None and s.samples]
@@ -188,9 +205,13 @@ class Checkpointer:
 
     def _checkpoint(self, state: RequestState, saved_at: float) -> RequestCheckpoint:
         samples = [SampleCheckpoint(s.sample_index, s.output_token_ids, s.block_hashes) for s in state.samples]
-        digest = request_digest(state.prompt_token_ids, state.params)
+        described = self._described.get(state.request_id)
+        if described is None:  # a request's prompt and parameters never change: hashed once, not every round
+            described = self._described[state.request_id] = (request_digest(state.prompt_token_ids, state.params),
+                                                              asdict(state.params))
+        digest, params = described
         return RequestCheckpoint(state.request_id, self.fingerprint, digest, len(state.prompt_token_ids), samples,
-                                 saved_at, params=asdict(state.params))
+                                 saved_at, params=params)
 
 
 def _remaining_steps(state: RequestState) -> int:

@@ -169,6 +169,7 @@ class CheckpointWriter:
         self._cond = threading.Condition()
         self._closing = threading.Event()
         metrics.storage_up.set(1)
+        metrics.checkpoint_unrecorded.set_function(lambda: len(self._unrecorded))
         self._threads = [threading.Thread(target=self._run_states, name=f"{THREAD_NAME}-state", daemon=True)]
         self._threads += [threading.Thread(target=self._run_blocks, name=f"{THREAD_NAME}-kv-{i}", daemon=True)
                           for i in range(block_threads)]
@@ -262,7 +263,6 @@ class CheckpointWriter:
         with self._cond:
             taken = [s.taken for s in self._writing] + [s.taken for s in self._states.values()]
             taken += [u.taken for u in self._unrecorded.values()]
-            self.metrics.checkpoint_unrecorded.set(len(self._unrecorded))
             return time.monotonic() - min(taken) if taken else 0.0
 
     def flush(self, timeout: float) -> bool:
