@@ -57,16 +57,18 @@ def _length(data: bytes) -> int:
     return 0
 
 
-def raw_post(port: int, path: str, headers: dict, body, length: int | None = None) -> tuple[int, dict, int]:
+def raw_post(port: int, path: str, headers: dict, body, length: int | None = None,
+             early: float = 5.0) -> tuple[int, dict, int]:
     """POST ``body`` (an iterable of byte strings) with ``Content-Length: length`` (None: chunked);
-    (status, JSON body, bytes of the body sent before the answer came)."""
+    (status, JSON body, bytes of the body sent before the answer came). The body is sent after
+    ``early`` seconds without an answer: a request answered before its body is read answers then."""
     sock = socket.create_connection(("127.0.0.1", port))
     framing = {"Content-Length": str(length)} if length is not None else {"Transfer-Encoding": "chunked"}
     head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"127.0.0.1:{port}", **headers, **framing}.items())
     sock.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode())
     sent = 0
     try:
-        readable, _, _ = select.select([sock], [], [], 5.0)  # a server that answers before reading does it now
+        readable, _, _ = select.select([sock], [], [], early)  # a server that answers before reading does it now
         if not readable:
             for chunk in body:
                 if select.select([sock], [], [], 0)[0]:
@@ -154,10 +156,11 @@ def test_bodies_without_a_key_or_over_the_limit_are_refused_before_the_server_re
     json_headers = {"Content-Type": "application/json"}
     for _ in range(3):  # every code path of the requests below runs once before the measure
         assert raw_post(port, "/v1/batches", json_headers, [b"{}"], 2)[0] == 401
-        assert raw_post(port, "/v1/batches", {**json_headers, "Authorization": f"Bearer {key}"}, [b"{}"], 2)[0] == 400
+        assert raw_post(port, "/v1/batches", {**json_headers, "Authorization": f"Bearer {key}"}, [b"{}"], 2,
+                        early=0)[0] == 400
         body, length = _form_of_fields("b0undary", 40, 1024)
         assert raw_post(port, "/v1/files", {"Content-Type": "multipart/form-data; boundary=b0undary",
-                                            "Authorization": f"Bearer {key}"}, body, length)[0] == 400
+                                            "Authorization": f"Bearer {key}"}, body, length, early=0)[0] == 400
     before = _memory_kib(proc.pid)
 
     big = raw_post(port, "/v1/batches", json_headers, _json_string(200 * MB), 200 * MB)
@@ -167,7 +170,7 @@ def test_bodies_without_a_key_or_over_the_limit_are_refused_before_the_server_re
                     200 * MB)
     body, length = _form_of_fields("b0undary", 3000, 64 << 10)
     fields = raw_post(port, "/v1/files", {"Content-Type": "multipart/form-data; boundary=b0undary",
-                                          "Authorization": f"Bearer {key}"}, body, length)
+                                          "Authorization": f"Bearer {key}"}, body, length, early=0)
     after = _memory_kib(proc.pid)
 
     grown = (after["VmHWM"] - before["VmHWM"]) / 1024
@@ -238,10 +241,10 @@ def test_an_upload_of_too_many_form_fields_is_refused(served):
     key = key_for(server.settings, "carol")
     headers = {"Content-Type": "multipart/form-data; boundary=b0undary", "Authorization": f"Bearer {key}"}
     body, length = _form_of_fields("b0undary", 3000, 16)
-    status, answer, _ = raw_post(server.port, "/v1/files", headers, body, length)
+    status, answer, _ = raw_post(server.port, "/v1/files", headers, body, length, early=0)
     assert status == 400 and answer["error"]["code"] == "too_many_fields" and "16" in answer["error"]["message"]
     body, length = _form_of_fields("b0undary", 1, 65 << 10)
-    status, answer, _ = raw_post(server.port, "/v1/files", headers, body, length)
+    status, answer, _ = raw_post(server.port, "/v1/files", headers, body, length, early=0)
     assert status == 400 and answer["error"]["code"] == "field_too_long", answer
     c = client(server, key)  # the openai client's upload, with expires_after: 4 parts, well within
     assert upload(c, write_requests(tmp / "ok.jsonl", 2), expires_after={"anchor": "created_at", "seconds": HOUR})
