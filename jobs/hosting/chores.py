@@ -1,5 +1,5 @@
-"""The periodic chores of the embedded defaults (reconcile, expire, checkpoint collection, and the
-embedded queue's own clean-up), run on a thread of every engine worker where no Celery beat runs.
+"""The periodic chores of the embedded defaults (reconcile, expire, at-risk events, checkpoint collection,
+and the embedded queue's own clean-up), run on a thread of every engine worker where no Celery beat runs.
 ``chores(settings)`` gives (period in seconds, function) pairs; each function logs its own errors
 and is safe to run beside the same chore of another worker. Why and how: docs/operations.md.
 """
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jobs.pipeline.celery_tasks import (
+    AT_RISK,
     CHECKPOINT_GC,
     CHECKPOINT_GC_PERIOD_SECONDS,
     EXPIRE,
@@ -27,6 +28,7 @@ log = logging.getLogger("berth.housekeeping")
 
 RECONCILE_SECONDS = 5.0
 EXPIRE_SECONDS = 5.0
+AT_RISK_SECONDS = 5.0
 EXPIRE_FILES_SECONDS = 60.0  # files expire an hour or more after they are made: a minute late is on time
 QUEUE_GC_SECONDS = 600.0
 HANDED_OUT_KEEP_SECONDS = 3600.0
@@ -42,6 +44,7 @@ def chores(settings: Settings) -> list[tuple[float, Chore]]:
     tasks = make_app(settings, eager=True).tasks
     return [(RECONCILE_SECONDS, _logged("reconcile", tasks[RECONCILE])),
             (EXPIRE_SECONDS, _logged("expire", tasks[EXPIRE])),
+            (AT_RISK_SECONDS, _logged("at_risk", tasks[AT_RISK])),
             (EXPIRE_FILES_SECONDS, _logged("expire_files", tasks[EXPIRE_FILES])),
             (CHECKPOINT_GC_PERIOD_SECONDS, _logged("checkpoint_gc", tasks[CHECKPOINT_GC])),
             (QUEUE_GC_SECONDS, _logged("queue_gc", lambda: delete_handed_out(settings)))]

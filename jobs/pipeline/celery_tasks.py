@@ -1,5 +1,5 @@
-"""The work around the engine as Celery tasks: ingest, finalize, reconcile, expire, checkpoint
-collection. With a broker they run on a Celery worker with beat:
+"""The work around the engine as Celery tasks: ingest, finalize, reconcile, expire, raising at-risk
+events, checkpoint collection. With a broker they run on a Celery worker with beat:
 
     celery -A jobs.pipeline.celery_tasks worker --beat --loglevel=INFO
 
@@ -21,7 +21,7 @@ from jobs.records.db import open_database
 from jobs.records.file_removal import expire_files
 from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import expire_due
-from jobs.records.outbox import prune_events
+from jobs.records.outbox import prune_events, raise_at_risk
 from storage import open_store
 from worker.config import Settings
 from worker.messaging.topology import Topology, is_embedded
@@ -29,9 +29,11 @@ from worker.messaging.topology import Topology, is_embedded
 INGEST, FINALIZE, RECONCILE, EXPIRE = "berth.ingest", "berth.finalize", "berth.reconcile", "berth.expire"
 CHECKPOINT_GC = "berth.checkpoint_gc"
 EXPIRE_FILES = "berth.expire_files"  # files past their expires_at (OpenAI's expires_after, output_expires_after)
+AT_RISK = "berth.at_risk"  # live jobs newly expected to finish after their window: their at-risk events
 log = logging.getLogger("berth.tasks")
 
 PERIOD_SECONDS = 60.0
+AT_RISK_PERIOD_SECONDS = 15.0  # an at-risk event comes well before the window ends: 5% of a 15-minute one is 45 s
 CHECKPOINT_GC_PERIOD_SECONDS = 600.0
 
 
@@ -47,6 +49,7 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
         worker_hijack_root_logger=False,
         beat_schedule={"reconcile": {"task": RECONCILE, "schedule": PERIOD_SECONDS},
                        "expire": {"task": EXPIRE, "schedule": PERIOD_SECONDS},
+                       "at_risk": {"task": AT_RISK, "schedule": AT_RISK_PERIOD_SECONDS},
                        "checkpoint_gc": {"task": CHECKPOINT_GC, "schedule": CHECKPOINT_GC_PERIOD_SECONDS},
                        "expire_files": {"task": EXPIRE_FILES, "schedule": PERIOD_SECONDS}})
 
@@ -75,6 +78,12 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
     @app.task(name=EXPIRE, shared=False)
     def expire_jobs() -> None:
         finalize_later(app, expire_due(db()))
+
+    @app.task(name=AT_RISK, shared=False)
+    def raise_at_risk_events() -> None:
+        for job_id in raise_at_risk(db()):
+            log.info("job %s is at risk: expected to finish after its window ends (its at-risk event is raised)",
+                     job_id)
 
     @app.task(name=EXPIRE_FILES, shared=False)
     def expire_stored_files() -> None:

@@ -1,7 +1,8 @@
 """Job events: every change of a job's status, written by database triggers into the ``job_events``
-outbox in the same transaction, then published on ``<prefix>.events`` (routing key
-``<tenant>.job.<status>``) by ``EventRelay`` with confirms, and POSTed to the job's webhook. Delivery is
-at least once; consumers deduplicate by ``event_id`` (docs/queue.md, "Events").
+outbox in the same transaction, and a live job's being found at risk of missing its window (written by
+``jobs.records.outbox.raise_at_risk``), then published on ``<prefix>.events`` (routing key
+``<tenant>.job.<status>``, ``<tenant>.job.at_risk``) by ``EventRelay`` with confirms, and POSTed to the
+job's webhook. Delivery is at least once; consumers deduplicate by ``event_id`` (docs/queue.md, "Events").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session, aliased
 from jobs.pipeline.publish import Outgoing, Publisher
 from jobs.queue_door.contract import CONTRACT_VERSION, event_routing_key
 from jobs.records.db import Database, open_database
-from jobs.records.models import Job, JobEvent, Tenant, now
+from jobs.records.models import AT_RISK_EVENT, Job, JobEvent, Tenant, now
 from storage import open_store
 from worker.config import Settings
 from worker.messaging.topology import Topology, is_embedded
@@ -31,21 +32,30 @@ POLL_SECONDS = 0.5
 RELAY_LOCK = 0x62657274_01  # pg_try_advisory_xact_lock key: one relay at a time
 
 
+def event_type(event: JobEvent) -> str:
+    """``job.<status>`` for a change of status, ``job.at_risk`` for an at-risk event: the body's ``type``,
+    the routing key after the tenant's word, the webhook's ``X-Berth-Event``."""
+    return "job.at_risk" if event.kind == AT_RISK_EVENT else f"job.{event.status.value}"
+
+
 def job_event_body(event: JobEvent, job: Job, tenant: str, store_url: str) -> dict:
-    """The event as ``job-event.v1`` says."""
+    """The event as ``job-event.v1`` says; an at-risk event says when the job is expected to finish and
+    when its window ends, as they were when it was raised."""
     def url(key: str | None) -> str | None:
         return None if key is None else f"{store_url.rstrip('/')}/{key}"
 
     status = event.status.value
+    at_risk = {"expected_finish_at": event.expected_finish_at, "expires_at": job.expires_at} \
+        if event.kind == AT_RISK_EVENT else {}
     return {
-        "version": CONTRACT_VERSION, "type": f"job.{status}", "event_id": f"evt_{event.id}",
+        "version": CONTRACT_VERSION, "type": event_type(event), "event_id": f"evt_{event.id}",
         "occurred_at": event.created_at, "job_id": job.id, "status": status, "tenant": tenant, "model": job.model,
         "message_id": job.submit_message_id, "metadata": dict(job.metadata_ or {}),
         "request_counts": {"total": event.total, "completed": event.completed, "failed": event.failed},
         "usage": {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens},
         "output_file": event.output_key, "error_file": event.errors_key,
         "output_url": url(event.output_key), "error_url": url(event.errors_key), "error": event.error,
-        "error_code": job.error_code if event.error is not None else None,
+        "error_code": job.error_code if event.error is not None else None, **at_risk,
     }
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import update
 
 from jobs.queue_door.destinations import Allowed, DestinationRefused, parse_url
-from jobs.queue_door.events import POLL_SECONDS, due_webhooks, encode, job_event_body
+from jobs.queue_door.events import POLL_SECONDS, due_webhooks, encode, event_type, job_event_body
 from jobs.queue_door.webhook_post import post
 from jobs.records.db import Database, open_database
 from jobs.records.models import JobEvent, now
@@ -143,7 +143,7 @@ class WebhookSender:
                     body = encode(job_event_body(event, job, tenant.name, self.store_url))
                     chosen.append((Delivery(event.id, event.job_id, tenant.id, event.webhook_url,
                                             event.webhook_attempts, tenant.webhook_secret or "", body,
-                                            f"job.{event.status.value}"), tenant.name))
+                                            event_type(event)), tenant.name))
             if not chosen:
                 return []
             s.rollback()  # end the read (on SQLite the claim must be a write transaction of its own)

@@ -41,6 +41,10 @@ def _enum(cls) -> Enum:
     return Enum(cls, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
 
 
+# What a job event (``JobEvent.kind``) says: the job's status changed, or it was found at risk of missing its window
+STATUS_EVENT, AT_RISK_EVENT = "status", "at_risk"
+
+
 def now() -> float:
     return time.time()
 
@@ -124,6 +128,9 @@ class Job(Base):
     input_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     output_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     errors_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # When it was first found expected to finish after its window (``jobs.records.outbox.raise_at_risk``,
+    # which writes its at-risk event then); stays set once set
+    at_risk_at: Mapped[float | None] = mapped_column(Float)
 
 
 class RequestRow(Base):
@@ -322,7 +329,8 @@ class BrokerUser(Base):
 class JobEvent(Base):
     """The outbox: one row per change of a job's status, written by database triggers on ``jobs`` in
     the transaction that changes it (see ``jobs.queue_door.events``), with the job's counts and files as they
-    were then. The relay publishes it (``published_at``) and POSTs it to the job's webhook
+    were then; and one when a live job is first found at risk of missing its window
+    (``jobs.records.outbox.raise_at_risk``). The relay publishes it (``published_at``) and POSTs it to the job's webhook
     (``webhook_due_at`` is when the next try is due, None when there is none to make)."""
 
     __tablename__ = "job_events"
@@ -330,6 +338,8 @@ class JobEvent(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    # STATUS_EVENT (the triggers', which leave it to its default) or AT_RISK_EVENT; ``status`` is the job's then
+    kind: Mapped[str] = mapped_column(String(16), default=STATUS_EVENT, server_default=STATUS_EVENT)
     status: Mapped[JobStatus] = mapped_column(_enum(JobStatus))
     total: Mapped[int] = mapped_column(Integer)
     completed: Mapped[int] = mapped_column(Integer)
@@ -346,3 +356,4 @@ class JobEvent(Base):
     webhook_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     webhook_sent_at: Mapped[float | None] = mapped_column(Float)
     webhook_error: Mapped[str | None] = mapped_column(Text)
+    expected_finish_at: Mapped[float | None] = mapped_column(Float)  # an at-risk event's, when it was raised

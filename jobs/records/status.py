@@ -36,7 +36,7 @@ COLUMNS = {
     "error_file_id": "error_file_id", "message_id": "submit_message_id",
     "output_expires_after": "output_expires_after", "cached_tokens": "cached_tokens",
     "error_code": "error_code", "enqueued_tokens": "enqueued_tokens", "output_budget": "output_budget",
-    "finished_budget": "finished_budget",
+    "finished_budget": "finished_budget", "at_risk_at": "at_risk_at",
 }
 AT_RISK_MARGIN = 0.05  # of its window: a job expected to finish later than this before it ends is at risk
 FRESH = 30.0  # seconds: a worker's progress counts while its heartbeat is this recent (workers.GONE_AFTER)
@@ -85,6 +85,7 @@ class JobView:
     enqueued_tokens: int = 0  # what its lines not yet done hold of its tenant's token budget (jobs.records.budgets)
     output_budget: int = 0  # the output tokens its good lines may make (n x max_tokens each); 0: not kept
     finished_budget: int = 0  # the part of output_budget its finished requests held
+    at_risk_at: float | None = None  # when it was first found at risk and its at-risk event raised (outbox)
     tokens_in_flight: int = 0  # made so far by its requests running now, as live workers last said
 
     @classmethod
@@ -204,6 +205,7 @@ class JobView:
                                 "expected": self.expected_tokens},
             "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),
             "expected_finish_at": stamp(self.expected_finish_at), "at_risk": self.at_risk,
+            "at_risk_since": stamp(self.at_risk_at),
             **{f"{name}_at": stamp(getattr(self, f"{name}_at")) for name in (
                 "created", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired",
                 "expires")},
@@ -248,6 +250,16 @@ def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None 
         params[f"mv{i}"] = value
     query = _SELECT + (" WHERE " + " AND ".join(where) if where else "") + \
         " ORDER BY jobs.created_at DESC LIMIT :limit"
+    with db.engine.connect() as conn:
+        rows = conn.execute(text(query), params).mappings().all()
+    return [JobView.of_columns(row, row["tenant_name"]) for row in rows]
+
+
+def live_jobs_not_yet_at_risk(db: Database) -> list[JobView]:
+    """The validating and in-progress jobs whose at-risk event was never raised (``at_risk_at`` unset)."""
+    query = f"{_SELECT} WHERE jobs.status IN (:validating, :in_progress) AND jobs.at_risk_at IS NULL"
+    params = {"validating": JobStatus.VALIDATING.value, "in_progress": JobStatus.IN_PROGRESS.value,
+              "fresh": time.time() - FRESH}
     with db.engine.connect() as conn:
         rows = conn.execute(text(query), params).mappings().all()
     return [JobView.of_columns(row, row["tenant_name"]) for row in rows]

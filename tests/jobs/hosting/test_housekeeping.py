@@ -46,8 +46,9 @@ def test_chores_run_on_the_embedded_queue_only(tmp_path, tiny_llama_dir):
     assert chores(tiny_settings(tiny_llama_dir, broker_url=AMQP_URL, database_url="postgresql://x/y")) == []
     embedded = chores(_embedded(tmp_path, tiny_llama_dir))
     periods = {fn.__name__: period for period, fn in embedded}
-    assert set(periods) == {"reconcile", "expire", "expire_files", "checkpoint_gc", "queue_gc"}
-    assert periods["reconcile"] <= 10 and periods["expire"] <= 10 and periods["checkpoint_gc"] == 600
+    assert set(periods) == {"reconcile", "expire", "at_risk", "expire_files", "checkpoint_gc", "queue_gc"}
+    assert periods["reconcile"] <= 10 and periods["expire"] <= 10 and periods["at_risk"] <= 10
+    assert periods["checkpoint_gc"] == 600
     for _, chore in embedded:  # nothing to do, nothing raised
         chore()
 

@@ -1,6 +1,6 @@
 """Jobs submitted through RabbitMQ by a producer that is not berth's (pika, raw JSON bytes and AMQP
-properties), job events out on ``<prefix>.events``, bad messages answered with their reasons, and
-signed webhooks that wait for a receiver without holding the job up."""
+properties), job events out on ``<prefix>.events``, bad messages answered with their reasons,
+signed webhooks that wait for a receiver without holding the job up, and a job's at-risk event."""
 
 from __future__ import annotations
 
@@ -12,14 +12,18 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import jsonschema
 import pika
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from jobs import api
+from jobs.pipeline.submit import JobSpec, create_job
 from jobs.queue_door.contract import EVENT_SCHEMA, schema
-from jobs.queue_door.webhooks import SIGNATURE_HEADER, verify
+from jobs.queue_door.events import EventRelay
+from jobs.queue_door.webhooks import SIGNATURE_HEADER, WebhookSender, verify
 from jobs.records.db import open_database
+from jobs.records.job_files import JobFiles
 from jobs.records.models import Job, JobEvent, JobStatus
-from tests.support.jobs_env import read_jsonl, request_line, work_until_over, write_requests
+from jobs.records.outbox import raise_at_risk
+from tests.support.jobs_env import TINY_NAME, read_jsonl, request_line, work_until_over, write_requests
 from tests.support.processes import free_port
 from tests.support.rabbitmq import (
     EventTap,
@@ -217,6 +221,38 @@ def test_a_webhook_waits_for_its_receiver_without_holding_the_job_up(
         assert all(e.webhook_sent_at is not None and e.webhook_due_at is None
                    for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id)))
     assert attempts[JobStatus.VALIDATING] > 1  # it was tried while the receiver was down
+
+
+def test_a_job_at_risk_of_missing_its_window_raises_one_event_on_the_exchange_and_to_its_webhook(
+        tmp_path, tiny_llama_dir, pg_url, queue_prefix):
+    settings = door_settings(tmp_path, tiny_llama_dir, pg_url, queue_prefix, webhook_allow="127.0.0.1")
+    db = open_database(pg_url)
+    job_id = create_job(db, JobFiles(settings.storage_url), write_requests(tmp_path / "in.jsonl", 4), TINY_NAME,
+                        JobSpec(tenant="alice", completion_window="1h"), settings)
+    receiver, tap = WebhookReceiver(), EventTap(queue_prefix, "alice.job.at_risk")  # what alice's user may bind
+    try:
+        t = time.time()
+        with db.session() as s, s.begin():  # 50 minutes of its hour gone and 1 request of 4 done: 150 more to go
+            s.execute(update(Job).where(Job.id == job_id).values(
+                status=JobStatus.IN_PROGRESS, created_at=t - 3000, in_progress_at=t - 3000, expires_at=t + 600,
+                total=4, completed=1))
+            s.execute(update(Job).where(Job.id == job_id).values(webhook_url=f"http://127.0.0.1:{receiver.port}/h"))
+        assert raise_at_risk(db) == [job_id] and raise_at_risk(db) == []  # once
+        relay = EventRelay(settings, db)
+        assert relay.drain() == 3  # validating, in_progress, at_risk
+        relay.close()
+        tap.wait_for(lambda key, body: key == "alice.job.at_risk")
+        assert WebhookSender(settings, db).send_due() == 1  # only the at-risk event has its webhook
+        [(key, body, headers, properties)] = tap.of_job(job_id)
+    finally:
+        receiver.close()
+        tap.close()
+    assert _valid_event(body)["type"] == properties.type == "job.at_risk" and headers["tenant"] == "alice"
+    assert (body["status"], body["request_counts"]["completed"], body["expires_at"]) == ("in_progress", 1, t + 600)
+    assert body["expected_finish_at"] == pytest.approx(t + 9000, abs=60)  # 3 requests left at 3000 s each
+    [(post_headers, post_body, _)] = receiver.got
+    assert json.loads(post_body) == body and post_headers["X-Berth-Event"] == "job.at_risk"
+    assert verify(api.webhook_secret("alice", settings), post_body, post_headers[SIGNATURE_HEADER])
 
 
 def test_a_tenants_flood_of_refused_messages_and_slow_receiver_do_not_hold_up_another_tenants_webhook(
