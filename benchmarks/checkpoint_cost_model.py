@@ -68,7 +68,8 @@ def _state(prompt: int, generated: int, block_size: int) -> RequestCheckpoint:
                              params={"max_tokens": 1000, "temperature": 0.7, "seed": 1})
 
 
-def figures(row: Row, interval: int = 16, block_size: int = 16, mtbf: float = 6 * 3600.0) -> dict:
+def figures(row: Row, interval: int = 16, block_size: int = 16, mtbf: float = 6 * 3600.0,
+            min_seconds: float = 2.0) -> dict:
     R, r, P, N = row.running, row.tokens_per_second, row.prompt, row.output
     T = R * r  # worker tokens/s
     k = row.shape.kv_bytes_per_token
@@ -88,7 +89,7 @@ def figures(row: Row, interval: int = 16, block_size: int = 16, mtbf: float = 6 
     saved = rates.recompute_seconds(prompt_blocks, block_size) - rates.load_seconds(prompt_blocks, k * block_size)
     cost = rates.write_seconds(prompt_blocks * block_size * k, -(-prompt_blocks // RUN_BLOCKS))
     breakeven = -mtbf * math.log(1 - cost / saved) if 0 < cost < saved else math.inf  # seconds left for KV to pay
-    rounds = r / interval  # a round every `interval` steps
+    rounds = min(r / interval, 1 / min_seconds)  # a round every `interval` steps, at most one a min_seconds
     after_kv_puts = kv_tokens_per_second / (block_size * RUN_BLOCKS) if pays else 0.0
     after_puts = rounds + after_kv_puts
     after_bytes = rounds * segment_bytes + (k * kv_tokens_per_second if pays else 0.0)
