@@ -17,6 +17,7 @@ from tests.support.gguf_files import (
     write_gguf,
     write_metadata,
 )
+from tests.support.models import assert_config_equal
 from worker.model.base import ModelLoadError
 from worker.model.gguf.index import read_index
 from worker.model.gguf.loader import gguf_weights
@@ -43,19 +44,6 @@ def written(tmp_path_factory, smol_tokenizer_fields):
         path = tmp_path_factory.mktemp(case) / f"tiny-{case}.gguf"
         out[case] = model, path, write_gguf(path, model, arch, tokenizer=smol_tokenizer_fields)
     return out
-
-
-def assert_config_equal(ours, theirs):
-    assert ours.model_type == theirs.model_type  # berth's ModelConfig against transformers' class
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
-                  "bos_token_id", "eos_token_id", "pad_token_id",
-                  "sliding_window", "original_max_position_embeddings"):
-        assert getattr(ours, field, None) == getattr(theirs, field, None), field
-    assert bool(ours.attention_bias) == bool(getattr(theirs, "attention_bias", False))  # absent: no biases
-    heads = theirs.hidden_size // theirs.num_attention_heads  # what the model takes where a class has no head_dim
-    assert ours.head_dim == (getattr(theirs, "head_dim", None) or heads)
-    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)  # float32 in the file
 
 
 def assert_weights(loaded, model, expected, exact: bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 # The shape of every tiny test model: 2 layers, GQA 4:2, weights scaled up (initializer_range) so
@@ -43,3 +44,17 @@ def cut_prompts(text_ids: list[int], lengths: list[int], stride: int = 997) -> l
     """Prompts of the given lengths from different places of the text."""
     return [text_ids[(i * stride) % (len(text_ids) - n): (i * stride) % (len(text_ids) - n) + n]
             for i, n in enumerate(lengths)]
+
+
+def assert_config_equal(ours, theirs):
+    """berth's ``ModelConfig`` holds what transformers' config class of the family holds."""
+    assert ours.model_type == theirs.model_type  # berth's ModelConfig against transformers' class
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
+                  "bos_token_id", "eos_token_id", "pad_token_id",
+                  "sliding_window", "original_max_position_embeddings"):
+        assert getattr(ours, field, None) == getattr(theirs, field, None), field
+    assert bool(ours.attention_bias) == bool(getattr(theirs, "attention_bias", False))  # absent: no biases
+    heads = theirs.hidden_size // theirs.num_attention_heads  # what the model takes where a class has no head_dim
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or heads)
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)  # float32 in the file

@@ -5,9 +5,8 @@ in transformers' activations, hub kernels and torch.distributed), and a worker r
 crash pays it again. A GGUF file's header already holds every field, so ``gguf.loader`` fills this
 instead, with the values transformers' config class of the family would hold (``rope_parameters``
 normalised as transformers 5 does; ``tests/model/test_gguf_architectures.py`` compares the two field by
-field). A Hugging Face folder keeps transformers' own config class: its config.json can say more
-than this reads.
-"""
+field). A Hugging Face folder keeps transformers' own config class (its config.json can say more
+than this reads), but for a plain Llama (``safetensors_loader.plain_llama_config``)."""
 
 from __future__ import annotations
 
