@@ -212,13 +212,19 @@ class JobView:
         }
 
 
-def get_job(db: Database, job_id: str) -> JobView:
+def _views(db: Database, where: list[str], params: dict, tail: str = "") -> list[JobView]:
+    """The jobs ``_SELECT`` finds under every condition of ``where`` (then ``tail``: order, limit)."""
+    query = _SELECT + (" WHERE " + " AND ".join(where) if where else "") + tail
     with db.engine.connect() as conn:
-        row = conn.execute(text(f"{_SELECT} WHERE jobs.id = :job_id"),
-                           {"job_id": job_id, "fresh": time.time() - FRESH}).mappings().one_or_none()
-    if row is None:
+        rows = conn.execute(text(query), {**params, "fresh": time.time() - FRESH}).mappings().all()
+    return [JobView.of_columns(row, row["tenant_name"]) for row in rows]
+
+
+def get_job(db: Database, job_id: str) -> JobView:
+    found = _views(db, ["jobs.id = :job_id"], {"job_id": job_id})
+    if not found:
         raise JobNotFound(job_id)
-    return JobView.of_columns(row, row["tenant_name"])
+    return found[0]
 
 
 def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None = None, limit: int = 20, *,
@@ -226,7 +232,7 @@ def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None 
               input_name: str | None = None, cli_only: bool = False) -> list[JobView]:
     """The newest jobs first; each filter narrows: created in [``since``, ``until``) (epoch seconds), every
     ``metadata`` label equal, submitted from a file of that name (``cli_only``: by the CLI, not the API)."""
-    where, params = [], {"limit": limit, "fresh": time.time() - FRESH}
+    where, params = [], {"limit": limit}
     if tenant is not None:
         where.append("tenants.name = :tenant")
         params["tenant"] = tenant
@@ -248,21 +254,13 @@ def list_jobs(db: Database, tenant: str | None = None, status: JobStatus | None 
         where.append(_metadata_equals(db, i))
         params[f"mk{i}"] = key if db.engine.dialect.name == "postgresql" else '$."' + key.replace('"', '""') + '"'
         params[f"mv{i}"] = value
-    query = _SELECT + (" WHERE " + " AND ".join(where) if where else "") + \
-        " ORDER BY jobs.created_at DESC LIMIT :limit"
-    with db.engine.connect() as conn:
-        rows = conn.execute(text(query), params).mappings().all()
-    return [JobView.of_columns(row, row["tenant_name"]) for row in rows]
+    return _views(db, where, params, " ORDER BY jobs.created_at DESC LIMIT :limit")
 
 
 def live_jobs_not_yet_at_risk(db: Database) -> list[JobView]:
     """The validating and in-progress jobs whose at-risk event was never raised (``at_risk_at`` unset)."""
-    query = f"{_SELECT} WHERE jobs.status IN (:validating, :in_progress) AND jobs.at_risk_at IS NULL"
-    params = {"validating": JobStatus.VALIDATING.value, "in_progress": JobStatus.IN_PROGRESS.value,
-              "fresh": time.time() - FRESH}
-    with db.engine.connect() as conn:
-        rows = conn.execute(text(query), params).mappings().all()
-    return [JobView.of_columns(row, row["tenant_name"]) for row in rows]
+    return _views(db, ["jobs.status IN (:validating, :in_progress)", "jobs.at_risk_at IS NULL"],
+                  {"validating": JobStatus.VALIDATING.value, "in_progress": JobStatus.IN_PROGRESS.value})
 
 
 def _metadata_equals(db: Database, i: int) -> str:
