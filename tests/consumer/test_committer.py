@@ -117,3 +117,40 @@ def test_a_few_outcomes_wait_for_more_and_are_committed_together(ledger, monkeyp
     assert len(committed(committer.GATHER_COUNT)) == committer.GATHER_COUNT and time.monotonic() - t0 < 0.25
     c.close(flush=True, timeout=5)
     assert [ids for kind, ids in ledger.events] == [[1], [2, 3, 4], list(range(5, 5 + committer.GATHER_COUNT))]
+
+
+def test_a_stop_while_an_outcome_is_being_committed_hands_back_none_of_it(ledger, broker):
+    """A finished request whose outcome the committer holds has run: a stop's drain, which hands back
+    the requests no step has run yet, must not take it for one (its KV freed, it computes no token), or
+    its attempt is released and its message requeued while its result commits: a result with no
+    delivery counted (seen as ``attempts 0`` in tests/system/test_outages.py on a busy machine)."""
+    ledger.rows[1] = Row("batch_a", params=SamplingParams(max_tokens=1, temperature=0))
+    ledger.rows[2] = Row("batch_a", params=SamplingParams(max_tokens=30, temperature=0))
+    for i in (1, 2):
+        broker.publish_request(i, "batch_a")
+    gate, held = threading.Event(), threading.Event()
+    record = ledger.record
+
+    def held_record(outcomes, worker):  # request 1's commit waits until the stop has begun its drain
+        if not gate.is_set():
+            held.set()
+            gate.wait(10)
+        return record(outcomes, worker)
+
+    ledger.record = held_record
+    worker = make_worker(ledger, broker)
+    stopped_at = []
+
+    def stop_while_held(call: int) -> None:
+        if held.is_set() and not stopped_at:
+            worker.stop()
+            stopped_at.append(call)
+        elif stopped_at and call > stopped_at[0] + 2:
+            gate.set()
+
+    run_until_done(worker, ledger, [1, 2], hook=stop_while_held)
+    assert stopped_at and gate.is_set()
+    assert ledger.rows[1].outcome is not None and ledger.rows[2].outcome is not None
+    assert [ledger.rows[1].attempts, ledger.rows[2].attempts] == [1, 1]
+    assert not broker.requeued
+    assert sorted(e[1] for e in ledger.events if e[0] == "ack") == [1, 2]

@@ -351,10 +351,13 @@ class FakeEngine:
                 continue
             out = self.tokens[rid][0]
             out.append(7)
-            request.sequences[0].token_ids.append(7)
+            seq = request.sequences[0]
+            seq.token_ids.append(7)
+            seq.num_computed_tokens = len(seq.token_ids) - 1
             self.stats.output_tokens += 1
             if len(out) >= request.params.max_tokens:
                 del self.requests[rid]
+                seq.num_computed_tokens = 0  # its KV blocks freed, as the engine's block manager does
                 outputs.append(RequestOutput(rid, request.prompt_token_ids,
                                              [Completion(0, list(out), "x" * len(out), "length")]))
         return outputs

@@ -65,7 +65,8 @@ class Inflight:
 
     @property
     def started(self) -> bool:
-        return any(s.num_computed_tokens for s in self.request.sequences)
+        """An engine step has run it. A finished one has (its KV freed, it counts no computed token)."""
+        return self.finishing or any(s.num_computed_tokens for s in self.request.sequences)
 
 
 class EngineWorker:
