@@ -119,6 +119,7 @@ class Engine:
         self.speculation = SpeculationPolicy(settings.speculation, settings.speculation_max_running,
                                              self.max_model_len, settings.block_size,
                                              settings.max_num_batched_tokens, self.long_rope_from is None)
+        self._last_decode_end: float | None = None  # when the last step, a decode step, ended
         log.info("engine ready (%.1fs since the process started)", seconds_since_start())
 
     # ---- requests in and out
@@ -277,6 +278,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if drafts.seqs:
             _fit_drafts(drafts, plan, self.block_manager)
+        decoding = bool(plan.scheduled) and all(n == 1 + len(seq.draft) and seq.num_computed_tokens
+                                                >= seq.num_prompt_tokens for seq, n in plan.scheduled)
         try:
             done, launched = self._launch(plan, self.scheduler, previous)
         except StepFailed as failed:  # the tokens before it first: the failure sets its sequences back
@@ -294,8 +297,12 @@ class Engine:
                 self._in_flight = launched
             else:
                 outputs += self._resolve(launched)
-        self.pace.observe(plan, time.perf_counter() - t0)
+        end = time.perf_counter()
+        self.pace.observe(plan, end - t0)
         self.scheduler.interactive_step_tokens = self.pace.tokens
+        if decoding and self._last_decode_end is not None:  # what a step of so many rows costs, for speculation
+            self.speculation.observe(plan.num_tokens, end - self._last_decode_end)
+        self._last_decode_end = end if decoding else None  # a gap (idle, a prefill) is no decode step's cost
         return outputs
 
     # ---- isolation

@@ -90,3 +90,58 @@ def test_steps_with_drafts_keep_to_few_row_counts():
 
     assert [excess_rows(r, 16) for r in (1, BUCKET, BUCKET + 3, 3 * BUCKET, 3 * BUCKET + 5)] == [0, 0, 3, 0, 5]
     assert excess_rows(3 * BUCKET + 5, 4) == 0  # too few draft tokens to reach the bucket: left as it is
+
+
+def test_the_step_cost_is_fitted_from_steps_of_different_sizes():
+    from worker.engine.speculative.step_cost import StepCost
+
+    cost = StepCost()
+    for _ in range(20):
+        cost.observe(16, 0.028 + 0.0018 * 16)
+    assert cost.fit() is None  # one size only: a and b cannot be told apart
+    for rows in [1, 4, 8, 16, 24, 32] * 5:
+        cost.observe(rows, 0.028 + 0.0018 * rows)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.028, rel=1e-6) and b == pytest.approx(0.0018, rel=1e-6)
+    for rows in [1, 4, 8, 16, 24, 32] * 60:  # the machine got slower: the old steps are forgotten
+        cost.observe(rows, 2 * (0.028 + 0.0018 * rows))
+    a, b = cost.fit()
+    assert a == pytest.approx(0.056, rel=0.01) and b == pytest.approx(0.0036, rel=0.01)
+
+
+def _fitted(a: float, b: float, max_running: int = 64) -> SpeculationPolicy:
+    policy = SpeculationPolicy("auto", max_running=max_running, max_model_len=1000, block_size=4,
+                               max_num_batched_tokens=4096)
+    for rows in [1, 8, 16, 32, 64] * 4:
+        policy.observe(rows, a + b * rows)
+    return policy
+
+
+def _drafted(policy: SpeculationPolicy, running: int, acceptance: float = 0.9) -> list[int]:
+    seqs = [_decoding(SamplingParams(temperature=0, max_tokens=50), REPEATS, [1, 2]) for _ in range(running)]
+    for seq in seqs:
+        seq.spec = DraftState(accepted=acceptance, tried=1.0)
+    policy.draft(seqs, free_blocks=10_000)
+    return [len(seq.draft) for seq in seqs]
+
+
+def test_auto_drafts_what_the_measured_step_cost_pays_for_without_a_cliff():
+    """On a CPU (a step of the default model: 28 ms plus 1.8 ms a row) drafts shrink token by token as
+    more sequences run; on a device whose rows cost little beside the step (a GPU's decode), many
+    sequences still draft their longest; drafts that fail are not drafted however cheap."""
+    cpu = _fitted(0.028, 0.0018)
+    per_seq = [sum(_drafted(cpu, r)) / r for r in (1, 2, 4, 8, 16, 24, 32, 48, 64)]
+    assert per_seq[0] == MAX_K and per_seq[-1] < 2.5, per_seq
+    assert all(a >= b for a, b in zip(per_seq, per_seq[1:])), per_seq
+    assert all(a - b <= 2.5 for a, b in zip(per_seq, per_seq[1:])), per_seq  # steps, not a cliff
+
+    def rate(running: int, k: int, a: float = 0.028, b: float = 0.0018, p: float = 0.9) -> float:
+        return running * sum(p ** j for j in range(k + 1)) / (a + b * running * (k + 1))
+
+    for running in (8, 24, 64):  # the chosen k does as well as the best uniform k
+        ks = _drafted(cpu, running)
+        best = max(rate(running, k) for k in range(MAX_K + 1))
+        assert rate(running, round(sum(ks) / running)) >= 0.97 * best, (running, ks)
+    gpu = _fitted(0.007, 0.000005)
+    assert _drafted(gpu, 64) == [MAX_K] * 64
+    assert _drafted(gpu, 8, acceptance=0.05) == [0] * 8

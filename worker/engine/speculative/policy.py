@@ -1,15 +1,21 @@
 """When to speculate and how far, decided each step (``Settings.speculation``): "off", "ngram:K" (every
 sequence that may draft K tokens each step, for tests and measurement) or "auto".
 
-Auto speculates where a step is memory-bound and drafts are accepted. A decode step streams every weight
-for a handful of tokens when few sequences run (a job's tail), and scoring a few more tokens per sequence
-costs little more; with many running the step is compute-bound and every draft token costs as much as a
-decoded one (vLLM #17984, #27379: n-gram slower at batch 32). So a draft token must pay: with a
-sequence's measured acceptance ``p`` (per draft token, given the ones before it were accepted), its
-j-th draft token is kept with probability ``p ** j``, and the policy drafts while that is at least a
-bar that rises with the running sequences, from ``BAR_ONE`` with one running to 1 at
-``max_running``: k = floor(log bar / log p), at most ``MAX_K``. k shrinks step by step as the batch grows
-and acceptance falls, so there is no cliff where speculation turns off (vLLM #49548).
+Auto speculates where a draft token pays for itself. A decode step streams every weight for a handful of
+tokens when few sequences run (a job's tail), and scoring a few more tokens per sequence costs little
+more; with many running the step is compute-bound and every draft token costs as much as a decoded one
+(vLLM #17984, #27379: n-gram slower at batch 32). So a draft token must pay, judged from what steps cost
+here and what drafts are accepted: a step of ``rows`` rows takes ``a + b * rows`` seconds
+(``step_cost.StepCost``, fitted from the steps' own times); a sequence's j-th draft token is kept with
+probability ``p ** j`` (``p``, its measured acceptance per draft token, given the ones before it were
+accepted) and costs ``b``. Draft tokens are taken most likely first while each adds more expected tokens
+than the step's tokens per second would give for its cost (``p ** j * S >= b * T``, with ``T`` the step's
+expected tokens and ``S`` its seconds so far): the most tokens a second this cost model gives. k thus
+shrinks token by token as the batch grows and acceptance falls, with no cliff where speculation turns off
+(vLLM #49548), and on a device whose steps cost nearly the same for 1 and 64 rows (a GPU's decode) it
+drafts at batch sizes a CPU would not. Until the fit has seen steps of different sizes, a bar rising with
+the running sequences stands in for it (from ``BAR_ONE`` with one running to 1 at ``max_running``);
+``max_running`` caps auto in either case.
 
 Acceptance is counted per sequence, decayed each time it is verified (``DECAY``), from an optimistic
 prior; a sequence whose drafts fail stops drafting, and its estimate creeps back up while it does not
@@ -25,15 +31,18 @@ engine would without drafts (``worker.engine.speculative.verifier``).
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from dataclasses import dataclass, field
 
 from worker.engine.request import SeqStatus, Sequence
 from worker.engine.speculative.proposer import NgramIndex
+from worker.engine.speculative.step_cost import StepCost
 
 MAX_K = 8  # auto's longest draft
-BAR_ONE = 0.3  # the acceptance a draft token needs with one sequence running
+BAR_ONE = 0.3  # the acceptance a draft token needs with one sequence running (before the cost is fitted)
+LEAST_CHANCE = 0.1  # a draft token less likely than this to be kept is never drafted, however cheap
 DECAY = 0.8  # of the acceptance counts, at each verification
 PRIOR = (3.0, 4.0)  # accepted, tried: an optimistic start (p = 0.75)
 RECOVERY = 0.02  # accepted and tried added each step a sequence does not draft for its estimate
@@ -97,31 +106,40 @@ class SpeculationPolicy:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enabled = self.mode != "off" and rope_fixed  # longrope: a switch of factors recomputes everything
+        self.cost = StepCost()  # the engine tells it each decode step's time (``observe``)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step (no prompt tokens in it) of ``rows`` rows, drafts included, took ``seconds``."""
+        if self.mode == "auto" and self.enabled:
+            self.cost.observe(rows, seconds)
 
     def draft(self, running: list[Sequence], free_blocks: int) -> Drafts:
         """Give this step's drafts to the running sequences that should speculate."""
         if not self.enabled or not running or (self.mode == "auto" and len(running) > self.max_running):
             return Drafts([])
-        bar = BAR_ONE + (1 - BAR_ONE) * (len(running) - 1) / self.max_running
-        blocks_left = free_blocks - len(running)  # each running sequence's next token may need a block
         tokens_left = self.max_num_batched_tokens - len(running)
-        bs = self.block_size
-        drafted, keep_on_host = [], False
+        proposed: list[tuple[Sequence, list[int]]] = []
         for seq in running:
             if not self._may_draft(seq):
                 continue
             state = seq.spec = seq.spec or DraftState()
-            k = self.k if self.mode == "ngram" else self._auto_k(state.acceptance, bar)
-            if k == 0:
-                state.accepted += RECOVERY
-                state.tried += RECOVERY
-                continue
             # never past max_tokens or the model's length with the bonus token, never over the step's room
-            k = min(k, seq.request.params.max_tokens - seq.num_output_tokens - 1,
+            k = min(self.k, seq.request.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1, tokens_left)
-            if k < 1:
+            draft = state.index.propose(seq.token_ids, k) if k >= 1 else []
+            if draft:
+                proposed.append((seq, draft))
+        ks = ([len(d) for _, d in proposed] if self.mode == "ngram"
+              else self._auto_ks([(seq.spec.acceptance, len(d)) for seq, d in proposed], len(running)))
+        blocks_left = free_blocks - len(running)  # each running sequence's next token may need a block
+        bs = self.block_size
+        drafted, keep_on_host = [], False
+        for (seq, draft), k in zip(proposed, ks):
+            if k == 0:  # not worth it now: its estimate creeps back up meanwhile
+                seq.spec.accepted += RECOVERY
+                seq.spec.tried += RECOVERY
                 continue
-            draft = state.index.propose(seq.token_ids, k)
+            draft = draft[:min(k, tokens_left)]
             if not draft:
                 continue
             if seq.inflight:  # its newest token is on the device: it drafts next step, read on the host
@@ -142,6 +160,30 @@ class SpeculationPolicy:
         return (seq.status is SeqStatus.RUNNING and not seq.finishing and not p.penalized
                 and p.structured is None and p.embedding is None and seq.matcher is None
                 and seq.num_output_tokens >= 1 and seq.num_computed_tokens == seq.num_tokens - 1)
+
+    def _auto_ks(self, drafts: list[tuple[float, int]], running: int) -> list[int]:
+        """Each proposed draft's length to score, from its sequence's acceptance and its length: the draft
+        tokens that pay, most likely first (the module's doc)."""
+        fit = self.cost.fit()
+        if fit is None:
+            bar = BAR_ONE + (1 - BAR_ONE) * (running - 1) / self.max_running
+            return [min(n, self._auto_k(p, bar)) for p, n in drafts]
+        a, b = fit
+        tokens, seconds = float(running), a + b * running
+        ks = [0] * len(drafts)
+        chances = [min(p, 1.0) for p, _ in drafts]
+        heap = [(-p, i) for i, p in enumerate(chances) if p >= LEAST_CHANCE]
+        heapq.heapify(heap)
+        while heap:
+            value, i = heapq.heappop(heap)
+            value = -value
+            if value < LEAST_CHANCE or value * seconds < b * tokens:
+                break
+            ks[i] += 1
+            tokens, seconds = tokens + value, seconds + b
+            if ks[i] < min(drafts[i][1], MAX_K):
+                heapq.heappush(heap, (-value * chances[i], i))
+        return ks
 
     @staticmethod
     def _auto_k(p: float, bar: float) -> int:
