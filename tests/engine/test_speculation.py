@@ -199,3 +199,53 @@ def test_seeded_samples_are_the_same_tokens_with_drafts(tiny_loaded, text_ids, o
     # and alone: a request's text does not depend on what ran beside it
     alone = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
     assert _texts(alone.generate(prompts[1:2], params[1:2])) == _texts(reference[1:2])
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory, smol_tokenizer):
+    """A random model of 16 tokens (the default tokenizer's first 16 ids), its weights large enough that its
+    distributions are far from uniform and it repeats itself: prompt lookup's drafts are kept now and then."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.support.models import save_tiny_model
+    from worker.model.loader import load_model
+
+    path = save_tiny_model(LlamaConfig, LlamaForCausalLM, smol_tokenizer, tmp_path_factory.mktemp("small-vocab"),
+                           vocab_size=16, tie_word_embeddings=False, initializer_range=0.3)
+    import torch
+
+    return load_model(str(path), torch.float32)
+
+
+CHI2_15_AT_0001 = 37.70  # the chi-square distribution's upper 0.1% point, 15 degrees of freedom (16 tokens)
+
+
+def test_sampled_tokens_keep_the_models_distribution_with_drafts(small_vocab):
+    """Must-show 4: over many seeded draws at temperature 1, the tokens at each output position are drawn
+    from the same distribution with drafts (ngram:3, verified by the engine's rejection rule) as without
+    them, by a chi-square test of the two samples (different seeds, so the samples are independent); and a
+    seeded request's text is the same in two runs. A verifier that kept drafts more often than the model
+    would draw them (each draft kept, say) fails it: the prompt's continuation wins every position."""
+    prompt, draws, length = [3, 4, 5, 6] * 6, 600, 8
+
+    def sample(spec: str, seeds: range) -> tuple[list[list[int]], Engine]:
+        engine = Engine(loaded=small_vocab, speculation=spec, kv_memory="64MiB")
+        outputs = engine.generate([prompt] * len(seeds), [SamplingParams(max_tokens=length, temperature=1.0, seed=s,
+                                                                         ignore_eos=True) for s in seeds])
+        return [o.completions[0].token_ids for o in outputs], engine
+
+    off, _ = sample("off", range(draws))
+    on, engine = sample("ngram:3", range(draws, 2 * draws))
+    _spoke(engine)
+    assert engine.stats.acceptance_rate < 0.5  # drafts refused as well as kept: both ways of the rule ran
+    for position in range(length):
+        a = [0] * 16
+        b = [0] * 16
+        for tokens in off:
+            a[tokens[position]] += 1
+        for tokens in on:
+            b[tokens[position]] += 1
+        chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b) if x + y)  # two samples of equal size
+        assert chi2 < CHI2_15_AT_0001, (position, chi2, a, b)
+    again, _ = sample("ngram:3", range(draws, draws + 20))
+    assert again == on[:20]
