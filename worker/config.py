@@ -204,13 +204,13 @@ class Settings(BaseModel):
         "off", "Speculative decoding (worker/engine/speculative/): draft tokens from each sequence's own prompt and "
         "output (prompt lookup: what followed the longest recent n-gram match), scored in the same step as its "
         "next token, the longest accepted prefix kept (outputs, greedy or seeded, are the same tokens). auto: decided "
-        "each "
-        "step, only while at most speculation_max_running sequences run, each drafting as many tokens (up to 8) "
-        "as its measured acceptance pays for; ngram:K: every sequence that may, K tokens each step; off: none. "
+        "each step, only while at most speculation_max_running sequences run, each drafting as many tokens (up "
+        "to 8) as pay for their rows at the step cost and acceptance measured on this device; ngram:K: every sequence that may, K tokens each step; off: none. "
         "Requests without a grammar or penalties speculate; others decode as ever.", cli="engine")
     speculation_max_running: int = setting(
-        16, "With speculation auto, the most running sequences a step may speculate with: above it, the step is "
-        "compute-bound and draft tokens cost as much as decoded ones. Fewer running, longer drafts.", cli="engine")
+        64, "With speculation auto, the most running sequences a step may speculate with. Beneath it, auto drafts "
+        "only the tokens that pay for their rows at the step costs it measures: fewer running, longer drafts.",
+        cli="engine")
     max_model_len: int = setting(0, "The most tokens (prompt and output) of one request; 0: the model's "
                                  "context length.")
 
