@@ -9,6 +9,7 @@ import torch
 from tests.support.models import cut_prompts
 from worker.engine.engine import Engine
 from worker.engine.request import SamplingParams
+from worker.engine.speculative.verifier import row_offsets
 
 NEW_TOKENS = 64
 LENGTHS = [1, 2, 7, 15, 16, 17, 31, 33, 64, 100, 129, 200, 255, 300, 450, 600]
@@ -28,8 +29,10 @@ def run_capturing_logits(engine: Engine, prompts, params):
 
     def spy(logits, samplers, scheduler):
         kept = logits.clone()
-        for row, seq in zip(kept, samplers):
-            captured[(seq.request.request_id, seq.num_tokens)] = row
+        # a sequence verifying drafts has a row for each (speculation): the j-th is position num_tokens + j;
+        # a row past a rejected draft is written again by the step that samples its position
+        for row, seq, offset in zip(kept, samplers, row_offsets(samplers)):
+            captured[(seq.request.request_id, seq.num_tokens + offset)] = row
         return original(logits, samplers, scheduler)
 
     engine._sampling_rows = spy
