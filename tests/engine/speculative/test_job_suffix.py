@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from worker.engine.speculative.job_suffix import MIN_MATCH, JobSuffixIndex, SuffixTrie
+from worker.engine.speculative.job_suffix import MIN_MATCH, PROMPT_TAIL, JobSuffixIndex, SuffixTrie
 
 
 def test_the_longest_match_then_the_most_frequent_path():
@@ -24,6 +24,22 @@ def test_the_longest_match_then_the_most_frequent_path():
     assert p.tokens == [5, 6] and p.matched == 3 and p.confidence == 1.0
     assert trie.propose([50, 2, 3, 4], 1).tokens == [5]
     assert trie.propose([50, 2, 3, 4], 0).tokens == []
+
+
+def test_the_longest_of_many_matches_wins():
+    trie = SuffixTrie(max_match=8)
+    trie.feed([1, 2, 3, 4, 5, 6, 7, 8, 100])
+    for _ in range(2):
+        trie.feed([3, 4, 5, 6, 7, 8, 300])
+    for _ in range(3):
+        trie.feed([5, 6, 7, 8, 200])
+    # each longer match has another most frequent continuation: the search finds the longest
+    assert trie.propose([1, 2, 3, 4, 5, 6, 7, 8], 1) == trie.propose([9, 1, 2, 3, 4, 5, 6, 7, 8], 1)
+    assert trie.propose([1, 2, 3, 4, 5, 6, 7, 8], 1).tokens == [100]
+    assert trie.propose([1, 2, 3, 4, 5, 6, 7, 8], 1).matched == 8
+    assert trie.propose([0, 3, 4, 5, 6, 7, 8], 1).tokens == [300]
+    assert trie.propose([0, 0, 0, 5, 6, 7, 8], 1).tokens == [200]
+    assert trie.propose([0, 0, 0, 0, 0, 7, 8], 1).tokens == [200]
 
 
 def test_a_match_shorter_than_the_minimum_proposes_nothing():
@@ -121,6 +137,17 @@ def test_jobs_are_capped_oldest_fed_first_and_keys_never_cross():
     index.feed("c", "job", [1, 2, 8])
     assert len(index) == 2 and index.trie("b", "job") is None
     assert index.propose("a", "job", [1, 2], 3).tokens == [3, 4, 5]
+
+
+def test_a_prompts_tail_is_fed():
+    index = JobSuffixIndex()
+    prompt = [5, 6] + list(range(100, 100 + PROMPT_TAIL))
+    index.feed_prompt("a", "j", prompt)
+    assert index.propose("a", "j", [1, 5, 6], 2).tokens == []  # its head was not fed
+    assert index.propose("a", "j", [1, 100, 101], 2).tokens == [102, 103]
+    index.feed("a", "j", prompt + [7, 8], len(prompt))  # the output, after the tail fed
+    assert index.propose("a", "j", [1, 100 + PROMPT_TAIL - 1], 2).tokens == []  # one token: too short
+    assert index.propose("a", "j", [1, 100 + PROMPT_TAIL - 2, 100 + PROMPT_TAIL - 1], 2).tokens == [7, 8]
 
 
 def test_a_node_costs_the_bytes_the_docstring_bounds():

@@ -6,7 +6,8 @@ job's tail (few sequences running, the step memory-bound) gains most.
 ``JobSuffixIndex`` keeps one ``SuffixTrie`` per ``(tenant, job)``: a request reads and feeds only its own
 tenant's and job's trie, so no tenant's text ever drafts another tenant's tokens (a job id is the tenant's
 own name, two tenants may use the same one). A request of no job (``Request.job`` None: interactive ones)
-neither feeds nor reads. A request's prompt is fed when it is added, each finished sample's output when
+neither feeds nor reads. A request's prompt is fed when it is added (its last ``PROMPT_TAIL`` tokens: a
+long head shared by a job's lines would cost each line a walk of it), each finished sample's output when
 its request finishes (with the prompt's last tokens as left context, so that no span is counted twice).
 
 The trie holds every span of at most ``depth`` tokens of the text fed, each node counting how often its
@@ -37,6 +38,7 @@ MIN_MATCH = 2  # a shorter match proposes nothing
 MIN_SHARE = 0.1  # a draft stops before a child seen less often than this share of its parent
 MAX_NODES = 1 << 16  # nodes of one job's trie
 MAX_JOBS = 16  # tries kept, the one fed longest ago dropped first
+PROMPT_TAIL = 1024  # a prompt's last tokens fed: a line's own text is in its own n-grams, a long shared head costs
 CONFIDENT = 0.5  # a proposal this sure and matching more than a sequence's own n-grams may is preferred to theirs
 _ROOT = 0
 
@@ -169,6 +171,10 @@ class JobSuffixIndex:
         else:
             self._tries.move_to_end(key)
         trie.feed(tokens, new_from)
+
+    def feed_prompt(self, tenant: str, job: str | None, prompt: list[int]) -> None:
+        """Feed a request's prompt, its last ``PROMPT_TAIL`` tokens (``feed``)."""
+        self.feed(tenant, job, list(prompt[-PROMPT_TAIL:]))
 
     def propose(self, tenant: str, job: str | None, tokens: list[int], k: int) -> Proposal:
         """The job's trie's proposal (``SuffixTrie.propose``); none for a request of no job or a job unseen."""
