@@ -90,3 +90,28 @@ def test_steps_with_drafts_keep_to_few_row_counts():
 
     assert [excess_rows(r, 16) for r in (1, BUCKET, BUCKET + 3, 3 * BUCKET, 3 * BUCKET + 5)] == [0, 0, 3, 0, 5]
     assert excess_rows(3 * BUCKET + 5, 4) == 0  # too few draft tokens to reach the bucket: left as it is
+
+
+def test_the_jobs_index_drafts_where_the_sequences_own_ngrams_match_less():
+    policy, greedy = _policy("ngram:4"), SamplingParams(temperature=0, max_tokens=50)
+    policy.jobs.feed("t", "j", [40, 41, 42, 43, 44, 45, 46, 47, 48])
+
+    def line(prompt, output, tenant="t", job="j"):
+        seq = _decoding(greedy, prompt, output)
+        seq.request.tenant, seq.request.job = tenant, job
+        return seq
+
+    rows = {"own none": line([1, 2, 3], [42, 43]),  # its own n-grams have nothing: the job's
+            "job longer": line([44, 99, 7, 40], [41, 42, 43, 44]),  # own (44,) vs the job's 5 tokens
+            "job as long": line([43, 99, 7], [41, 42, 43]),  # own (43,) vs the job's 3: no more than its own may
+            "other tenant": line([1, 2, 3], [42, 43], tenant="u"),
+            "no job": line([1, 2, 3], [42, 43], job=None)}
+    drafts = _policy_draft(policy, rows)
+    assert drafts == {"own none": ([44, 45, 46, 47], True), "job longer": ([45, 46, 47, 48], True),
+                      "job as long": ([99, 7, 41, 42], False), "other tenant": ([], False), "no job": ([], False)}
+    assert _policy("off").jobs is None  # speculation off: no index kept, nothing fed
+
+
+def _policy_draft(policy: SpeculationPolicy, rows: dict[str, Sequence]) -> dict[str, tuple[list[int], bool]]:
+    policy.draft(list(rows.values()), free_blocks=100)
+    return {name: (seq.draft, seq.spec.from_job) for name, seq in rows.items()}
