@@ -202,10 +202,12 @@ class Settings(BaseModel):
         "only what interactive work leaves of the bound, which many streams leave none of.", cli="engine")
     speculation: str = setting(
         "off", "Speculative decoding (worker/engine/speculative/): draft tokens from each sequence's own prompt and "
-        "output (prompt lookup: what followed the longest recent n-gram match), scored in the same step as its "
-        "next token, the longest accepted prefix kept (outputs, greedy or seeded, are the same tokens). auto: decided "
-        "each step, only while at most speculation_max_running sequences run, each drafting as many tokens (up "
-        "to 8) as pay for their rows at the step cost and acceptance measured on this device; ngram:K: every sequence that may, K tokens each step; off: none. "
+        "output (prompt lookup: what followed the longest recent n-gram match) and from the earlier prompts and "
+        "outputs of the same tenant's same job (a suffix trie per job, a few jobs kept), scored in the same step as "
+        "its next token, the longest accepted prefix kept (outputs, greedy or seeded, are the same tokens). auto: "
+        "decided each step, only while at most speculation_max_running sequences run, each drafting as many tokens "
+        "(up to 8) as pay for their rows at the step cost and acceptance measured on this device; ngram:K: every "
+        "sequence that may, K tokens each step; off: none. "
         "Requests without a grammar or penalties speculate; others decode as ever.", cli="engine")
     speculation_max_running: int = setting(
         64, "With speculation auto, the most running sequences a step may speculate with. Beneath it, auto drafts "

@@ -249,3 +249,72 @@ def test_sampled_tokens_keep_the_models_distribution_with_drafts(small_vocab):
         assert chi2 < CHI2_15_AT_0001, (position, chi2, a, b)
     again, _ = sample("ngram:3", range(draws, draws + 20))
     assert again == on[:20]
+
+
+def _run(engine: Engine, requests: list[Request]) -> list:
+    """Add ``requests`` and step until they are done; their outputs in their order."""
+    for request in requests:
+        engine.add_request(request)
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out) for out in engine.step())
+    return [done[request.request_id] for request in requests]
+
+
+def _job_prompts(text_ids: list[int], shifted: bool = False) -> list[list[int]]:
+    """A job's lines: passages of the same text; ``shifted``, each begins a token later (the same last tokens,
+    another context: the model may go on otherwise, and the job's drafts are refused)."""
+    return [text_ids[60 * i + shifted:60 * i + 30] for i in range(4)]
+
+
+def _job_params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=(24, 16, 20, 24)[i % 4], temperature=0.0, ignore_eos=True,
+                          logprobs=2 if i % 4 == 1 else None, n=2 if i % 4 == 2 else 1)
+
+
+def _job_requests(prefix: str, prompts: list[list[int]], tenant: str = "t") -> list[Request]:
+    return [Request(f"{prefix}{i}", p, _job_params(i), tenant=tenant, job="j") for i, p in enumerate(prompts)]
+
+
+def test_a_jobs_earlier_outputs_draft_its_later_lines_and_the_outputs_stay_the_same(tiny_loaded, text_ids):
+    """The tiny random model never repeats itself, so a sequence's own n-grams draft next to nothing; the
+    job's earlier lines' outputs do (its suffix index, speculative/job_suffix.py). Its drafts are accepted,
+    and refused where a line's context differs; greedy outputs are those without drafts."""
+    waves = [_job_prompts(text_ids), _job_prompts(text_ids) + _job_prompts(text_ids, shifted=True)]
+    off = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB")
+    on = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+    for w, prompts in enumerate(waves):
+        expected = _texts(_run(off, _job_requests(f"{w}-", prompts)))
+        assert _texts(_run(on, _job_requests(f"{w}-", prompts))) == expected
+        if w == 0:
+            assert on.stats.job_draft_tokens == 0  # nothing of the job had finished: its index had no output
+    _spoke(on)
+    s = on.stats
+    assert s.job_accepted_tokens > 0, "no draft of the job's index was accepted: the test lost its point"
+    assert s.job_accepted_tokens < s.job_draft_tokens  # the shifted lines' drafts were refused, some of them
+    assert s.job_accepted_tokens > (s.accepted_tokens - s.job_accepted_tokens)  # the job's index drafted most
+    assert off.stats.draft_tokens == 0 and off.speculation.jobs is None  # off: nothing kept
+
+
+def test_a_tenants_job_never_drafts_another_tenants_tokens(tiny_loaded, text_ids):
+    """Two tenants, the same job id, the same prompts: tenant b's lines draft nothing from tenant a's outputs
+    (which, the model greedy, would be accepted whole); a's later lines do draft from them."""
+    prompts, engine = _job_prompts(text_ids), Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+
+    def run(tenant: str, wave: int) -> list:
+        return _run(engine, _job_requests(f"{tenant}{wave}-", prompts, tenant))
+
+    first = _texts(run("a", 0))
+    proposals, propose = [], engine.speculation.jobs.propose
+
+    def watched(tenant, job, tokens, k):
+        proposal = propose(tenant, job, tokens, k)
+        proposals.append((tenant, proposal.tokens))
+        return proposal
+
+    engine.speculation.jobs.propose = watched
+    assert _texts(run("b", 0)) == first
+    assert proposals and {t for t, _ in proposals} == {"b"}
+    assert engine.stats.job_draft_tokens == 0 and not any(tokens for _, tokens in proposals), proposals
+    assert _texts(run("a", 1)) == first
+    assert engine.stats.job_accepted_tokens > 0, "tenant a's own job never drafted: the test lost its point"

@@ -115,7 +115,8 @@ class Engine:
         self.overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto" and (
             bool(settings.simulated_device) or self.device.type == "cuda"))
         self._in_flight: LaunchedStep | None = None  # the step whose tokens the host has not read yet
-        # Drafts from each sequence's own tokens, verified in the step (worker/engine/speculative/)
+        # Drafts from each sequence's own tokens and its job's earlier ones, verified in the step
+        # (worker/engine/speculative/)
         self.speculation = SpeculationPolicy(settings.speculation, settings.speculation_max_running,
                                              self.max_model_len, settings.block_size,
                                              settings.max_num_batched_tokens, self.long_rope_from is None)
@@ -135,6 +136,9 @@ class Engine:
         if request.arrival_time is None:
             request.arrival_time = time.perf_counter()
         request.sequences = []
+        jobs = self.speculation.jobs  # None with speculation off: nothing fed
+        if jobs is not None and request.job is not None and p.embedding is None:
+            jobs.feed_prompt(request.tenant, request.job, request.prompt_token_ids)
         if p.embedding is not None:  # an input per sequence, each prefilled and pooled, none sampled
             for i, ids in enumerate(request.inputs()):
                 seq = self._new_sequence(request, i, ids)
@@ -426,7 +430,7 @@ class Engine:
     def _count_verified(self, verified: list[tuple[Sequence, int, int]]) -> None:
         for seq, drafted, accepted in verified:
             seq.spec.observe(drafted, accepted)
-            self.stats.count_verified(drafted, accepted)
+            self.stats.count_verified(drafted, accepted, seq.spec.from_job)
 
     def _finish_pooled(self, pool: pooling.PoolRows, scheduler: Scheduler) -> list[RequestOutput]:
         """Embeddings inputs whose last chunk ran are done: their blocks go, no token is sampled."""
@@ -571,6 +575,10 @@ class Engine:
             vectors = torch.stack([seq.pooled for seq in sorted(request.sequences, key=lambda s: s.sample_index)])
             return RequestOutput(request.request_id, request.prompt_token_ids, [], embeddings=vectors,
                                  embedding=request.params.embedding)
+        jobs = self.speculation.jobs
+        if jobs is not None and request.job is not None:  # its samples' outputs, for its job's later requests
+            for seq in request.sequences:
+                jobs.feed(request.tenant, request.job, seq.token_ids, seq.num_prompt_tokens)
         completions = [Completion(seq.sample_index, seq.output_token_ids, self.final_text(seq), seq.finish_reason,
                                   seq.logprobs if request.params.logprobs is not None else None)
                        for seq in request.sequences]

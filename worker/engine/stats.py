@@ -33,6 +33,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verifications: int = 0
+    job_draft_tokens: int = 0  # of draft_tokens, those from the job's suffix index (speculative/job_suffix.py)
+    job_accepted_tokens: int = 0  # of accepted_tokens, those
 
     def count_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Count a step's computed tokens, before their sequences advance: prompt tokens, generated ones
@@ -54,10 +56,13 @@ class EngineStats:
             if n:
                 self.computed_tokens[CLASSES[k >> 1], ("prompt", "output")[k & 1]] += n
 
-    def count_verified(self, drafted: int, accepted: int) -> None:
+    def count_verified(self, drafted: int, accepted: int, from_job: bool = False) -> None:
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         self.verifications += 1
+        if from_job:
+            self.job_draft_tokens += drafted
+            self.job_accepted_tokens += accepted
 
     @property
     def acceptance_rate(self) -> float:

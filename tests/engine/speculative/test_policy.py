@@ -145,3 +145,28 @@ def test_auto_drafts_what_the_measured_step_cost_pays_for_without_a_cliff():
     gpu = _fitted(0.007, 0.000005)
     assert _drafted(gpu, 64) == [MAX_K] * 64
     assert _drafted(gpu, 8, acceptance=0.05) == [0] * 8
+
+
+def test_the_jobs_index_drafts_where_the_sequences_own_ngrams_match_less():
+    policy, greedy = _policy("ngram:4"), SamplingParams(temperature=0, max_tokens=50)
+    policy.jobs.feed("t", "j", [40, 41, 42, 43, 44, 45, 46, 47, 48])
+
+    def line(prompt, output, tenant="t", job="j"):
+        seq = _decoding(greedy, prompt, output)
+        seq.request.tenant, seq.request.job = tenant, job
+        return seq
+
+    rows = {"own none": line([1, 2, 3], [42, 43]),  # its own n-grams have nothing: the job's
+            "job longer": line([44, 99, 7, 40], [41, 42, 43, 44]),  # own (44,) vs the job's 5 tokens
+            "job as long": line([43, 99, 7], [41, 42, 43]),  # own (43,) vs the job's 3: no more than its own may
+            "other tenant": line([1, 2, 3], [42, 43], tenant="u"),
+            "no job": line([1, 2, 3], [42, 43], job=None)}
+    drafts = _policy_draft(policy, rows)
+    assert drafts == {"own none": ([44, 45, 46, 47], True), "job longer": ([45, 46, 47, 48], True),
+                      "job as long": ([99, 7, 41, 42], False), "other tenant": ([], False), "no job": ([], False)}
+    assert _policy("off").jobs is None  # speculation off: no index kept, nothing fed
+
+
+def _policy_draft(policy: SpeculationPolicy, rows: dict[str, Sequence]) -> dict[str, tuple[list[int], bool]]:
+    policy.draft(list(rows.values()), free_blocks=100)
+    return {name: (seq.draft, seq.spec.from_job) for name, seq in rows.items()}

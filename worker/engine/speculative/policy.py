@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 
 from worker.engine.request import SeqStatus, Sequence
+from worker.engine.speculative.job_suffix import CONFIDENT, JobSuffixIndex
 from worker.engine.speculative.proposer import NgramIndex
 from worker.engine.speculative.step_cost import StepCost
 
@@ -76,6 +77,7 @@ class DraftState:
     index: NgramIndex = field(default_factory=lambda: NgramIndex(MIN_N, MAX_N))
     accepted: float = PRIOR[0]
     tried: float = PRIOR[1]
+    from_job: bool = False  # its draft this step is the job's suffix index's, not its own n-grams'
 
     @property
     def acceptance(self) -> float:
@@ -106,6 +108,8 @@ class SpeculationPolicy:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enabled = self.mode != "off" and rope_fixed  # longrope: a switch of factors recomputes everything
+        # drafts from the same tenant's same job's earlier prompts and outputs, fed by the engine (job_suffix.py)
+        self.jobs = JobSuffixIndex() if self.enabled else None
         self.cost = StepCost()  # the engine tells it each decode step's time (``observe``)
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -126,7 +130,7 @@ class SpeculationPolicy:
             # never past max_tokens or the model's length with the bonus token, never over the step's room
             k = min(self.k, seq.request.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1, tokens_left)
-            draft = state.index.propose(seq.token_ids, k) if k >= 1 else []
+            draft = self._propose(seq, state, k) if k >= 1 else []
             if draft:
                 proposed.append((seq, draft))
         ks = ([len(d) for _, d in proposed] if self.mode == "ngram"
@@ -154,6 +158,21 @@ class SpeculationPolicy:
             seq.draft = draft
             drafted.append(seq)
         return Drafts(drafted, keep_on_host or bool(drafted))
+
+    def _propose(self, seq: Sequence, state: DraftState, k: int) -> list[int]:
+        """The sequence's own prompt lookup, unless it has none or its job's suffix index matches more of its
+        last tokens (the own n-grams match at most ``MAX_N``) with a path it is sure of (``CONFIDENT``): the
+        job's draft then, ``state.from_job`` set. The job's index is only the request's tenant's and job's."""
+        draft = state.index.propose(seq.token_ids, k)
+        state.from_job = False
+        request = seq.request
+        if self.jobs is None or request.job is None:
+            return draft
+        job = self.jobs.propose(request.tenant, request.job, seq.token_ids, k)
+        if job.tokens and (not draft or (job.matched > MAX_N and job.confidence >= CONFIDENT)):
+            state.from_job = True
+            return job.tokens
+        return draft
 
     def _may_draft(self, seq: Sequence) -> bool:
         p = seq.request.params
