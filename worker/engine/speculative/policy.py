@@ -21,6 +21,10 @@ penalty's counts would have to take the draft and roll back), decoding with thei
 never exceed ``max_tokens`` or the model's length (with the bonus token), and never ask for KV blocks the
 running sequences' next tokens may need. Seeded rows draft too: the verifier draws each position as the
 engine would without drafts (``worker.engine.speculative.verifier``).
+
+With a draft model (``speculative_model``, ``draft_model.py``): ``draft:K`` drafts K tokens from it for every
+sequence that may; ``auto`` asks it, for the k chosen above, where prompt lookup has nothing. The choices made,
+the model drafts for all of them in one batched run (``_model_drafts``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 
 from worker.engine.request import SeqStatus, Sequence
+from worker.engine.speculative.draft_model import DraftModel
 from worker.engine.speculative.proposer import NgramIndex
 
 MAX_K = 8  # auto's longest draft
@@ -38,17 +43,19 @@ DECAY = 0.8  # of the acceptance counts, at each verification
 PRIOR = (3.0, 4.0)  # accepted, tried: an optimistic start (p = 0.75)
 RECOVERY = 0.02  # accepted and tried added each step a sequence does not draft for its estimate
 MIN_N, MAX_N = 1, 3  # the n-grams looked up, longest first
+MODEL_DRAFT = -1  # a draft token the draft model is still to propose (``SpeculationPolicy._model_drafts``)
 BUCKET = 8  # a step with drafts has at most this many rows, or a multiple of it (``excess_rows``)
 
 
 def parse(spec: str) -> tuple[str, int]:
-    """"off" -> ("off", 0); "auto" -> ("auto", MAX_K); "ngram:K" -> ("ngram", K); ValueError else."""
+    """"off" -> ("off", 0); "auto" -> ("auto", MAX_K); "ngram:K" -> ("ngram", K); "draft:K" -> ("draft", K)
+    (K tokens from the draft model, ``draft_model.py``); ValueError else."""
     if spec in ("off", "auto"):
         return spec, (MAX_K if spec == "auto" else 0)
-    m = re.fullmatch(r"ngram:(\d+)", spec)
-    if m is None or not 1 <= int(m.group(1)) <= 32:
-        raise ValueError(f"speculation {spec!r}: give auto, off or ngram:K with K from 1 to 32")
-    return "ngram", int(m.group(1))
+    m = re.fullmatch(r"(ngram|draft):(\d+)", spec)
+    if m is None or not 1 <= int(m.group(2)) <= 32:
+        raise ValueError(f"speculation {spec!r}: give auto, off, ngram:K or draft:K with K from 1 to 32")
+    return m.group(1), int(m.group(2))
 
 
 def excess_rows(rows: int, draft_tokens: int) -> int:
@@ -90,8 +97,13 @@ class Drafts:
 
 class SpeculationPolicy:
     def __init__(self, spec: str, max_running: int, max_model_len: int, block_size: int,
-                 max_num_batched_tokens: int, rope_fixed: bool = True):
+                 max_num_batched_tokens: int, rope_fixed: bool = True, draft_model: DraftModel | None = None):
+        """``draft_model``: a draft model's proposer (``--speculative-model``), which ``draft:K`` needs and
+        ``auto`` asks where prompt lookup has nothing."""
         self.mode, self.k = parse(spec)
+        if self.mode == "draft" and draft_model is None:
+            raise ValueError(f"speculation {spec!r} needs a draft model: set speculative_model")
+        self.draft_model = draft_model
         self.max_running = max_running
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -111,7 +123,7 @@ class SpeculationPolicy:
             if not self._may_draft(seq):
                 continue
             state = seq.spec = seq.spec or DraftState()
-            k = self.k if self.mode == "ngram" else self._auto_k(state.acceptance, bar)
+            k = self.k if self.mode in ("ngram", "draft") else self._auto_k(state.acceptance, bar)
             if k == 0:
                 state.accepted += RECOVERY
                 state.tried += RECOVERY
@@ -121,7 +133,7 @@ class SpeculationPolicy:
                     self.max_model_len - seq.num_tokens - 1, tokens_left)
             if k < 1:
                 continue
-            draft = state.index.propose(seq.token_ids, k)
+            draft = self._propose(seq, state, k)
             if not draft:
                 continue
             if seq.inflight:  # its newest token is on the device: it drafts next step, read on the host
@@ -135,7 +147,38 @@ class SpeculationPolicy:
             tokens_left -= len(draft)
             seq.draft = draft
             drafted.append(seq)
+        if self.draft_model is not None:
+            drafted = self._model_drafts(drafted)
         return Drafts(drafted, keep_on_host or bool(drafted))
+
+    def _propose(self, seq: Sequence, state: DraftState, k: int) -> list[int]:
+        """Prompt lookup's draft; for the draft model (``draft:K``, or ``auto`` where lookup finds nothing),
+        ``k`` placeholders that hold the step's room until ``_model_drafts`` runs it over all of them at once."""
+        draft = [] if self.mode == "draft" else state.index.propose(seq.token_ids, k)
+        if not draft and self.draft_model is not None and self.mode != "ngram":
+            return [MODEL_DRAFT] * k
+        return draft
+
+    def _model_drafts(self, drafted: list[Sequence]) -> list[Sequence]:
+        """The draft model's drafts in place of the placeholders, one batched run for all; a sequence it
+        could give none (its draft cache full) drops out of the step's drafts."""
+        wanted = [(seq, len(seq.draft)) for seq in drafted if seq.draft[0] == MODEL_DRAFT]
+        if not wanted:
+            return drafted
+        for seq, draft in zip([seq for seq, _ in wanted], self.draft_model.propose(wanted)):
+            seq.draft = draft
+        return [seq for seq in drafted if seq.draft]
+
+    def rollback(self, seq: Sequence, accepted: int) -> None:
+        """``seq``'s draft was verified, ``accepted`` tokens of it kept (0: dropped before it ran): the draft
+        model's cache keeps only those and the sequence's own."""
+        if self.draft_model is not None:
+            self.draft_model.rollback(seq, accepted)
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` is finished: its draft cache goes."""
+        if self.draft_model is not None:
+            self.draft_model.release(seq)
 
     def _may_draft(self, seq: Sequence) -> bool:
         p = seq.request.params
