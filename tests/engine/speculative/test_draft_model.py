@@ -10,11 +10,25 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tests.engine.test_speculation import _params, _texts
 from tests.support.models import cut_prompts, save_tiny_model
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
 from worker.engine.speculative.draft_model import TokenizerMismatch, check_same_tokenizer
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Greedy requests asking what a draft must respect: stop strings, max_tokens inside a draft, n = 2,
+    logprobs, min_tokens, logit_bias (as tests/engine/test_speculation.py's)."""
+    return [SamplingParams(max_tokens=(7, 24, 30, 13)[i % 4], temperature=0.0,
+                           stop=(" the",) if i % 5 == 2 else (), logprobs=2 if i % 3 == 1 else None,
+                           n=2 if i % 7 == 3 else 1, min_tokens=4 if i % 4 == 3 else 0,
+                           logit_bias=((13, 1.5),) if i % 6 == 5 else ()) for i in range(n)]
+
+
+def _texts(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason,
+              [(lp["token_id"], pytest.approx(lp["logprob"], rel=1e-3, abs=1e-4), [t for t, _ in lp["top"]])
+               for lp in c.logprobs or ()]) for c in o.completions] for o in outputs]
 
 
 @pytest.fixture(scope="module")
