@@ -128,3 +128,23 @@ def test_seeded_samples_are_the_same_tokens_with_a_draft_model(tiny_loaded, tiny
     on = _engine(tiny_loaded, "draft:4", tiny_llama_dir)
     assert _texts(on.generate(prompts, params)) == expected
     assert on.stats.accepted_tokens > 0 and on.stats.accepted_tokens < on.stats.draft_tokens
+
+
+@pytest.mark.parametrize(("mode", "own", "overlap"), [("recompute", True, "off"), ("swap", False, "off"),
+                                                      ("recompute", True, "on")])
+def test_preemption_a_small_draft_pool_and_overlapped_steps_keep_the_outputs(tiny_loaded, tiny_llama_dir, other_dir,
+                                                                             text_ids, mode, own, overlap):
+    """A cache of a few blocks preempts (the shadows of preempted sequences are dropped), and the draft pool
+    (a quarter of it) has no room for most sequences, which then decode without drafts: the outputs stay the
+    same, greedy and seeded, and every draft block is given back at the end."""
+    prompts = cut_prompts(text_ids, [20, 35, 11, 40, 28, 9, 50, 16, 33, 22, 14, 45])
+    params = [SamplingParams(max_tokens=20 + i % 9, temperature=0.0 if i % 4 else 0.8, seed=i, ignore_eos=True)
+              for i in range(12)]
+    small = dict(kv_memory="96KiB", max_num_batched_tokens=64, max_num_seqs=8, block_size=8)
+    expected = _texts(Engine(loaded=tiny_loaded, speculation="off", **small).generate(prompts, params))
+    on = Engine(loaded=tiny_loaded, speculation="draft:5", speculative_model=str(tiny_llama_dir if own else other_dir),
+                preemption_mode=mode, async_scheduling=overlap, **small)
+    assert _texts(on.generate(prompts, params)) == expected
+    assert on.stats.preemptions > 0 and on.stats.draft_tokens > 0, "the test lost its point"
+    pool = on.speculation.draft_model.blocks
+    assert pool.num_free_blocks == pool.num_blocks and not on.speculation.draft_model.shadows
