@@ -208,11 +208,18 @@ class Settings(BaseModel):
         "decided each step, only while at most speculation_max_running sequences run, each drafting as many tokens "
         "(up to 8) as pay for their rows at the step cost and acceptance measured on this device; ngram:K: every "
         "sequence that may, K tokens each step; off: none. "
-        "Requests without a grammar or penalties speculate; others decode as ever.", cli="engine")
+        "Requests without a grammar or penalties speculate; others decode as ever. With speculative_model given, "
+        "draft:K: every sequence that may, K tokens each step from the draft model; and auto drafts with the "
+        "draft model where neither lookup finds anything.", cli="engine")
     speculation_max_running: int = setting(
         64, "With speculation auto, the most running sequences a step may speculate with. Beneath it, auto drafts "
         "only the tokens that pay for their rows at the step costs it measures: fewer running, longer drafts.",
         cli="engine")
+    speculative_model: str = setting(
+        "", "A draft model for speculation (worker/engine/speculative/draft_model.py): a GGUF file or safetensors "
+        "folder of a smaller model with the target's tokenizer (checked at load: the same vocabulary), run greedily "
+        "over its own small paged KV cache. Used by speculation draft:K, and by auto where prompt lookup has no "
+        "draft. Empty: none.", cli="engine")
     max_model_len: int = setting(0, "The most tokens (prompt and output) of one request; 0: the model's "
                                  "context length.")
 
@@ -465,9 +472,9 @@ class Settings(BaseModel):
     @field_validator("speculation")
     @classmethod
     def _speculation(cls, v):
-        m = re.fullmatch(r"auto|off|ngram:(\d+)", v)
+        m = re.fullmatch(r"auto|off|(?:ngram|draft):(\d+)", v)
         if m is None or (m.group(1) is not None and not 1 <= int(m.group(1)) <= 32):
-            raise ValueError(f"speculation {v!r}: give auto, off or ngram:K with K from 1 to 32")
+            raise ValueError(f"speculation {v!r}: give auto, off, ngram:K or draft:K with K from 1 to 32")
         return v
 
     @field_validator("block_size")

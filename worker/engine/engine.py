@@ -30,6 +30,7 @@ from worker.engine.sampler import SampleRow
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.simulated_device import SimulatedRunner
 from worker.engine.speculative import verifier
+from worker.engine.speculative.draft_model import DraftModel, check_same_tokenizer
 from worker.engine.speculative.policy import Drafts, SpeculationPolicy, excess_rows
 from worker.engine.stats import CLASSES, EngineStats, StepLatencies
 from worker.engine.step_pace import StepPace
@@ -115,13 +116,26 @@ class Engine:
         self.overlap = settings.async_scheduling == "on" or (settings.async_scheduling == "auto" and (
             bool(settings.simulated_device) or self.device.type == "cuda"))
         self._in_flight: LaunchedStep | None = None  # the step whose tokens the host has not read yet
-        # Drafts from each sequence's own tokens and its job's earlier ones, verified in the step
+        # Drafts from each sequence's own tokens, its job's earlier ones or a draft model, verified in the step
         # (worker/engine/speculative/)
         self.speculation = SpeculationPolicy(settings.speculation, settings.speculation_max_running,
                                              self.max_model_len, settings.block_size,
-                                             settings.max_num_batched_tokens, self.long_rope_from is None)
+                                             settings.max_num_batched_tokens, self.long_rope_from is None,
+                                             draft_model=self._draft_model(loaded, dtype))
         self._last_decode_end: float | None = None  # when the last step, a decode step, ended
         log.info("engine ready (%.1fs since the process started)", seconds_since_start())
+
+    def _draft_model(self, target: LoadedModel, dtype: torch.dtype) -> DraftModel | None:
+        """The draft model of ``speculative_model`` where speculation may use it (``draft:K``, ``auto``), its
+        tokenizer checked against the target's before any request runs."""
+        s = self.settings
+        if not s.speculative_model or s.speculation == "off" or s.speculation.startswith("ngram"):
+            return None
+        log.info("loading draft model %s", s.speculative_model)
+        loaded = load_model(s.speculative_model, dtype)
+        check_same_tokenizer(loaded, target, s.speculative_model, target.path)
+        return DraftModel(loaded, target_blocks=self.runner.num_blocks, target_vocab=self.vocab_size, dtype=dtype,
+                          device=self.device, block_size=s.block_size, attention_backend=s.attention_backend)
 
     # ---- requests in and out
     def add_request(self, request: Request) -> None:
@@ -195,6 +209,7 @@ class Engine:
             if not seq.is_finished:
                 self._home(request).remove(seq)
             self._swapped_kv.pop(seq.seq_id, None)
+            self.speculation.release(seq)
         return True
 
     def set_tenant_share(self, tenant: str, share: float) -> None:
@@ -282,6 +297,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if drafts.seqs:
             _fit_drafts(drafts, plan, self.block_manager)
+            for seq in drafts.seqs:
+                if not seq.draft:  # dropped before it ran: a draft model's cache keeps only the sequence's tokens
+                    self.speculation.rollback(seq, 0)
         decoding = bool(plan.scheduled) and all(n == 1 + len(seq.draft) and seq.num_computed_tokens
                                                 >= seq.num_prompt_tokens for seq, n in plan.scheduled)
         try:
@@ -289,6 +307,7 @@ class Engine:
         except StepFailed as failed:  # the tokens before it first: the failure sets its sequences back
             for seq in drafts.seqs:
                 seq.draft = []
+                self.speculation.rollback(seq, 0)
             outputs += failed.outputs + self._resolve(previous)
             alive = [(seq, n) for seq, n in failed.scheduled
                      if not seq.is_finished and seq.request.request_id in self.requests]
@@ -418,6 +437,10 @@ class Engine:
         for seq, _, _ in verified:  # blocks its accepted tokens filled are named now they are known
             if not seq.is_finished and seq.block_table:
                 self.block_manager.name_resolved(seq)
+        if self.speculation.draft_model is not None:  # a finished sequence's draft cache goes at once
+            for seq in rows:
+                if seq.is_finished:
+                    self.speculation.release(seq)
         if deferred:
             bs = self.block_manager.block_size
             for seq in launched.rows:
@@ -430,6 +453,7 @@ class Engine:
     def _count_verified(self, verified: list[tuple[Sequence, int, int]]) -> None:
         for seq, drafted, accepted in verified:
             seq.spec.observe(drafted, accepted)
+            self.speculation.rollback(seq, accepted)
             self.stats.count_verified(drafted, accepted, seq.spec.from_job)
 
     def _finish_pooled(self, pool: pooling.PoolRows, scheduler: Scheduler) -> list[RequestOutput]:

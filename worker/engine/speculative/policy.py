@@ -27,6 +27,10 @@ penalty's counts would have to take the draft and roll back), decoding with thei
 never exceed ``max_tokens`` or the model's length (with the bonus token), and never ask for KV blocks the
 running sequences' next tokens may need. Seeded rows draft too: the verifier draws each position as the
 engine would without drafts (``worker.engine.speculative.verifier``).
+
+With a draft model (``speculative_model``, ``draft_model.py``): ``draft:K`` drafts K tokens from it for every
+sequence that may; ``auto`` asks it, for the k chosen above, where prompt lookup has nothing. The choices made,
+the model drafts for all of them in one batched run (``_model_drafts``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import re
 from dataclasses import dataclass, field
 
 from worker.engine.request import SeqStatus, Sequence
+from worker.engine.speculative.draft_model import DraftModel
 from worker.engine.speculative.job_suffix import CONFIDENT, JobSuffixIndex
 from worker.engine.speculative.proposer import NgramIndex
 from worker.engine.speculative.step_cost import StepCost
@@ -48,17 +53,19 @@ DECAY = 0.8  # of the acceptance counts, at each verification
 PRIOR = (3.0, 4.0)  # accepted, tried: an optimistic start (p = 0.75)
 RECOVERY = 0.02  # accepted and tried added each step a sequence does not draft for its estimate
 MIN_N, MAX_N = 1, 3  # the n-grams looked up, longest first
+MODEL_DRAFT = -1  # a draft token the draft model is still to propose (``SpeculationPolicy._model_drafts``)
 BUCKET = 8  # a step with drafts has at most this many rows, or a multiple of it (``excess_rows``)
 
 
 def parse(spec: str) -> tuple[str, int]:
-    """"off" -> ("off", 0); "auto" -> ("auto", MAX_K); "ngram:K" -> ("ngram", K); ValueError else."""
+    """"off" -> ("off", 0); "auto" -> ("auto", MAX_K); "ngram:K" -> ("ngram", K); "draft:K" -> ("draft", K)
+    (K tokens from the draft model, ``draft_model.py``); ValueError else."""
     if spec in ("off", "auto"):
         return spec, (MAX_K if spec == "auto" else 0)
-    m = re.fullmatch(r"ngram:(\d+)", spec)
-    if m is None or not 1 <= int(m.group(1)) <= 32:
-        raise ValueError(f"speculation {spec!r}: give auto, off or ngram:K with K from 1 to 32")
-    return "ngram", int(m.group(1))
+    m = re.fullmatch(r"(ngram|draft):(\d+)", spec)
+    if m is None or not 1 <= int(m.group(2)) <= 32:
+        raise ValueError(f"speculation {spec!r}: give auto, off, ngram:K or draft:K with K from 1 to 32")
+    return m.group(1), int(m.group(2))
 
 
 def excess_rows(rows: int, draft_tokens: int) -> int:
@@ -101,8 +108,13 @@ class Drafts:
 
 class SpeculationPolicy:
     def __init__(self, spec: str, max_running: int, max_model_len: int, block_size: int,
-                 max_num_batched_tokens: int, rope_fixed: bool = True):
+                 max_num_batched_tokens: int, rope_fixed: bool = True, draft_model: DraftModel | None = None):
+        """``draft_model``: a draft model's proposer (``--speculative-model``), which ``draft:K`` needs and
+        ``auto`` asks where prompt lookup has nothing."""
         self.mode, self.k = parse(spec)
+        if self.mode == "draft" and draft_model is None:
+            raise ValueError(f"speculation {spec!r} needs a draft model: set speculative_model")
+        self.draft_model = draft_model
         self.max_running = max_running
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -133,7 +145,7 @@ class SpeculationPolicy:
             draft = self._propose(seq, state, k) if k >= 1 else []
             if draft:
                 proposed.append((seq, draft))
-        ks = ([len(d) for _, d in proposed] if self.mode == "ngram"
+        ks = ([len(d) for _, d in proposed] if self.mode in ("ngram", "draft")
               else self._auto_ks([(seq.spec.acceptance, len(d)) for seq, d in proposed], len(running)))
         blocks_left = free_blocks - len(running)  # each running sequence's next token may need a block
         bs = self.block_size
@@ -157,22 +169,48 @@ class SpeculationPolicy:
             tokens_left -= len(draft)
             seq.draft = draft
             drafted.append(seq)
+        if self.draft_model is not None:
+            drafted = self._model_drafts(drafted)
         return Drafts(drafted, keep_on_host or bool(drafted))
 
     def _propose(self, seq: Sequence, state: DraftState, k: int) -> list[int]:
         """The sequence's own prompt lookup, unless it has none or its job's suffix index matches more of its
         last tokens (the own n-grams match at most ``MAX_N``) with a path it is sure of (``CONFIDENT``): the
-        job's draft then, ``state.from_job`` set. The job's index is only the request's tenant's and job's."""
-        draft = state.index.propose(seq.token_ids, k)
+        job's draft then, ``state.from_job`` set. The job's index is only the request's tenant's and job's.
+        Where neither has a draft, the draft model's (``draft:K`` asks it alone): ``k`` placeholders that hold
+        the step's room until ``_model_drafts`` runs it over all of them at once."""
         state.from_job = False
+        draft = [] if self.mode == "draft" else state.index.propose(seq.token_ids, k)
         request = seq.request
-        if self.jobs is None or request.job is None:
-            return draft
-        job = self.jobs.propose(request.tenant, request.job, seq.token_ids, k)
-        if job.tokens and (not draft or (job.matched > MAX_N and job.confidence >= CONFIDENT)):
-            state.from_job = True
-            return job.tokens
+        if self.jobs is not None and request.job is not None and self.mode != "draft":
+            job = self.jobs.propose(request.tenant, request.job, seq.token_ids, k)
+            if job.tokens and (not draft or (job.matched > MAX_N and job.confidence >= CONFIDENT)):
+                state.from_job = True
+                return job.tokens
+        if not draft and self.draft_model is not None and self.mode != "ngram":
+            return [MODEL_DRAFT] * k
         return draft
+
+    def _model_drafts(self, drafted: list[Sequence]) -> list[Sequence]:
+        """The draft model's drafts in place of the placeholders, one batched run for all; a sequence it
+        could give none (its draft cache full) drops out of the step's drafts."""
+        wanted = [(seq, len(seq.draft)) for seq in drafted if seq.draft[0] == MODEL_DRAFT]
+        if not wanted:
+            return drafted
+        for seq, draft in zip([seq for seq, _ in wanted], self.draft_model.propose(wanted)):
+            seq.draft = draft
+        return [seq for seq in drafted if seq.draft]
+
+    def rollback(self, seq: Sequence, accepted: int) -> None:
+        """``seq``'s draft was verified, ``accepted`` tokens of it kept (0: dropped before it ran): the draft
+        model's cache keeps only those and the sequence's own."""
+        if self.draft_model is not None:
+            self.draft_model.rollback(seq, accepted)
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` is finished: its draft cache goes."""
+        if self.draft_model is not None:
+            self.draft_model.release(seq)
 
     def _may_draft(self, seq: Sequence) -> bool:
         p = seq.request.params
