@@ -318,3 +318,25 @@ def test_a_tenants_job_never_drafts_another_tenants_tokens(tiny_loaded, text_ids
     assert engine.stats.job_draft_tokens == 0 and not any(tokens for _, tokens in proposals), proposals
     assert _texts(run("a", 1)) == first
     assert engine.stats.job_accepted_tokens > 0, "tenant a's own job never drafted: the test lost its point"
+
+
+def test_a_step_verifying_drafts_is_all_decode_rows(tiny_loaded, text_ids, oracle):
+    """A draft's tokens are verified as decode rows (each over the cache up to itself), not as a prefill chunk
+    per sequence: one decode-kernel call for the step, a CUDA graph's shape on a GPU; the outputs stay the same."""
+    prompts = _copying_prompts(text_ids, 5)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reference = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params)
+    oracle(prompts, reference)
+    engine = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
+    shapes, execute = [], engine.runner.execute
+
+    def seen(step):
+        drafting = sum(len(s.draft) for s in engine.scheduler.running)
+        shapes.append((len(step.input_ids), step.num_decode, drafting))
+        return execute(step)
+
+    engine.runner.execute = seen
+    assert _texts(engine.generate(prompts, params)) == _texts(reference)
+    _spoke(engine)
+    verifying = [(rows, decode) for rows, decode, drafting in shapes if drafting]
+    assert verifying and all(rows == decode for rows, decode in verifying), verifying

@@ -23,7 +23,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.isolation import Isolation
 from worker.engine.kv_view import KVView, RequestState, SampleState, SharedPrefix, fingerprint
 from worker.engine.launched_step import LaunchedStep, StepFailed
-from worker.engine.model_runner import ModelRunner, fill_inputs
+from worker.engine.model_runner import ModelRunner, decode_rows_first, fill_inputs
 from worker.engine.penalties import TokenCounts
 from worker.engine.request import Completion, Request, RequestOutput, SamplingParams, SeqStatus, Sequence
 from worker.engine.sampler import SampleRow
@@ -380,9 +380,7 @@ class Engine:
                 request.started = True
             if self.on_start is not None:
                 self.on_start(list(dict.fromkeys(r.request_id for r in fresh)))
-        scheduled = plan.scheduled
-        if any(n != 1 for _, n in scheduled):
-            scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # decodes first
+        scheduled = decode_rows_first(plan.scheduled)
         try:
             step_input, samplers, pool = self.runner.prepare(scheduled)
             if previous is not None:

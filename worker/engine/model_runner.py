@@ -152,7 +152,8 @@ class ModelRunner:
         """Tensors for one forward pass, the sequences whose next token it yields (in row order), and
         the rows embeddings inputs pool (None when the step has none: the generation path as ever).
 
-        ``scheduled`` must list single-token sequences first (the engine sorts it so).
+        ``scheduled`` must list single-token sequences and those verifying a draft first (the engine sorts it
+        so: ``decode_rows_first``).
         """
         bs = self.block_size
         ids: list[int] = []
@@ -177,12 +178,16 @@ class ModelRunner:
                 ids.extend(seq.token_ids[start:end])
                 if end > len(seq.token_ids):  # a draft to verify after its last token (worker.engine.speculative)
                     ids.extend(seq.draft[:end - len(seq.token_ids)])
-            if n == 1 and not prefill_tables:
-                num_decode += 1
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
-                pos.append(start + self.long_table_row if seq.long_rope else start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            if (n == 1 or _verifies(seq, n)) and not prefill_tables:
+                # a decode row a token; a verified draft's tokens are decode rows too, each over the cache up to
+                # itself (all of them are written to the cache before attention reads it): the decode kernel
+                # takes them in one call where chunks would each be a prefill call of their own
+                for p in range(start, end):
+                    num_decode += 1
+                    decode_tables.append(seq.block_table)
+                    decode_lens.append(p + 1)
+                    pos.append(p + self.long_table_row if seq.long_rope else p)
+                    slots.append(seq.block_table[p // bs] * bs + p % bs)
             else:
                 prefill_tables.append(seq.block_table)
                 prefill_lens.append(end)
@@ -273,6 +278,18 @@ class ModelRunner:
         for layer, (k, v) in enumerate(self.kv_caches):
             _moved(k)[idx] = data[layer, 0]
             _moved(v)[idx] = data[layer, 1]
+
+
+def _verifies(seq: Sequence, n: int) -> bool:
+    """Whether ``seq``'s ``n`` tokens this step are its last token and its draft (worker.engine.speculative)."""
+    return bool(seq.draft) and n == 1 + len(seq.draft) and seq.num_computed_tokens == seq.num_tokens - 1
+
+
+def decode_rows_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """``scheduled`` with the sequences whose tokens are decode rows (one token, or a draft verified) first."""
+    if all(n == 1 for _, n in scheduled):
+        return scheduled
+    return sorted(scheduled, key=lambda item: not (item[1] == 1 or _verifies(*item)))
 
 
 class SampleLaunch:
