@@ -4,7 +4,9 @@ lookup drafts what the model writes. One run, on the default model, greedy, spec
 
 1. The job: ``--requests`` (256) chat requests, each a generated record (an order, a ticket, a booking:
    names, dates, amounts, addresses of 2 to 6 sentences) and an instruction to copy the record, or some of
-   its sentences, word for word. All submitted at once, as a bulk job is. Reported: useful tokens/s, the
+   its sentences, word for word. All submitted at once, as one job (the engine requests carry its id, as
+   a worker's do: the job's suffix index drafts from its earlier lines, and its tail starts the longest
+   first). Reported: useful tokens/s, the
    job's seconds, the seconds of its last 10% (from the moment 90% of its requests had finished to the
    last), the draft tokens and those accepted, and whether every output is the same tokens as ``off``.
 2. Small batches: the first 1, 4 and 16 requests alone, tokens/s with each setting.
@@ -91,7 +93,7 @@ def run(loaded, settings: Settings, prompts: list[list[int]], max_tokens: int) -
     engine.stats = type(engine.stats)()
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     for i, ids in enumerate(prompts):
-        engine.add_request(Request(str(i), ids, params))
+        engine.add_request(Request(str(i), ids, params, job="extraction"))  # one job, as a worker runs it
     t0, cpu0 = time.perf_counter(), time.process_time()
     done: dict[str, tuple[float, list[int]]] = {}
     while engine.has_unfinished():
