@@ -60,6 +60,10 @@ def test_a_jobs_page_cancels_retries_and_downloads_its_files_for_its_tenant_alon
         c = client(server, alice)
         batch = c.batches.create(input_file_id=upload(c, requests).id, endpoint="/v1/completions",
                                  completion_window="24h", metadata={"team": "search"})
+        for _ in range(100):  # its lines checked (the bad one failed) before it is cancelled: ingest runs apart
+            if c.batches.retrieve(batch.id).status != "validating":
+                break
+            time.sleep(0.1)
         html = _get(server, f"/dashboard/jobs/{batch.id}", alice)
         assert 'action="/dashboard/jobs/' + batch.id + '/cancel"' in html and "<code>team</code> = search" in html
         assert "created " in html
