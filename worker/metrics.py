@@ -145,6 +145,9 @@ class WorkerMetrics:
         self.draft_tokens = Counter("berth_draft_tokens", "Speculation's draft tokens scored", registry=r)
         self.accepted_draft_tokens = Counter("berth_accepted_draft_tokens", "Speculation's draft tokens accepted "
                                              "(over berth_draft_tokens: the acceptance rate)", registry=r)
+        self.draft_verifications = Counter("berth_draft_verifications", "Sequences' steps that verified a draft: "
+                                           "(berth_accepted_draft_tokens + this) / this is the tokens a sequence "
+                                           "made in a step that speculated", registry=r)
         self.step_seconds = Histogram("berth_step_seconds", "Wall time of one engine step", registry=r,
                                       buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.queue_depth = Gauge("berth_queue_depth", "Messages ready in this worker's request queue", registry=r)
@@ -215,8 +218,8 @@ class WorkerMetrics:
         self.enqueued_token_limit = Gauge("berth_tenant_enqueued_token_limit", "A tenant's enqueued tokens per model "
                                           "at most (0: no limit); a batch past it fails with token_limit_exceeded",
                                           ["tenant"], registry=r)
-        self._last = (0, 0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted, accepted,
-        # recomputed
+        self._last = (0, 0, 0, 0, 0, 0, 0)  # engine totals last seen: output, prompt, preemptions, drafted,
+        # accepted, recomputed, verifications
         self._last_computed: dict[tuple[str, str], int] = {}
         self._last_by_tenant: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()
@@ -229,13 +232,14 @@ class WorkerMetrics:
         """After each engine step: token counters and rates, occupancy, KV blocks."""
         st = engine.stats
         totals = (st.output_tokens, st.prompt_tokens_computed, st.preemptions, st.draft_tokens, st.accepted_tokens,
-                  st.recomputed_tokens)
+                  st.recomputed_tokens, st.verifications)
         self.output_tokens.inc(totals[0] - self._last[0])
         self.prefill_tokens.inc(totals[1] - self._last[1])
         self.preemptions.inc(totals[2] - self._last[2])
         self.draft_tokens.inc(totals[3] - self._last[3])
         self.accepted_draft_tokens.inc(totals[4] - self._last[4])
         self.recomputed_tokens.inc(totals[5] - self._last[5])
+        self.draft_verifications.inc(totals[6] - self._last[6])
         self._last = totals
         for tenant, n in st.output_tokens_by_tenant.items():
             if n != self._last_by_tenant.get(tenant, 0):

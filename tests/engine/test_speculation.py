@@ -156,6 +156,7 @@ def test_auto_speculates_for_a_few_sequences_and_not_for_many(tiny_loaded, text_
     read = lambda name: metrics.registry.get_sample_value(name)  # noqa: E731
     assert read("berth_draft_tokens_total") == few.stats.draft_tokens
     assert read("berth_accepted_draft_tokens_total") == few.stats.accepted_tokens
+    assert read("berth_draft_verifications_total") == few.stats.verifications > 0
     many.generate(prompts, params)  # 12 running, all to the end together: none drafts
     assert many.stats.draft_tokens == 0
 
