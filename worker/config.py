@@ -201,7 +201,7 @@ class Settings(BaseModel):
         "this share of it (the streams' steps take longer by up to floor / (1 - floor)). 0: batch work has "
         "only what interactive work leaves of the bound, which many streams leave none of.", cli="engine")
     speculation: str = setting(
-        "off", "Speculative decoding (worker/engine/speculative/): draft tokens from each sequence's own prompt and "
+        "auto", "Speculative decoding (worker/engine/speculative/): draft tokens from each sequence's own prompt and "
         "output (prompt lookup: what followed the longest recent n-gram match) and from the earlier prompts and "
         "outputs of the same tenant's same job (a suffix trie per job, a few jobs kept), scored in the same step as "
         "its next token, the longest accepted prefix kept (outputs, greedy or seeded, are the same tokens). auto: "

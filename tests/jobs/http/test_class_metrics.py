@@ -29,7 +29,9 @@ def test_both_classes_are_measured_and_their_shares_add_up(tmp_path, tiny_llama_
 
     port = free_port()
     settings = embedded_settings(tiny_llama_dir, tmp_path, metrics_port=port)
-    engine = Engine(tiny_settings(tiny_llama_dir))
+    # one computed token per output token but the last: no draft tokens scored beside them (they are computed
+    # tokens too; tests/engine/test_speculation.py counts them)
+    engine = Engine(tiny_settings(tiny_llama_dir, speculation="off"))
     lines = []
     for i, n in enumerate(BATCH_TOKENS):
         line = request_line(i, max_tokens=n)
