@@ -27,14 +27,17 @@ import os
 import sys
 from types import SimpleNamespace
 
+# imported while collecting an earlier test module (transformers' models import it): then its interpreter was
+# not asked for, and these kernels fail on the CPU ("Cannot call @triton.jit'd outside of the scope of a kernel")
+_TRITON_BEFORE = "triton" in sys.modules
 os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when a kernel is defined, so before the import
 
-import pytest
-import torch
+import pytest  # noqa: E402 (after the interpreter is asked for)
+import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package: pip install 'berth[test]'")
 
-from kernels import kv_quant, reference
+from kernels import kv_quant, reference  # noqa: E402
 
 # A module imported earlier in this session without the interpreter holds compiled kernels, which
 # cannot take CPU tensors: define them again, now interpreted.
@@ -42,6 +45,13 @@ _ALREADY_IMPORTED = "kernels.triton_attention" in sys.modules
 triton_attention = importlib.import_module("kernels.triton_attention")
 if _ALREADY_IMPORTED:
     triton_attention = importlib.reload(triton_attention)
+
+
+
+def test_triton_is_first_imported_here_with_its_interpreter():
+    assert not _TRITON_BEFORE, ("a test module collected before tests/kernels imports triton at its top (as "
+                                "`from transformers import LlamaForCausalLM` does): import it inside its tests")
+
 
 TOLERANCES = {
     torch.float32: {"atol": 1e-4, "rtol": 0.0},

@@ -8,7 +8,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.support.models import cut_prompts, save_tiny_model
 from worker.engine.engine import Engine
@@ -34,6 +33,9 @@ def _texts(outputs) -> list:
 @pytest.fixture(scope="module")
 def other_dir(tmp_path_factory, smol_tokenizer):
     """Another random tiny Llama of the same tokenizer: its drafts are mostly refused."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: at the module's top it imports triton before
+    # tests/kernels can ask for its interpreter
+
     return save_tiny_model(LlamaConfig, LlamaForCausalLM, smol_tokenizer, tmp_path_factory.mktemp("other-llama"),
                            tie_word_embeddings=False, rope_theta=10000.0, seed=4321)
 
@@ -86,6 +88,8 @@ def test_the_draft_cache_keeps_only_accepted_tokens_after_each_step(tiny_loaded,
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused_at_load(tiny_loaded, tiny_llama_dir, smol_tokenizer, tmp_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     base = tmp_path / "tokenizer"
     smol_tokenizer.save_pretrained(base)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
