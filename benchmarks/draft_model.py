@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks.random_model import LLAMA_3_2_1B, TINY, write
+from benchmarks.throughput import _cpu_model
 from worker.config import Settings
 from worker.engine.engine import Engine
 from worker.engine.request import SamplingParams
@@ -158,13 +159,6 @@ def _shape(config: dict) -> dict:
     per_layer = h * d * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h
     params = vocab * h * (1 if config["tie_word_embeddings"] else 2) + layers * per_layer + h
     return {"layers": layers, "hidden_size": h, "vocab_size": vocab, "parameters": params}
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.throughput import _cpu_model
 from worker.config import Settings, default_model_path
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
@@ -165,13 +166,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1))
     return report
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":
