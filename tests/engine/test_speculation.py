@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.drafts import draft_params, output_texts
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
 from worker.engine.speculative.proposer import NgramIndex
@@ -17,19 +18,6 @@ from worker.metrics import WorkerMetrics
 def _copying_prompts(text_ids: list[int], n: int) -> list[list[int]]:
     """Prompts that repeat a passage and begin it once more: a model goes on copying, drafts are accepted."""
     return [text_ids[50 * i:50 * i + 40] * 2 + text_ids[50 * i:50 * i + 3 + i % 5] for i in range(n)]
-
-
-def _params(n: int) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=(7, 24, 30, 13)[i % 4], temperature=0.0,
-                           stop=(" the",) if i % 5 == 2 else (), logprobs=2 if i % 3 == 1 else None,
-                           n=2 if i % 7 == 3 else 1, min_tokens=4 if i % 4 == 3 else 0,
-                           logit_bias=((13, 1.5),) if i % 6 == 5 else ()) for i in range(n)]
-
-
-def _texts(outputs) -> list:
-    return [[(c.token_ids, c.text, c.finish_reason,
-              [(lp["token_id"], pytest.approx(lp["logprob"], rel=1e-3, abs=1e-4), [t for t, _ in lp["top"]])
-               for lp in c.logprobs or ()]) for c in o.completions] for o in outputs]
 
 
 def _spoke(engine: Engine) -> None:
@@ -64,11 +52,11 @@ def oracle(monkeypatch):
 
 
 def test_default_model_greedy_outputs_are_the_same_with_drafts(smol_loaded, text_ids):
-    prompts, params = _copying_prompts(text_ids, 8), _params(8)
+    prompts, params = _copying_prompts(text_ids, 8), draft_params(8)
     off = Engine(loaded=smol_loaded, speculation="off", kv_memory="64MiB")
     on = Engine(loaded=smol_loaded, speculation="ngram:4", kv_memory="64MiB")
-    expected = _texts(off.generate(prompts, params))
-    assert _texts(on.generate(prompts, params)) == expected
+    expected = output_texts(off.generate(prompts, params))
+    assert output_texts(on.generate(prompts, params)) == expected
     _spoke(on)
     assert off.stats.draft_tokens == 0
     assert on.stats.steps < off.stats.steps  # several tokens a step
@@ -88,26 +76,26 @@ def test_preemption_and_the_prefix_cache_keep_the_outputs(tiny_loaded, text_ids,
                 max_num_seqs=8, block_size=8, preemption_mode=mode)
     reference = off.generate(prompts, params)
     oracle(prompts, reference)
-    expected = _texts(reference)
-    assert _texts(on.generate(prompts, params)) == expected
+    expected = output_texts(reference)
+    assert output_texts(on.generate(prompts, params)) == expected
     _spoke(on)
     if kv_memory == "96KiB":
         assert on.stats.preemptions > 0, "the small cache never preempted: the test lost its point"
     # every block the prefix cache names holds what its name says: a second run finds hits, same outputs
     cached = on.stats.prompt_tokens_cached
-    assert _texts(on.generate(prompts, params)) == expected
+    assert output_texts(on.generate(prompts, params)) == expected
     if mode == "recompute":  # swapping, the small cache's free list turns over before the second run
         assert on.stats.prompt_tokens_cached > cached
     assert on.block_manager.num_free_blocks == on.block_manager.num_blocks  # nothing left held
 
 
 def test_overlapped_steps_with_drafts_give_the_serial_engines_outputs(tiny_loaded, text_ids, oracle):
-    prompts, params = _copying_prompts(text_ids, 6), _params(6)
+    prompts, params = _copying_prompts(text_ids, 6), draft_params(6)
     off = Engine(loaded=tiny_loaded, speculation="off", async_scheduling="off", kv_memory="64MiB")
     on = Engine(loaded=tiny_loaded, speculation="auto", async_scheduling="on", kv_memory="64MiB")
     reference = off.generate(prompts, params)
     oracle(prompts, reference)
-    assert _texts(on.generate(prompts, params)) == _texts(reference)
+    assert output_texts(on.generate(prompts, params)) == output_texts(reference)
     _spoke(on)
 
 
@@ -175,7 +163,7 @@ def test_steps_with_drafts_keep_to_bucketed_row_counts(tiny_loaded, text_ids, or
         return execute(step)
 
     engine.runner.execute = counted
-    assert _texts(engine.generate(prompts, params)) == _texts(
+    assert output_texts(engine.generate(prompts, params)) == output_texts(
         Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params))
     _spoke(engine)
     with_drafts = [n for n, drafting in rows if drafting]
@@ -195,11 +183,11 @@ def test_seeded_samples_are_the_same_tokens_with_drafts(tiny_loaded, text_ids, o
     reference = off.generate(prompts, params)
     oracle(prompts, reference)
     on = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
-    assert _texts(on.generate(prompts, params)) == _texts(reference)
+    assert output_texts(on.generate(prompts, params)) == output_texts(reference)
     _spoke(on)
     # and alone: a request's text does not depend on what ran beside it
     alone = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
-    assert _texts(alone.generate(prompts[1:2], params[1:2])) == _texts(reference[1:2])
+    assert output_texts(alone.generate(prompts[1:2], params[1:2])) == output_texts(reference[1:2])
 
 
 @pytest.fixture(scope="module")
@@ -285,8 +273,8 @@ def test_a_jobs_earlier_outputs_draft_its_later_lines_and_the_outputs_stay_the_s
     off = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB")
     on = Engine(loaded=tiny_loaded, speculation="ngram:4", kv_memory="64MiB")
     for w, prompts in enumerate(waves):
-        expected = _texts(_run(off, _job_requests(f"{w}-", prompts)))
-        assert _texts(_run(on, _job_requests(f"{w}-", prompts))) == expected
+        expected = output_texts(_run(off, _job_requests(f"{w}-", prompts)))
+        assert output_texts(_run(on, _job_requests(f"{w}-", prompts))) == expected
         if w == 0:
             assert on.stats.job_draft_tokens == 0  # nothing of the job had finished: its index had no output
     _spoke(on)
@@ -305,7 +293,7 @@ def test_a_tenants_job_never_drafts_another_tenants_tokens(tiny_loaded, text_ids
     def run(tenant: str, wave: int) -> list:
         return _run(engine, _job_requests(f"{tenant}{wave}-", prompts, tenant))
 
-    first = _texts(run("a", 0))
+    first = output_texts(run("a", 0))
     proposals, propose = [], engine.speculation.jobs.propose
 
     def watched(tenant, job, tokens, k):
@@ -314,10 +302,10 @@ def test_a_tenants_job_never_drafts_another_tenants_tokens(tiny_loaded, text_ids
         return proposal
 
     engine.speculation.jobs.propose = watched
-    assert _texts(run("b", 0)) == first
+    assert output_texts(run("b", 0)) == first
     assert proposals and {t for t, _ in proposals} == {"b"}
     assert engine.stats.job_draft_tokens == 0 and not any(tokens for _, tokens in proposals), proposals
-    assert _texts(run("a", 1)) == first
+    assert output_texts(run("a", 1)) == first
     assert engine.stats.job_accepted_tokens > 0, "tenant a's own job never drafted: the test lost its point"
 
 
@@ -337,7 +325,7 @@ def test_a_step_verifying_drafts_is_all_decode_rows(tiny_loaded, text_ids, oracl
         return execute(step)
 
     engine.runner.execute = seen
-    assert _texts(engine.generate(prompts, params)) == _texts(reference)
+    assert output_texts(engine.generate(prompts, params)) == output_texts(reference)
     _spoke(engine)
     verifying = [(rows, decode) for rows, decode, drafting in shapes if drafting]
     assert verifying and all(rows == decode for rows, decode in verifying), verifying

@@ -9,25 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.drafts import draft_params, output_texts
 from tests.support.models import cut_prompts, save_tiny_model
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
 from worker.engine.speculative.draft_model import TokenizerMismatch, check_same_tokenizer
-
-
-def _params(n: int) -> list[SamplingParams]:
-    """Greedy requests asking what a draft must respect: stop strings, max_tokens inside a draft, n = 2,
-    logprobs, min_tokens, logit_bias (as tests/engine/test_speculation.py's)."""
-    return [SamplingParams(max_tokens=(7, 24, 30, 13)[i % 4], temperature=0.0,
-                           stop=(" the",) if i % 5 == 2 else (), logprobs=2 if i % 3 == 1 else None,
-                           n=2 if i % 7 == 3 else 1, min_tokens=4 if i % 4 == 3 else 0,
-                           logit_bias=((13, 1.5),) if i % 6 == 5 else ()) for i in range(n)]
-
-
-def _texts(outputs) -> list:
-    return [[(c.token_ids, c.text, c.finish_reason,
-              [(lp["token_id"], pytest.approx(lp["logprob"], rel=1e-3, abs=1e-4), [t for t, _ in lp["top"]])
-               for lp in c.logprobs or ()]) for c in o.completions] for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +36,10 @@ def test_greedy_outputs_are_the_same_with_a_draft_model(tiny_loaded, tiny_llama_
     another random model almost never; auto drafts with the model, prompt lookup finding nothing in text the
     tiny model never repeats."""
     prompts = cut_prompts(text_ids, [12, 40, 7, 25, 60, 18, 33, 9])
-    params = _params(8)
-    expected = _texts(_engine(tiny_loaded, "off").generate(prompts, params))
+    params = draft_params(8)
+    expected = output_texts(_engine(tiny_loaded, "off").generate(prompts, params))
     on = _engine(tiny_loaded, spec, tiny_llama_dir if own else other_dir)
-    assert _texts(on.generate(prompts, params)) == expected
+    assert output_texts(on.generate(prompts, params)) == expected
     s = on.stats
     assert s.draft_tokens > 0, "the draft model drafted nothing: the test lost its point"
     if own:
@@ -128,9 +114,9 @@ def test_seeded_samples_are_the_same_tokens_with_a_draft_model(tiny_loaded, tiny
     prompts = cut_prompts(text_ids, [15, 30, 8, 22, 41, 12])
     params = [SamplingParams(max_tokens=24, temperature=(0.3, 0.7, 1.0)[i % 3], seed=100 + i, top_k=(0, 40)[i % 2],
                              logprobs=1 if i % 3 == 2 else None, n=2 if i == 4 else 1) for i in range(6)]
-    expected = _texts(_engine(tiny_loaded, "off").generate(prompts, params))
+    expected = output_texts(_engine(tiny_loaded, "off").generate(prompts, params))
     on = _engine(tiny_loaded, "draft:4", tiny_llama_dir)
-    assert _texts(on.generate(prompts, params)) == expected
+    assert output_texts(on.generate(prompts, params)) == expected
     assert on.stats.accepted_tokens > 0 and on.stats.accepted_tokens < on.stats.draft_tokens
 
 
@@ -145,10 +131,10 @@ def test_preemption_a_small_draft_pool_and_overlapped_steps_keep_the_outputs(tin
     params = [SamplingParams(max_tokens=20 + i % 9, temperature=0.0 if i % 4 else 0.8, seed=i, ignore_eos=True)
               for i in range(12)]
     small = dict(kv_memory="96KiB", max_num_batched_tokens=64, max_num_seqs=8, block_size=8)
-    expected = _texts(Engine(loaded=tiny_loaded, speculation="off", **small).generate(prompts, params))
+    expected = output_texts(Engine(loaded=tiny_loaded, speculation="off", **small).generate(prompts, params))
     on = Engine(loaded=tiny_loaded, speculation="draft:5", speculative_model=str(tiny_llama_dir if own else other_dir),
                 preemption_mode=mode, async_scheduling=overlap, **small)
-    assert _texts(on.generate(prompts, params)) == expected
+    assert output_texts(on.generate(prompts, params)) == expected
     assert on.stats.preemptions > 0 and on.stats.draft_tokens > 0, "the test lost its point"
     pool = on.speculation.draft_model.blocks
     assert pool.num_free_blocks == pool.num_blocks and not on.speculation.draft_model.shadows
