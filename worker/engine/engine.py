@@ -300,8 +300,8 @@ class Engine:
             for seq in drafts.seqs:
                 if not seq.draft:  # dropped before it ran: a draft model's cache keeps only the sequence's tokens
                     self.speculation.rollback(seq, 0)
-        decoding = bool(plan.scheduled) and all(n == 1 + len(seq.draft) and seq.num_computed_tokens
-                                                >= seq.num_prompt_tokens for seq, n in plan.scheduled)
+        decoding = self.speculation.measures and bool(plan.scheduled) and all(
+            n == 1 + len(seq.draft) and seq.num_computed_tokens >= seq.num_prompt_tokens for seq, n in plan.scheduled)
         try:
             done, launched = self._launch(plan, self.scheduler, previous)
         except StepFailed as failed:  # the tokens before it first: the failure sets its sequences back

@@ -34,7 +34,7 @@ import logging
 import torch
 
 from worker.engine.block_manager import BlockManager
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, decode_rows_first
 from worker.engine.request import SeqStatus, Sequence
 
 log = logging.getLogger("berth.engine")
@@ -113,7 +113,7 @@ class DraftModel:
 
     def _step(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """One model call over the shadows' next tokens; each shadow's argmax joins its tokens."""
-        scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # decodes first, as the runner wants
+        scheduled = decode_rows_first(scheduled)  # as the runner wants
         step, samplers, _ = self.runner.prepare(scheduled)
         logits, _ = self.runner.execute(step)
         for shadow, n in scheduled:
@@ -135,10 +135,10 @@ class DraftModel:
         shadow.token_ids = list(seq.token_ids)
         return shadow
 
-    def _cut(self, shadow: Sequence, tokens: list[int], at_most: int | None = None) -> None:
-        """Set ``shadow``'s computed count back to its tokens that begin ``tokens`` (at most ``at_most``, and
-        one short of ``tokens``: the last is an input still), freeing the blocks past them."""
-        n = min(shadow.num_computed_tokens, len(tokens) - 1, len(tokens) if at_most is None else at_most)
+    def _cut(self, shadow: Sequence, tokens: list[int]) -> None:
+        """Set ``shadow``'s computed count back to its tokens that begin ``tokens`` (at most one short of
+        ``tokens``: the last is an input still), freeing the blocks past them."""
+        n = min(shadow.num_computed_tokens, len(tokens) - 1)
         if shadow.token_ids[:n] != tokens[:n]:
             n = next(i for i, (x, y) in enumerate(zip(shadow.token_ids, tokens)) if x != y)
         shadow.num_computed_tokens = max(n, 0)

@@ -124,9 +124,14 @@ class SpeculationPolicy:
         self.jobs = JobSuffixIndex() if self.enabled else None
         self.cost = StepCost()  # the engine tells it each decode step's time (``observe``)
 
+    @property
+    def measures(self) -> bool:
+        """Whether it learns from the steps' times (``observe``): auto does, to choose its drafts."""
+        return self.mode == "auto" and self.enabled
+
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step (no prompt tokens in it) of ``rows`` rows, drafts included, took ``seconds``."""
-        if self.mode == "auto" and self.enabled:
+        if self.measures:
             self.cost.observe(rows, seconds)
 
     def draft(self, running: list[Sequence], free_blocks: int) -> Drafts:
