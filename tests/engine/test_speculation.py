@@ -1,16 +1,20 @@
 """Speculation (worker/engine/speculative/): drafts from a sequence's own tokens, verified in the step.
 Greedy outputs must be the engine's without drafts token for token, whatever else a request asks (stop
-strings, max_tokens inside a draft, n > 1, logprobs, min_tokens, logit_bias) and whatever happens to its
+strings, max_tokens inside a draft, n > 1, logprobs, min_tokens, logit_bias, penalties, a grammar) and whatever happens to its
 blocks (preemption, the prefix cache, checkpoints restored elsewhere); and drafts must actually be
 accepted, or these tests would prove nothing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.support.drafts import draft_params, output_texts
 from worker.engine.engine import Engine
-from worker.engine.request import Request, SamplingParams
+from worker.engine.penalties import TokenCounts
+from worker.engine.request import Request, SamplingParams, StructuredOutput
+from worker.engine.structured import grammar
 from worker.engine.speculative.proposer import NgramIndex
 from worker.metrics import WorkerMetrics
 
@@ -329,3 +333,65 @@ def test_a_step_verifying_drafts_is_all_decode_rows(tiny_loaded, text_ids, oracl
     _spoke(engine)
     verifying = [(rows, decode) for rows, decode, drafting in shapes if drafting]
     assert verifying and all(rows == decode for rows, decode in verifying), verifying
+
+
+def _penalised(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=28, temperature=0.0 if i % 3 else 0.9, seed=40 + i, ignore_eos=True,
+                          repetition_penalty=(1.0, 1.6, 1.3)[i % 3], frequency_penalty=(0.9, 0.0, 0.4)[i % 3],
+                          presence_penalty=(0.0, 0.6, 0.5)[i % 3], logprobs=1 if i % 4 == 1 else None)
+
+
+def test_penalised_rows_count_the_draft_tokens_before_them(tiny_loaded, text_ids, oracle, monkeypatch):
+    """A verified row's penalties count the draft tokens before it (``TokenCounts.extended``), as the plain
+    decode step at that position would: greedy and seeded outputs are those without drafts. The penalties must
+    matter here (outputs without them differ), and with rows that ignore the draft tokens the outputs differ."""
+    prompts = _copying_prompts(text_ids, 9)
+    params = [_penalised(i) for i in range(9)]
+    reference = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params)
+    unpenalised = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(
+        prompts, [SamplingParams(max_tokens=28, temperature=p.temperature, seed=p.seed, ignore_eos=True)
+                  for p in params])
+    assert output_texts(unpenalised) != output_texts(reference), "the penalties changed nothing: no point"
+    oracle(prompts, reference)
+    on = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory="64MiB")
+    assert output_texts(on.generate(prompts, params)) == output_texts(reference)
+    _spoke(on)
+    monkeypatch.setattr(TokenCounts, "extended", lambda self, tokens: self)  # rows blind to the drafts before them
+    blind = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory="64MiB")
+    assert output_texts(blind.generate(prompts, params)) != output_texts(reference)
+
+
+def _constrained(i: int) -> SamplingParams:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "n": {"type": "integer"}}, "required": ["name", "n"]}
+    structured = (StructuredOutput("json_schema", json.dumps(schema)), StructuredOutput("regex", "[a-z]{3,9}( [a-z]+)+"),
+                  StructuredOutput("choice", json.dumps(["yes it is", "no it is not", "it depends on the day"])))[i % 3]
+    return SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.8, seed=70 + i, structured=structured,
+                          frequency_penalty=0.5 if i % 4 == 3 else 0.0, n=2 if i == 4 else 1)
+
+
+def test_constrained_rows_mask_each_verified_position_and_the_matcher_rolls_back(tiny_loaded, text_ids, oracle,
+                                                                                 monkeypatch):
+    """A grammar's request drafts: the draft ends at the first token its grammar refuses (the oracle's wrong
+    tokens and its tokens past the end are refused), each verified row is masked by the matcher past the draft
+    tokens before it, and the matcher is rolled back to the sequence's own tokens. Outputs are those without
+    drafts, greedy and seeded."""
+    prompts = _copying_prompts(text_ids, 9)
+    params = [_constrained(i) for i in range(9)]
+    reference = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB").generate(prompts, params)
+    oracle(prompts, reference)
+    cuts, allowed = [], grammar.allowed_prefix
+
+    def watched(matcher, tokens):
+        n = allowed(matcher, tokens)
+        cuts.append((n, len(tokens)))
+        return n
+
+    monkeypatch.setattr(grammar, "allowed_prefix", watched)
+    on = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory="64MiB")
+    assert output_texts(on.generate(prompts, params)) == output_texts(reference)
+    _spoke(on)
+    assert any(n < k for n, k in cuts) and any(n == k > 1 for n, k in cuts), cuts  # refused, and taken whole
+    monkeypatch.setattr(grammar, "allowed_prefix", lambda matcher, tokens: len(tokens))  # drafts never cut
+    uncut = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory="64MiB")
+    assert output_texts(uncut.generate(prompts, params)) == output_texts(reference)  # the masks alone refuse them

@@ -404,12 +404,13 @@ class Engine:
             return outputs, None
         try:
             rows, logits = self._sampling_rows(logits, samplers, scheduler)
-            constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
-            mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
-                                                      self.grammars.vocab_size)) if constrained else None
-            plain = mask is None and all(seq.request.plain_greedy for seq in rows)  # no row needs its SampleRow
             verifying = any(seq.draft for seq in samplers)
             offsets = verifier.row_offsets(rows) if verifying else [0] * len(rows)
+            constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+            ahead = [rows[i].draft[:offsets[i]] for i in constrained] if verifying else None
+            mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
+                                                      self.grammars.vocab_size, ahead)) if constrained else None
+            plain = mask is None and all(seq.request.plain_greedy for seq in rows)  # no row needs its SampleRow
             sample_rows = None if plain else [self._sample_row(s, j) for s, j in zip(rows, offsets)]
             draw = self.runner.sample(logits, sample_rows, mask)
         except Exception as exc:
@@ -579,9 +580,10 @@ class Engine:
         sequence's ``offset``-th draft token, sampled as that position (worker/engine/speculative/)."""
         if seq.counts is None and seq.request.params.penalized:
             seq.counts = TokenCounts.of(seq.token_ids, seq.num_prompt_tokens)
+        counts = seq.counts.extended(seq.draft[:offset]) if offset and seq.counts is not None else seq.counts
         return SampleRow(seq.request.params, seq.sample_index, seq.num_tokens + offset,
                          seq.num_output_tokens + offset, seq.request.stop_ids if seq.matcher is None else (),
-                         seq.counts)
+                         counts)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         return stop_checker.finish_reason(seq, token, self.tokenizer, self.max_model_len)
@@ -646,8 +648,8 @@ class Engine:
 
 
 def _fit_drafts(drafts: Drafts, plan: SchedulerOutput, blocks: BlockManager) -> None:
-    """Cut each draft to what the scheduler gave its sequence this step (a budget's end, room in the cache),
-    and then the longest ones so that the step's rows are a bucket's (``policy.excess_rows``), with the
+    """Cut each draft to what the scheduler gave its sequence this step (a budget's end, room in the cache)
+    and to what its grammar allows, and then the longest ones so that the step's rows are a bucket's (``policy.excess_rows``), with the
     blocks given for the rest; drop the drafts of sequences it did not run."""
     given = {seq: n for seq, n in plan.scheduled if seq.draft}
     for seq in drafts.seqs:
@@ -655,6 +657,8 @@ def _fit_drafts(drafts: Drafts, plan: SchedulerOutput, blocks: BlockManager) -> 
             seq.draft = []
             continue
         del seq.draft[seq.num_computed_tokens + given[seq] - len(seq.token_ids):]
+        if seq.matcher is not None:  # a draft ends at the first token its grammar refuses
+            del seq.draft[grammar.allowed_prefix(seq.matcher, seq.draft):]
     drafted = sorted((seq for seq in drafts.seqs if seq.draft), key=lambda seq: -len(seq.draft))
     excess = excess_rows(plan.num_tokens, sum(len(seq.draft) for seq in drafted))  # each n is its seq's now
     for seq in drafted:

@@ -55,6 +55,14 @@ class TokenCounts:
             output[slot[t]] += 1
         return cls(slot, array("q", slot), output)
 
+    def extended(self, tokens: list[int]) -> TokenCounts:
+        """A copy that has also generated ``tokens``: the counts a verified row sees after the draft tokens
+        before it (``worker.engine.speculative``)."""
+        copy = TokenCounts(dict(self.slot), array("q", self.ids), array("f", self.output))
+        for token in tokens:
+            copy.add(token)
+        return copy
+
     def add(self, token: int) -> None:
         """The sequence has generated ``token``."""
         s = self.slot.get(token)

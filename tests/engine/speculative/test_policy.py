@@ -54,9 +54,9 @@ def test_who_drafts():
             "prefill": _decoding(greedy, REPEATS, [])}
     rows["prefill"].num_computed_tokens = 5
     drafts = _policy("ngram:4").draft(list(rows.values()), free_blocks=100)
-    assert drafts.seqs == [rows["greedy"], rows["seeded"]] and rows["greedy"].draft == [3, 4, 5, 6]
+    assert drafts.seqs == [rows["greedy"], rows["seeded"], rows["penalty"]] and rows["greedy"].draft == [3, 4, 5, 6]
     assert drafts.keep_on_host
-    assert all(not s.draft for name, s in rows.items() if name not in ("greedy", "seeded"))
+    assert all(not s.draft for name, s in rows.items() if name not in ("greedy", "seeded", "penalty"))
     # max_tokens 4 with 3 out: the next token is its last, no room for a draft (with the bonus token)
     rows["short"].request = Request("r", REPEATS, SamplingParams(temperature=0, max_tokens=6))
     assert _policy("ngram:4").draft([rows["short"]], 100).seqs and rows["short"].draft == [4, 5]

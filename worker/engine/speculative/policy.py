@@ -21,8 +21,7 @@ Acceptance is counted per sequence, decayed each time it is verified (``DECAY``)
 prior; a sequence whose drafts fail stops drafting, and its estimate creeps back up while it does not
 (``RECOVERY`` a step), so it tries again now and then.
 
-Which sequences may draft at all: those without a grammar or a penalty (a grammar's matcher and a
-penalty's counts would have to take the draft and roll back), decoding with their last token on the host
+Which sequences may draft at all: those decoding with their last token on the host
 (``Sequence.inflight`` 0: the proposer reads it), of a model without longrope's switch of factors. Drafts
 never exceed ``max_tokens`` or the model's length (with the bonus token), and never ask for KV blocks the
 running sequences' next tokens may need. Seeded rows draft too: the verifier draws each position as the
@@ -219,8 +218,8 @@ class SpeculationPolicy:
 
     def _may_draft(self, seq: Sequence) -> bool:
         p = seq.request.params
-        return (seq.status is SeqStatus.RUNNING and not seq.finishing and not p.penalized
-                and p.structured is None and p.embedding is None and seq.matcher is None
+        return (seq.status is SeqStatus.RUNNING and not seq.finishing and p.embedding is None
+                and (p.structured is None or seq.matcher is not None)
                 and seq.num_output_tokens >= 1 and seq.num_computed_tokens == seq.num_tokens - 1)
 
     def _auto_ks(self, drafts: list[tuple[float, int]], running: int) -> list[int]:

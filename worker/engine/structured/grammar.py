@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # imported where used: an engine that never sees a grammar ne
     import xgrammar as xgr
 
 __all__ = ["DEFAULT_RULES", "CompileRules", "CompileTimeout", "Compiler", "GrammarDeadEnd", "GrammarError", "Wait",
-           "accept", "apply_bitmask",
+           "accept", "allowed_prefix", "apply_bitmask",
            "check", "choice_grammar", "compiler_for", "fill_bitmask", "new_matcher", "tokenizer_info", "too_costly"]
 
 CACHE_ENTRIES = 128  # compiled grammars kept per tokenizer (a large schema's is a few MB)
@@ -255,16 +255,55 @@ def accept(matcher: xgr.GrammarMatcher, token: int, vocab_size: int) -> None:
 _batch = threading.local()
 
 
-def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int) -> torch.Tensor:
+def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int,
+                 ahead: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """int32 ``[len(matchers), ceil(vocab_size/32)]``, bit ``t`` of row ``i`` set when matcher ``i``
-    allows token ``t``; filled for every row in one batch call."""
+    allows token ``t``; filled in one batch call. ``ahead[i]``: tokens row ``i``'s matcher takes before its
+    mask (a verified draft's row follows the draft tokens before it; a sequence's rows come in draft order):
+    such rows are filled one by one past those tokens, and each matcher is rolled back after. Past a draft
+    token the grammar refuses, or past its end, a row's mask is its previous row's (the verifier keeps no
+    token past a refused draft token: the row before it forbids it)."""
     import xgrammar as xgr
 
     bitmask = torch.empty((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
     if not hasattr(_batch, "matcher"):
         _batch.matcher = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-    _batch.matcher.batch_fill_next_token_bitmask(list(matchers), bitmask)
+    rows = [i for i in range(len(matchers)) if not ahead or not ahead[i]]
+    if len(rows) == len(matchers):
+        _batch.matcher.batch_fill_next_token_bitmask(list(matchers), bitmask)
+        return bitmask
+    if rows:
+        first = torch.empty((len(rows), bitmask.shape[1]), dtype=torch.int32)
+        _batch.matcher.batch_fill_next_token_bitmask([matchers[i] for i in rows], first)
+        bitmask[rows] = first
+    taken: dict[int, tuple[xgr.GrammarMatcher, int]] = {}  # id(matcher) -> (matcher, draft tokens it took)
+    for i, tokens in enumerate(ahead):
+        if not tokens:
+            continue
+        matcher = matchers[i]
+        done = taken.get(id(matcher), (matcher, 0))[1]
+        while done < len(tokens) and not matcher.is_terminated() and matcher.accept_token(tokens[done]):
+            done += 1
+        taken[id(matcher)] = (matcher, done)
+        if done == len(tokens) and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, i)
+        else:
+            bitmask[i] = bitmask[i - 1]
+    for matcher, done in taken.values():
+        if done:
+            matcher.rollback(done)
     return bitmask
+
+
+def allowed_prefix(matcher: xgr.GrammarMatcher, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` the grammar takes in turn from ``matcher``'s state, which is left as it was: a
+    draft ends at the first token its grammar refuses."""
+    done = 0
+    while done < len(tokens) and not matcher.is_terminated() and matcher.accept_token(tokens[done]):
+        done += 1
+    if done:
+        matcher.rollback(done)
+    return done
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
