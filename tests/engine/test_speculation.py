@@ -1,8 +1,8 @@
 """Speculation (worker/engine/speculative/): drafts from a sequence's own tokens, verified in the step.
 Greedy outputs must be the engine's without drafts token for token, whatever else a request asks (stop
-strings, max_tokens inside a draft, n > 1, logprobs, min_tokens, logit_bias, penalties, a grammar) and whatever happens to its
-blocks (preemption, the prefix cache, checkpoints restored elsewhere); and drafts must actually be
-accepted, or these tests would prove nothing."""
+strings, max_tokens inside a draft, n > 1, logprobs, min_tokens, logit_bias, penalties, a grammar) and
+whatever happens to its blocks (preemption, the prefix cache, checkpoints restored elsewhere); and drafts
+must actually be accepted, or these tests would prove nothing."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests.support.drafts import draft_params, output_texts
 from worker.engine.engine import Engine
 from worker.engine.penalties import TokenCounts
 from worker.engine.request import Request, SamplingParams, StructuredOutput
-from worker.engine.structured import grammar
 from worker.engine.speculative.proposer import NgramIndex
+from worker.engine.structured import grammar
 from worker.metrics import WorkerMetrics
 
 
@@ -364,7 +364,8 @@ def test_penalised_rows_count_the_draft_tokens_before_them(tiny_loaded, text_ids
 def _constrained(i: int) -> SamplingParams:
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                                "n": {"type": "integer"}}, "required": ["name", "n"]}
-    structured = (StructuredOutput("json_schema", json.dumps(schema)), StructuredOutput("regex", "[a-z]{3,9}( [a-z]+)+"),
+    structured = (StructuredOutput("json_schema", json.dumps(schema)),
+                  StructuredOutput("regex", "[a-z]{3,9}( [a-z]+)+"),
                   StructuredOutput("choice", json.dumps(["yes it is", "no it is not", "it depends on the day"])))[i % 3]
     return SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.8, seed=70 + i, structured=structured,
                           frequency_penalty=0.5 if i % 4 == 3 else 0.0, n=2 if i == 4 else 1)

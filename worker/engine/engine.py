@@ -649,8 +649,8 @@ class Engine:
 
 def _fit_drafts(drafts: Drafts, plan: SchedulerOutput, blocks: BlockManager) -> None:
     """Cut each draft to what the scheduler gave its sequence this step (a budget's end, room in the cache)
-    and to what its grammar allows, and then the longest ones so that the step's rows are a bucket's (``policy.excess_rows``), with the
-    blocks given for the rest; drop the drafts of sequences it did not run."""
+    and to what its grammar allows, and then the longest ones so that the step's rows are a bucket's
+    (``policy.excess_rows``), with the blocks given for the rest; drop the drafts of sequences it did not run."""
     given = {seq: n for seq, n in plan.scheduled if seq.draft}
     for seq in drafts.seqs:
         if seq.status is not SeqStatus.RUNNING or seq not in given:

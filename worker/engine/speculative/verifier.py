@@ -1,13 +1,14 @@
-"""Verifying drafts (vLLM's rejection sampler, for drafts without a model): a sequence with k draft tokens
-was scored as one chunk of k + 1 query tokens (its last token and the drafts), so the step has k + 1
-rows of logits for it, each sampled as its own position (``Engine._sample_row`` with the row's offset:
-bias, ``min_tokens`` and logprobs as without drafts; penalties count the draft tokens before the row, and
-a grammar's mask is its matcher's past them, rolled back after: ``grammar.fill_bitmask``'s ``ahead``). The draft is accepted as far as it equals those
-tokens; the token sampled after the last accepted one is the bonus token. The sequence keeps the
-accepted tokens and the bonus (1 to k + 1 tokens), exactly the tokens k + 1 plain decode steps would
-have sampled, and gives back the KV slots of the rejected ones: its computed count set back and the
-blocks past it freed. Those blocks were never named for the prefix cache (a block is named only once
-``Sequence.token_ids`` fills it: drafts are never there), so no cached hash ever holds a rejected draft.
+"""Verifying drafts (vLLM's rejection sampler, for drafts without a model): a sequence with k draft tokens was
+scored as one chunk of k + 1 query tokens (its last token and the drafts), so the step has k + 1 rows of
+logits for it, each sampled as its own position (``Engine._sample_row`` with the row's offset: bias,
+``min_tokens`` and logprobs as without drafts; penalties count the draft tokens before the row, and a
+grammar's mask is its matcher's past them, rolled back after: ``grammar.fill_bitmask``'s ``ahead``). The draft
+is accepted as far as it equals those tokens; the token sampled after the last accepted one is the bonus
+token. The sequence keeps the accepted tokens and the bonus (1 to k + 1 tokens), exactly the tokens k + 1
+plain decode steps would have sampled, and gives back the KV slots of the rejected ones: its computed count
+set back and the blocks past it freed. Those blocks were never named for the prefix cache (a block is named
+only once ``Sequence.token_ids`` fills it: drafts are never there), so no cached hash ever holds a rejected
+draft.
 
 Seeded rows alike: each row is drawn with the uniform number of its own position (``sampler.uniform``), the
 draw the engine makes there without drafts, so a draft token is kept exactly when that draw is it. A
