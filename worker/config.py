@@ -208,7 +208,7 @@ class Settings(BaseModel):
         "decided each step, only while at most speculation_max_running sequences run, each drafting as many tokens "
         "(up to 8) as pay for their rows at the step cost and acceptance measured on this device; ngram:K: every "
         "sequence that may, K tokens each step; off: none. "
-        "Requests without a grammar or penalties speculate; others decode as ever. With speculative_model given, "
+        "Every generating request may speculate, grammars and penalties too. With speculative_model given, "
         "draft:K: every sequence that may, K tokens each step from the draft model; and auto drafts with the "
         "draft model where neither lookup finds anything.", cli="engine")
     speculation_max_running: int = setting(

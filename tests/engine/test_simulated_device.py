@@ -105,3 +105,21 @@ def test_every_feature_runs_on_a_simulated_device(smol_loaded):
 
 def test_a_simulated_devices_blocks_are_never_taken_for_a_models(smol_loaded, smol_path):
     assert fingerprint(smol_path, Settings(simulated_device="h200:llama-3-8b")) != fingerprint(smol_path, Settings())
+
+
+def test_the_job_index_is_fed_while_the_device_runs_a_step(smol_loaded):
+    """A job's prompts and outputs are queued for its suffix index, not walked on the loop's critical path; the
+    engine feeds them while it would wait for the device (``Engine._resolve``). Here more sequences run than
+    auto drafts for, so no proposal feeds the index: only those waits do."""
+    engine = _simulated(smol_loaded, speculation="auto", speculation_max_running=1)
+    jobs = engine.speculation.jobs
+    for i in range(12):
+        engine.add_request(Request(f"r{i}", [1 + (i * 7 + j) % 500 for j in range(40)],
+                                   SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True),
+                                   tenant="t", job="j"))
+    assert jobs.pending == 12 and jobs._tries[("t", "j")].num_nodes == 1  # queued, not walked
+    finished = 0
+    while finished < 6:
+        finished += len(engine.step())
+    assert jobs.pending < 3 and jobs._tries[("t", "j")]._count[0] >= 12 * 40  # the prompts and outputs so far
+    assert engine.stats.draft_tokens == 0

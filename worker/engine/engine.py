@@ -423,6 +423,9 @@ class Engine:
         """Read a launched step's tokens and finish its rows: the tokens join their sequences, stops are found."""
         if launched is None:
             return []
+        jobs = self.speculation.jobs
+        if jobs is not None and jobs.pending:  # the job index's feeds, in time the host would wait for the device
+            jobs.catch_up(lambda: not launched.draw.ready())
         sampled = launched.draw.result()
         rows, verified = launched.rows, []
         if launched.verifying:  # drafts judged: the accepted tokens and the bonus stand, the rest go

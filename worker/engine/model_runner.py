@@ -246,8 +246,8 @@ class ModelRunner:
         read by ``SampleLaunch.result`` (on CUDA the host goes on meanwhile); others are drawn at once."""
         if grammar_mask is None and (rows is None or all(plain_greedy(r) for r in rows)):
             tokens = logits.argmax(dim=-1)
-            return SampleLaunch(tokens, lambda: Sampled(tokens.tolist(), [None] * len(tokens)))
-        return SampleLaunch(*draw(logits, rows, grammar_mask))
+            return launched(tokens, lambda: Sampled(tokens.tolist(), [None] * len(tokens)))
+        return launched(*draw(logits, rows, grammar_mask))
 
     # ---- block moves
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -294,14 +294,28 @@ def decode_rows_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Seque
 
 class SampleLaunch:
     """A step's draw, launched: ``tokens`` on the device at once (the next step's inputs copy from it),
-    ``result()`` the tokens and logprobs on the host, waiting for the device where it must."""
+    ``result()`` the tokens and logprobs on the host, waiting for the device where it must; ``ready()``
+    whether ``result()`` would return without waiting (the host may do other work until then)."""
 
-    def __init__(self, tokens: torch.Tensor, result: Callable[[], Sampled]):
+    def __init__(self, tokens: torch.Tensor, result: Callable[[], Sampled], ready: Callable[[], bool] | None = None):
         self.tokens = tokens
         self._result = result
+        self._ready = ready
 
     def result(self) -> Sampled:
         return self._result()
+
+    def ready(self) -> bool:
+        return self._ready is None or self._ready()
+
+
+def launched(tokens: torch.Tensor, result: Callable[[], Sampled]) -> SampleLaunch:
+    """A draw whose readiness is the device's: on CUDA an event recorded after the tokens, else at once."""
+    if tokens.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+        return SampleLaunch(tokens, result, event.query)
+    return SampleLaunch(tokens, result)
 
 
 def plain_greedy(row: SampleRow) -> bool:

@@ -248,7 +248,7 @@ class SimulatedRunner(ModelRunner):
             def result() -> Sampled:
                 self.timeline.wait(logits.done_at)
                 return Sampled(tokens.tolist(), [None] * n)
-            return SampleLaunch(tokens, result)
+            return SampleLaunch(tokens, result, lambda: time.perf_counter() >= logits.done_at)
         self.timeline.wait(logits.done_at)
         peaked = torch.zeros(len(special), self.vocab)
         peaked[torch.arange(len(special)), tokens[special]] = 8.0

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from worker.engine.speculative.job_suffix import MIN_MATCH, PROMPT_TAIL, JobSuffixIndex, SuffixTrie
+from worker.engine.speculative.job_suffix import CHUNK, MIN_MATCH, PENDING, PROMPT_TAIL, JobSuffixIndex, SuffixTrie
 
 
 def test_the_longest_match_then_the_most_frequent_path():
@@ -168,3 +168,28 @@ def test_a_node_costs_the_bytes_the_docstring_bounds():
 def test_sizes_are_checked(depth, max_match):
     with pytest.raises(ValueError):
         SuffixTrie(depth=depth, max_match=max_match)
+
+
+def test_a_feed_is_queued_until_caught_up_in_pieces_or_read():
+    """A feed waits in the queue (the engine feeds it while the device runs: ``catch_up``); ``catch_up`` stops
+    between pieces when told, and a proposal first feeds everything queued."""
+    index, text = JobSuffixIndex(), list(range(100, 100 + 3 * CHUNK))
+    index.feed("t", "j", text)
+    trie = index._tries[("t", "j")]
+    assert index.pending == 1 and trie.num_nodes == 1  # nothing walked yet
+    looks = []
+    index.catch_up(lambda: len(looks) < 2 and not looks.append(1))  # go on once, then stop
+    assert index.pending == 1 and CHUNK < trie._count[0] < len(text)  # two pieces fed of three
+    assert index.propose("t", "j", [100, 101], 3).tokens == [102, 103, 104]
+    assert index.pending == 0 and trie._count[0] == len(text)
+    whole = SuffixTrie()
+    whole.feed(text)
+    assert trie._count == whole._count and trie._child == whole._child  # in pieces as in one go
+
+
+def test_past_the_queues_bound_the_oldest_feeds_go_in_at_once():
+    index = JobSuffixIndex()
+    for i in range(PENDING + 3):
+        index.feed("t", "j", [i, i + 1, i + 2])
+    assert index.pending == PENDING
+    assert index._tries[("t", "j")]._count[0] == 3 * 3  # the three oldest fed, three starts each

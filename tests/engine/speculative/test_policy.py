@@ -1,13 +1,13 @@
 """When to speculate: auto drafts while few sequences run and their drafts are accepted, shrinking k step
-by step as the batch grows (no cliff); only rows without a grammar or penalty, never one whose token is
-in flight, never past max_tokens."""
+by step as the batch grows (no cliff); never a row whose token is in flight, never past max_tokens; a
+sequence whose drafts are refused whole sits out more steps each time."""
 
 from __future__ import annotations
 
 import pytest
 
 from worker.engine.request import Request, SamplingParams, SeqStatus, Sequence
-from worker.engine.speculative.policy import MAX_K, DraftState, SpeculationPolicy, parse
+from worker.engine.speculative.policy import MAX_K, MAX_REST, DraftState, SpeculationPolicy, parse
 
 
 def test_parse():
@@ -170,3 +170,34 @@ def test_the_jobs_index_drafts_where_the_sequences_own_ngrams_match_less():
 def _policy_draft(policy: SpeculationPolicy, rows: dict[str, Sequence]) -> dict[str, tuple[list[int], bool]]:
     policy.draft(list(rows.values()), free_blocks=100)
     return {name: (seq.draft, seq.spec.from_job) for name, seq in rows.items()}
+
+
+def test_a_sequence_whose_drafts_are_refused_whole_rests_longer_each_time():
+    """Under auto a draft refused whole rests its sequence 1, 2, 4, ... steps (up to MAX_REST); a kept draft
+    token ends the rests. ngram:K (tests, measurement) drafts every step whatever was refused."""
+    policy, seq = _policy("auto"), _decoding(SamplingParams(temperature=0, max_tokens=500), REPEATS, [1, 2])
+
+    def drafting_steps(steps: int, accepted: int) -> list[int]:
+        drafted = []
+        for step in range(steps):
+            seq.draft = []
+            if policy.draft([seq], 100).seqs:
+                drafted.append(step)
+                seq.spec.observe(len(seq.draft), min(accepted, len(seq.draft)))
+        return drafted
+
+    assert drafting_steps(16, 0) == [0, 2, 5, 10]  # rests of 1, 2 and 4 steps between, then 8
+    assert seq.spec.next_rest == 16 and seq.spec.rest == 3  # 8 steps of rest after step 10, 5 of them sat out
+    for _ in range(seq.spec.rest):
+        policy.draft([seq], 100)
+    seq.spec.accepted, seq.spec.tried = 3.0, 4.0  # its estimate back up (it fell below the bar meanwhile)
+    assert drafting_steps(3, 1) == [0, 1, 2]  # a token kept: no rest
+    assert seq.spec.next_rest == 1
+    seq.spec.next_rest = MAX_REST
+    seq.spec.observe(2, 0)
+    assert seq.spec.rest == MAX_REST and seq.spec.next_rest == MAX_REST  # never more
+    ngram, other = _policy("ngram:2"), _decoding(SamplingParams(temperature=0, max_tokens=500), REPEATS, [1, 2])
+    for _ in range(3):
+        other.draft = []
+        assert ngram.draft([other], 100).seqs == [other]
+        other.spec.observe(2, 0)

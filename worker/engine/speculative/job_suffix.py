@@ -17,7 +17,12 @@ suffixes too, so presence falls with the length: a binary search, a few walks of
 dict lookups), then follows the most frequent child (kept per node, ``_best``) for up to k tokens, while
 a child's share of its parent's count is at least ``min_share`` and the depth allows. Its ``confidence``
 is the product of those shares: the chance, by the counts, that the whole draft is what followed.
-A feed of n new tokens costs at most (n + depth) x depth dict operations, once per request.
+A feed of n new tokens costs at most (n + depth) x depth dict operations, once per request: 1-2.5 ms of
+Python for a line of a few hundred tokens, as long as a GPU's whole decode step. So ``JobSuffixIndex`` only
+queues a feed; the engine feeds the queue while the device runs a step it would otherwise wait for
+(``catch_up``, until the step's tokens are ready), and a proposal first feeds whatever is queued. Where
+steps leave the host no such time (a CPU's, computed on the loop's own thread), at most ``PENDING`` feeds
+wait: past that the oldest are fed at once, as before.
 
 Memory bound: a trie stops growing at ``max_nodes`` nodes (its existing nodes keep counting: the job's
 first lines, which its later ones resemble, are what it holds), and at most ``max_jobs`` tries are kept,
@@ -29,7 +34,8 @@ at most about 150 MiB of host memory in all, whatever the jobs' sizes."""
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DEPTH = 24  # the longest span kept
@@ -40,6 +46,8 @@ MAX_NODES = 1 << 16  # nodes of one job's trie
 MAX_JOBS = 16  # tries kept, the one fed longest ago dropped first
 PROMPT_TAIL = 1024  # a prompt's last tokens fed: a line's own text is in its own n-grams, a long shared head costs
 CONFIDENT = 0.5  # a proposal this sure and matching more than a sequence's own n-grams may is preferred to theirs
+PENDING = 64  # feeds queued at most (``JobSuffixIndex.catch_up``); past it the oldest are fed at once
+CHUNK = 32  # start positions a queued feed takes between two looks at whether to go on (~0.05 ms)
 _ROOT = 0
 
 
@@ -76,9 +84,17 @@ class SuffixTrie:
     def feed(self, tokens: list[int], new_from: int = 0) -> None:
         """Count the spans of ``tokens`` that end at or after ``new_from`` (those ending before it were fed
         already, with the same tokens before them: a prompt, then prompt and output from the prompt's end)."""
+        self.feed_starts(tokens, new_from, self.first_start(new_from), len(tokens))
+
+    def first_start(self, new_from: int) -> int:
+        """The first start position a feed from ``new_from`` walks."""
+        return max(0, new_from - self.depth + 1)
+
+    def feed_starts(self, tokens: list[int], new_from: int, begin: int, end: int) -> None:
+        """``feed``'s walks from the start positions ``begin`` to ``end`` (exclusive): a feed in pieces."""
         depth, child, count, best, token_of = self.depth, self._child, self._count, self._best, self._token
         full = len(count) >= self.max_nodes
-        for start in range(max(0, new_from - depth + 1), len(tokens)):
+        for start in range(begin, end):
             node = _ROOT
             if start >= new_from:
                 count[_ROOT] += 1
@@ -153,13 +169,20 @@ class JobSuffixIndex:
         self.max_jobs = max_jobs
         self._trie_args = trie
         self._tries: OrderedDict[tuple[str, str], SuffixTrie] = OrderedDict()
+        self._pending: deque[_Feed] = deque()  # feeds queued, the oldest first (``catch_up``)
 
     def __len__(self) -> int:
         return len(self._tries)
 
+    @property
+    def pending(self) -> int:
+        """Feeds queued, not yet in their tries."""
+        return len(self._pending)
+
     def feed(self, tenant: str, job: str | None, tokens: list[int], new_from: int = 0) -> None:
-        """Feed ``tokens`` (from ``new_from``: ``SuffixTrie.feed``) to the job's trie, made if new; the trie
-        fed longest ago goes where that makes more than ``max_jobs``. A request of no job feeds nothing."""
+        """Queue ``tokens`` (from ``new_from``: ``SuffixTrie.feed``) for the job's trie, made if new; the trie
+        fed longest ago goes where that makes more than ``max_jobs``. A request of no job feeds nothing.
+        ``tokens`` must not change until fed (the engine hands a copy, or a list it no longer appends to)."""
         if job is None or new_from >= len(tokens):
             return
         key = (tenant, job)
@@ -170,7 +193,26 @@ class JobSuffixIndex:
                 self._tries.popitem(last=False)
         else:
             self._tries.move_to_end(key)
-        trie.feed(tokens, new_from)
+        self._pending.append(_Feed(trie, tokens, new_from, trie.first_start(new_from)))
+        while len(self._pending) > PENDING:
+            self._feed_first(lambda: True)
+
+    def catch_up(self, more: Callable[[], bool] = lambda: True) -> None:
+        """Feed the queued feeds, the oldest first, ``CHUNK`` start positions at a time, while ``more()``
+        (the engine: while the device has not finished the step it waits for)."""
+        while self._pending and more():
+            self._feed_first(more)
+
+    def _feed_first(self, more: Callable[[], bool]) -> None:
+        item = self._pending[0]
+        end = len(item.tokens)
+        while item.start < end:
+            stop = min(item.start + CHUNK, end)
+            item.trie.feed_starts(item.tokens, item.new_from, item.start, stop)
+            item.start = stop
+            if item.start < end and not more():
+                return
+        self._pending.popleft()
 
     def feed_prompt(self, tenant: str, job: str | None, prompt: list[int]) -> None:
         """Feed a request's prompt, its last ``PROMPT_TAIL`` tokens (``feed``)."""
@@ -179,7 +221,22 @@ class JobSuffixIndex:
     def propose(self, tenant: str, job: str | None, tokens: list[int], k: int) -> Proposal:
         """The job's trie's proposal (``SuffixTrie.propose``); none for a request of no job or a job unseen."""
         trie = self._tries.get((tenant, job)) if job is not None else None
-        return trie.propose(tokens, k) if trie is not None else NONE
+        if trie is None:
+            return NONE
+        self.catch_up()
+        return trie.propose(tokens, k)
 
     def trie(self, tenant: str, job: str) -> SuffixTrie | None:
+        """The job's trie, every queued feed in it."""
+        self.catch_up()
         return self._tries.get((tenant, job))
+
+
+@dataclass(eq=False)
+class _Feed:
+    """A queued feed: its trie, text and ``new_from``, and the next start position to walk."""
+
+    trie: SuffixTrie
+    tokens: list[int]
+    new_from: int
+    start: int

@@ -19,7 +19,12 @@ the running sequences stands in for it (from ``BAR_ONE`` with one running to 1 a
 
 Acceptance is counted per sequence, decayed each time it is verified (``DECAY``), from an optimistic
 prior; a sequence whose drafts fail stops drafting, and its estimate creeps back up while it does not
-(``RECOVERY`` a step), so it tries again now and then.
+(``RECOVERY`` a step), so it tries again now and then. Under auto, a draft refused whole also rests its
+sequence: 1 step, then twice as many after each refusal in a row (up to ``MAX_REST``), none once a draft
+token is kept. A refused draft costs more than its rows: the step's tokens are read before the next step
+is launched (``Drafts.keep_on_host``), so on a device whose steps the host overlaps the host's work stops
+hiding; and where rows cost next to nothing (a GPU's decode) the cost model alone would retry a failing
+sequence at every step its estimate crept above ``LEAST_CHANCE``.
 
 Which sequences may draft at all: those decoding with their last token on the host
 (``Sequence.inflight`` 0: the proposer reads it), of a model without longrope's switch of factors. Drafts
@@ -51,6 +56,7 @@ LEAST_CHANCE = 0.1  # a draft token less likely than this to be kept is never dr
 DECAY = 0.8  # of the acceptance counts, at each verification
 PRIOR = (3.0, 4.0)  # accepted, tried: an optimistic start (p = 0.75)
 RECOVERY = 0.02  # accepted and tried added each step a sequence does not draft for its estimate
+MAX_REST = 64  # steps a sequence sits out at most after drafts refused whole, in a row (auto)
 MIN_N, MAX_N = 1, 3  # the n-grams looked up, longest first
 MODEL_DRAFT = -1  # a draft token the draft model is still to propose (``SpeculationPolicy._model_drafts``)
 BUCKET = 8  # a step with drafts has at most this many rows, or a multiple of it (``excess_rows``)
@@ -84,6 +90,8 @@ class DraftState:
     accepted: float = PRIOR[0]
     tried: float = PRIOR[1]
     from_job: bool = False  # its draft this step is the job's suffix index's, not its own n-grams'
+    rest: int = 0  # steps it sits out before auto drafts for it again
+    next_rest: int = 1  # the rest after its next draft refused whole
 
     @property
     def acceptance(self) -> float:
@@ -93,6 +101,10 @@ class DraftState:
         """A verification: ``accepted`` of ``drafted`` tokens kept (a rejection is one more try)."""
         self.accepted = self.accepted * DECAY + accepted
         self.tried = self.tried * DECAY + accepted + (accepted < drafted)
+        if accepted:
+            self.next_rest = 1
+        else:
+            self.rest, self.next_rest = self.next_rest, min(2 * self.next_rest, MAX_REST)
 
 
 @dataclass
@@ -143,6 +155,9 @@ class SpeculationPolicy:
             if not self._may_draft(seq):
                 continue
             state = seq.spec = seq.spec or DraftState()
+            if state.rest and self.mode == "auto":
+                state.rest -= 1
+                continue
             # never past max_tokens or the model's length with the bonus token, never over the step's room
             k = min(self.k, seq.request.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1, tokens_left)
