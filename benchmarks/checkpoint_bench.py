@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info
 from benchmarks.throughput import (
     WARMUP_PROMPTS,
     WARMUP_TOKENS,
@@ -55,7 +56,6 @@ from benchmarks.throughput import (
     berth_settings,
     clock,
     greedy_params,
-    machine_info,
     parse_workload_args,
     save_report,
     useful_timing,

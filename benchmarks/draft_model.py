@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from datetime import UTC, datetime
@@ -30,8 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.random_model import LLAMA_3_2_1B, TINY, write
-from benchmarks.throughput import _cpu_model
 from worker.config import Settings
 from worker.engine.engine import Engine
 from worker.engine.request import SamplingParams
@@ -127,8 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     off, on = best["off"], best[modes[1]]
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "quick": quick,
-        "machine": {"cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
-                    "torch": torch.__version__, "python": platform.python_version()},
+        "machine": machine_info(args.threads),
         "target_model": {"path": str(target), **_shape(target_shape)},
         "draft_model": {"path": str(draft), **_shape(draft_shape)},
         "dtype": dtype_name, "requests": args.requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
@@ -141,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"CPU: {report['machine']['cpu_model']} ({args.threads} threads), {dtype_name}")
+    print(f"CPU: {machine_line(report['machine'])}, {dtype_name}")
     print(f"target {report['target_model']['parameters'] / 1e9:.3g}B parameters, draft "
           f"{report['draft_model']['parameters'] / 1e6:.3g}M; {args.requests} requests x {max_tokens} tokens, "
           f"draft:{args.k}")

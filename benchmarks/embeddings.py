@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import machine_info
+from benchmarks.machine import machine_info
 from worker.config import Settings, default_model_path
 from worker.model.tokenizer import load_tokenizer
 

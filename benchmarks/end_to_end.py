@@ -53,11 +53,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.throughput import (
     add_workload_options,
     berth_settings,
     clock,
-    machine_info,
     parse_workload_args,
     save_report,
     warmed_engine,
@@ -488,7 +488,7 @@ def pooled_latencies(probes: list[dict]) -> dict:
 def print_report(report: dict) -> None:
     w = report["workload"]
     print(f"\n{w['requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_tokens']} useful output "
-          f"tokens; {report['dtype']}, threads={report['machine']['threads']}, {report['rounds']} round(s)")
+          f"tokens; {report['dtype']}, {machine_line(report['machine'])}, {report['rounds']} round(s)")
     print(f"{'system':<10}{'runs':>6}{'median s':>10}{'tok/s':>9}{'/ engine':>10}{'same text':>11}")
     for name, s in report["summary"].items():
         ratio = f"{s['ratio_to_engine']:.3f}" if "ratio_to_engine" in s else ""

@@ -186,13 +186,13 @@ def main() -> None:
     parse and validate, and what each run took."""
     import tempfile
 
-    from benchmarks.throughput import machine_info
+    from benchmarks.machine import machine_info, machine_line
     from worker.config import Settings
     from worker.engine.engine import Engine
 
     engine = Engine(Settings())
     print(f"{len(cases())} extraction prompts over {len(SCHEMAS)} schemas, max_tokens {MAX_TOKENS}, "
-          f"on {machine_info(engine.settings.threads or 0)['cpu_model']}")
+          f"on {machine_line(machine_info(engine.settings.resolved_threads()))}")
     print(f"{'run':<14}{'stop':>6}{'parse':>7}{'valid':>7}{'seconds':>9}")
     with tempfile.TemporaryDirectory() as folder:
         for name, constrained in (("constrained", True), ("unconstrained", False)):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import machine_info
+from benchmarks.machine import machine_info
 from worker.config import default_model_path
 from worker.engine.structured.grammar import apply_bitmask
 from worker.model.tokenizer import load_tokenizer

@@ -68,8 +68,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks import llama_cpp_build
 from benchmarks.end_to_end import batch_line, percentile
-from benchmarks.llama_server import KEY_FLAGS, LlamaServer, _free_port, _round_up, stop_process
-from benchmarks.throughput import clock, machine_info, save_report
+from benchmarks.llama_server import LlamaServer, _free_port, _round_up, stop_process
+from benchmarks.machine import machine_info, machine_line
+from benchmarks.throughput import clock, save_report
 from benchmarks.workload import OUTPUT_LEN_RANGE, PROMPT_LEN_RANGE, Workload, make_workload
 from worker.config import Settings, default_model_path
 
@@ -561,9 +562,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_report(report: dict) -> None:
-    m = report["machine"]
-    flags = ", ".join(f for f in m["cpu_flags"] if f in KEY_FLAGS) or "none of " + ", ".join(KEY_FLAGS)
-    print(f"\nCPU: {m['cpu_model']} ({m['cpu_count']} CPUs; {flags}); threads={m['threads']}, {report['dtype']}; "
+    print(f"\nCPU: {machine_line(report['machine'])}, {report['dtype']}; "
           f"{report['duration']:.0f} s phases; interactive {report['rate']:.3f} req/s x "
           f"{report['interactive_tokens']} tokens")
     print(f"{'system':<14}{'phase':<19}{'req':>5}{'err':>5}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>9}"

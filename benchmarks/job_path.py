@@ -64,7 +64,8 @@ from benchmarks.end_to_end import (
     server_services,
     servers_reachable,
 )
-from benchmarks.throughput import clock, machine_info, save_report, warmed_engine
+from benchmarks.machine import machine_info, machine_line
+from benchmarks.throughput import clock, save_report, warmed_engine
 from worker.config import Settings
 from worker.engine.engine import DTYPES
 from worker.model.loader import load_model
@@ -413,12 +414,9 @@ def fleet(cpu_ms: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    m = report["machine"]
     print(f"\njob path: {report['requests']} requests of {report['prompt_tokens']} prompt and "
           f"{'-'.join(map(str, sorted(set(report['output_tokens']))))} output tokens, {report['rounds']} round(s); "
-          f"{m['cpu_model']} "
-          f"({', '.join(f for f in m['cpu_flags'] if f.startswith(('avx512f', 'amx'))) or 'no AVX-512, no AMX'}), "
-          f"{m['cpu_count']} cores; settings {report['overrides'] or 'defaults'}"
+          f"{machine_line(report['machine'])}; settings {report['overrides'] or 'defaults'}"
           + (f"; a stand-in device of {report['device_ms']} ms a forward" if report["device_ms"] else ""))
     for name, s in report["summary"].items():
         if name == "fleet":

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.throughput import (
     QUICK_REQUESTS,
-    _cpu_model,
     greedy_params,
     kv_bytes_for,
     save_report,
@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     kv_memory = kv_bytes_for(workload, loaded.config, args.dtype, Settings().block_size)  # exact cache's bytes
     settings = {kv: Settings(model=args.model, dtype=args.dtype, kv_memory=kv_memory, kv_cache_dtype=kv)
                 for kv in KV_DTYPES}
-    print(f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads; {requests} requests, dtype {args.dtype}")
+    machine = machine_info()
+    print(f"CPU: {machine_line(machine)}; {requests} requests, dtype {args.dtype}")
 
-    report: dict = {"cpu": _cpu_model(), "requests": requests, "dtype": args.dtype, "kv_memory": kv_memory}
+    report: dict = {"machine": machine, "requests": requests, "dtype": args.dtype, "kv_memory": kv_memory}
     text_ids = loaded.tokenizer.encode(TEXT.read_text())
     for kv in KV_DTYPES:
         engine = Engine(settings[kv], loaded=loaded)

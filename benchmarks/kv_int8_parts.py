@@ -14,11 +14,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks.kv_int8 import KV_DTYPES
-from benchmarks.throughput import _cpu_model, greedy_params, kv_bytes_for, useful_timing, warmed_engine
+from benchmarks.machine import machine_line
+from benchmarks.throughput import greedy_params, kv_bytes_for, useful_timing, warmed_engine
 from benchmarks.workload import make_workload
 from worker.config import Settings, default_model_path
 from worker.engine.engine import DTYPES
@@ -43,7 +42,7 @@ def main() -> None:
     loaded = load_model(default_model_path(), DTYPES[args.dtype])
     workload = make_workload(loaded.tokenizer, args.requests)
     kv_memory = kv_bytes_for(workload, loaded.config, args.dtype, Settings().block_size)
-    print(f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads; {args.requests} requests, dtype {args.dtype}")
+    print(f"CPU: {machine_line()}; {args.requests} requests, dtype {args.dtype}")
     print(f"{'kv':6} {'tok/s':>7} {'wall s':>7} {'forward':>8} {'write_kv':>9} {'decode':>8} {'prefill':>8} "
           f"{'rest of fwd':>11} {'outside fwd':>11}")
     for kv in KV_DTYPES:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import _cpu_model, cpu_flags
+from benchmarks.machine import machine_info
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-quantize")
@@ -91,11 +91,6 @@ def unpack(sdist: Path, version: str) -> Path:
     return vendored
 
 
-def built_on() -> dict:
-    """The CPU this native build targets: its model name and the flags that matter."""
-    return {"cpu": _cpu_model(), "flags": cpu_flags()}
-
-
 def build(version: str = LLAMA_CPP_PYTHON, sdist: str | None = None, jobs: int = 2, force: bool = False) -> dict:
     """Builds the targets once; returns build-info (where the binaries are, how long it took)."""
     folder = cache_dir(version)
@@ -116,7 +111,7 @@ def build(version: str = LLAMA_CPP_PYTHON, sdist: str | None = None, jobs: int =
                     "-j", str(jobs), "--target", *TARGETS], check=True)
     seconds = time.perf_counter() - started
     info = {"llama_cpp_python": version, "source": str(source), "cmake_options": CMAKE_OPTIONS,
-            "build_seconds": round(seconds, 1), "jobs": jobs, "built_on": built_on(),
+            "build_seconds": round(seconds, 1), "jobs": jobs, "built_on": machine_info(),
             "binaries": {name: str(binary(name, version)) for name in TARGETS},
             "version_line": _version_line(version)}
     info_path.write_text(json.dumps(info, indent=2) + "\n")

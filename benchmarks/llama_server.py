@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from benchmarks import llama_cpp_build
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.throughput import (
     WARMUP_PROMPTS,
     WARMUP_TOKENS,
@@ -64,7 +65,6 @@ from benchmarks.throughput import (
     berth_settings,
     clock,
     linear_params_per_token,
-    machine_info,
     measure,
     measure_roof,
     parse_workload_args,
@@ -78,8 +78,6 @@ from worker.model.loader import load_model
 
 GGUF_TYPE = {"float32": "F32", "bfloat16": "BF16"}
 KV_TYPE = {"float32": "f32", "bfloat16": "bf16"}
-KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
-"""The CPU flags printed beside the figures (the JSON has them all)."""
 LLAMA_UBATCH = 512
 """llama.cpp's own default physical batch."""
 SERVER_START_TIMEOUT = 600.0
@@ -245,9 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_report(report: dict) -> None:
-    m, w = report["machine"], report["workload"]
-    flags = ", ".join(f for f in m["cpu_flags"] if f in KEY_FLAGS) or "none of " + ", ".join(KEY_FLAGS)
-    print(f"\nCPU: {m['cpu_model']} ({m['cpu_count']} CPUs; {flags}); threads={m['threads']}, berth {report['dtype']}, "
+    w = report["workload"]
+    print(f"\nCPU: {machine_line(report['machine'])}, berth {report['dtype']}, "
           f"llama-server {report['llama']['gguf_type']} GGUF, KV {report['llama']['kv_type']}")
     print(f"{w['requests']} requests, {w['output_tokens']} useful output tokens; roof (plain torch matmul) "
           f"{report['roof']['torch_matmul_gflops']:.1f} GFLOP/s, {report['flops_per_token'] / 1e9:.3f} GFLOP a token")

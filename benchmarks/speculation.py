@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from benchmarks.throughput import _cpu_model
+from benchmarks.machine import machine_info, machine_line
 from worker.config import Settings, default_model_path
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
@@ -153,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = make_prompts(loaded.tokenizer, args.requests, args.seed)
     base = Settings(threads=args.threads, kv_memory="1GiB")
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": default_model_path(),
-              "machine": {"cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
-                          "torch": torch.__version__, "python": platform.python_version()},
+              "machine": machine_info(args.threads),
               "requests": args.requests, "max_tokens": args.max_tokens,
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
               "job": compare(loaded, base, modes, prompts, args.max_tokens, args.rounds, f"job of {args.requests}")}
@@ -164,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           f"batch of {size}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"CPU: {machine_line(report['machine'])}")
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1))
     return report
 

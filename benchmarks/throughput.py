@@ -45,7 +45,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.workload import Workload, make_workload
 from worker.config import Settings, default_model_path
 from worker.engine.engine import DTYPES, Engine, EngineStats
@@ -508,39 +508,6 @@ def compute_share(flops: dict, roof: dict, berth: dict) -> dict:
 
 
 # ---------------------------------------------------------------- report
-def machine_info(threads: int) -> dict:
-    import transformers
-
-    return {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "cpu_flags": cpu_flags(), "threads": threads,
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-CPU_FLAG_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4", "vnni")
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's flags that decide which matmul and attention code runs (AVX2, FMA, AVX-512 and its
-    BF16/VNNI parts, AMX), from ``/proc/cpuinfo``; empty where that file is missing."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(CPU_FLAG_PREFIXES))
-    except OSError:
-        pass
-    return []
-
-
 def structured_figures(free: dict, constrained: dict, share: float) -> dict:
     """Unconstrained against ``share``-constrained useful tokens/s, their ratio, the grammar's cost."""
     return {"share": share, "tokens_per_s_unconstrained": free["tokens_per_s"],
@@ -589,7 +556,7 @@ def ratios(results: dict) -> dict:
 def print_report(report: dict) -> None:
     print(f"\n{report['workload']['requests']} requests, {report['workload']['prompt_tokens']} prompt tokens, "
           f"{report['workload']['output_tokens']} useful output tokens; {report['dtype']}, "
-          f"threads={report['machine']['threads']}, {report['machine']['cpu_count']} CPUs")
+          f"{machine_line(report['machine'])}")
     print(f"{'system':<26}{'seconds':>10}{'useful tok':>12}{'tok/s':>10}{'same as berth':>15}")
     for name, r in report["systems"].items():
         if "error" in r:
