@@ -33,7 +33,6 @@ import argparse
 import importlib.util
 import inspect
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, without installing berth
+from benchmarks.machine import machine_line
 from kernels import cpu_attention, kv_quant
 from worker.config import cache_dir
 
@@ -100,7 +100,7 @@ def prefill(args) -> int:
     if native is None:
         raise SystemExit("no C compiler built kernels/cpu_decode.c")
     avx2 = cpu_attention.load(cache_dir("kernels"), isa="avx2") if native.isa == "avx512" else None
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, this tree's path: {native.isa}; prompts of "
+    print(f"CPU: {machine_line()}, this tree's path: {native.isa}; prompts of "
           f"{PROMPT} tokens, {HEADS} heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}, blocks of {BLOCK_SIZE}")
     print(f"{'dtype':9} {'seqs':>4} {'ref ms':>8} {'GFLOP/s':>7} {'C ms':>8} {'GFLOP/s':>7} {'ref/C':>6}"
           + (f" {'avx2 ms':>8} {'GFLOP/s':>7} {'ref/avx2':>8}" if avx2 else ""))
@@ -138,11 +138,6 @@ def time_ms(fn, reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="a checkout (or `git archive` of kernels/) to compare with")
@@ -166,7 +161,7 @@ def main() -> int:
     if avx2 and base_module and "isa" in inspect.signature(getattr(base_module, "load", lambda: None)).parameters:
         built = base_module.load(cache_dir("kernels"), isa="avx2")
         base_avx2 = built.paged_decode_attention if built else None
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, this tree's path: {native.isa}")
+    print(f"CPU: {machine_line()}, this tree's path: {native.isa}")
     print(f"{'dtype':9} {'seqs':>4} {'ctx':>5} {'this ms':>8} {'GB/s':>6} {'base ms':>8} {'this/base':>9} "
           f"{'win ' + str(WINDOW) + ' ms':>11} {'win/full':>8}" + (f" {'avx2 ms':>8} {'GB/s':>6} {'avx2/this':>9}"
                                                                      if avx2 else "")

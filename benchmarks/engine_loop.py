@@ -27,21 +27,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from worker.config import Settings
 from worker.engine.engine import Engine
 from worker.engine.request import SamplingParams
 from worker.model.loader import load_model
-
-
-def cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-    return f"{name} ({isa}, {text.count('processor')} cores)"
 
 
 def run_once(loaded, device: str, overlap: str, args) -> dict:
@@ -88,8 +78,9 @@ def main() -> None:
     for r in range(args.rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             runs[mode].append(run_once(loaded, args.device, mode, args))
+    machine = machine_info()  # the threads the engines ran on
     print(f"{args.device}, {args.requests} requests x {args.prompt} prompt + {args.output} output tokens, "
-          f"budget {args.budget}; host: {cpu_name()}; median of {args.rounds}")
+          f"budget {args.budget}; host: {machine_line(machine)}; median of {args.rounds}")
     summary = {}
     for mode, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -101,7 +92,7 @@ def main() -> None:
               f"{med['steps']:.0f} steps")
     print(f"  overlap on / off: tokens/s {summary['on']['tokens_per_s'] / summary['off']['tokens_per_s']:.3f}x")
     if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "cpu": cpu_name(), "runs": runs,
+        args.json.write_text(json.dumps({"device": args.device, "machine": machine, "runs": runs,
                                          "median": summary}, indent=1))
 
 

@@ -17,12 +17,15 @@ Q4_K_M does for those), built in memory, since gguf.quants cannot quantise K-qua
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_line
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,14 +38,6 @@ def best(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def rounds(variants: dict, repeat: int) -> dict[str, float]:
@@ -132,14 +127,14 @@ def main() -> None:
     path = args.model or default_model_path()
     index = read_index(path)
     if args.dequant_only:
-        print(f"{path}\n{cpu_name()}, torch threads {torch.get_num_threads()}")
+        print(f"{path}\n{machine_line()}")
         dequant_figures(index, open_data(path), args.repeat)
         return
     gguf_config(index)  # imports the transformers config class
     reader = gguf.GGUFReader(path)
     data = open_data(path)
     n = args.repeat
-    print(f"{path}\n{cpu_name()}, torch threads {torch.get_num_threads()}")
+    print(f"{path}\n{machine_line()}")
 
     t_reader = best(lambda: gguf.GGUFReader(path), n)
     t_index = best(lambda: read_index(path), n)

@@ -28,24 +28,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import platform
+import sys
 import time
+from pathlib import Path
 
-import torch
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_line
 from worker.config import Settings, default_model_path
 from worker.engine.engine import Engine
 from worker.engine.request import Request, SamplingParams
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 class Load:
@@ -127,7 +118,7 @@ def main() -> None:
     engine = Engine(settings)
     floor = settings.interactive_batch_floor
     print(f"{'simulated ' + args.simulated_device + '; ' if args.simulated_device else ''}"
-          f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}, {args.dtype}; batch: {args.batch} requests "
+          f"CPU: {machine_line()}, {args.dtype}; batch: {args.batch} requests "
           f"of 16 + {args.batch_tokens} tokens; streams: {Settings().interactive_prefetch} requests of n=8; "
           f"{args.duration:.0f} s a phase after {args.warmup:.0f} s; interactive_step_seconds {args.step_seconds}")
     first, *_ = phase(engine, False, args.warmup, args.duration, args)

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.workload import make_workload
 from worker.config import Settings, default_model_path
 from worker.engine.engine import DTYPES, Engine
@@ -26,13 +29,6 @@ from worker.engine.request import Request, SamplingParams
 from worker.model.loader import load_model
 
 LENGTHS = (8, 16, 32, 128)  # output tokens: mostly short, a quarter long
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def run(loaded, settings: Settings, prompts: list[list[int]], lengths: list[int]) -> tuple[float, float]:
@@ -64,7 +60,8 @@ def main() -> None:
     prompts = make_workload(loaded.tokenizer, args.requests, args.seed).prompts
     rng = random.Random(args.seed)
     lengths = [rng.choice(LENGTHS) for _ in prompts]
-    print(f"{cpu_name()}; {args.requests} requests, output lengths {LENGTHS} ({sum(lengths)} tokens), "
+    machine = machine_info(Settings(threads=args.threads).resolved_threads())  # the engines' threads
+    print(f"{machine_line(machine)}; {args.requests} requests, output lengths {LENGTHS} ({sum(lengths)} tokens), "
           f"{args.seats} seats, {args.dtype}, model {Path(path).name}")
     for tail_first in (False, True):
         settings = Settings(model=path, dtype=args.dtype, threads=args.threads, max_num_seqs=args.seats,

@@ -15,17 +15,13 @@ both arms gave the same tokens. Default model, default settings, a folder as the
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
+from benchmarks.machine import machine_line
 from benchmarks.workload import corpus_token_ids
 from storage import open_store
 from worker.checkpoint.checkpointer import Checkpointer
@@ -36,14 +32,6 @@ from worker.engine.engine import DTYPES, Engine
 from worker.engine.request import Request, SamplingParams
 from worker.metrics import WorkerMetrics
 from worker.model.loader import load_model
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 class Worker:
@@ -122,7 +110,7 @@ def main() -> None:
                 loaded_blocks = b.prefixes.loaded_blocks if b.prefixes is not None else 0
                 arms.append((name, tokens, ended, seconds, b.engine.stats.prompt_tokens_computed, loaded_blocks))
                 b.close()
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, {settings.dtype}; default model; "
+    print(f"{machine_line()}, {settings.dtype}; default model; "
           f"{args.requests} requests, a {args.system}-token system prompt + {args.suffix} own tokens, "
           f"max_tokens {args.max_tokens}")
     print(f"worker A published {len(runs)} runs, {stored / 1e6:.1f} MB on the store")

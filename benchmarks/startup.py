@@ -46,6 +46,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = "7fa1c06"  # main when issue 23 (start-up: worker in 1 s, `berth status` in 0.5 s) was filed
 HEAVY = ("transformers", "sqlalchemy", "celery", "kombu", "fastapi", "boto3", "jsonschema", "triton", "jinja2",
@@ -115,14 +118,6 @@ def resident_bytes(tensor) -> int:
             present += sum(1 for e in entries if e >> 63)
             remaining -= len(entries)
     return present * page
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def checkout(revision: str, into: Path) -> Path:
@@ -320,9 +315,9 @@ def summary(runs: list[dict]) -> dict:
             "worker_log": runs[-1]["worker"]["log"], "runs": runs}
 
 
-def report(before: dict, after: dict, baseline: str) -> None:
+def report(before: dict, after: dict, baseline: str, machine: dict) -> None:
     mib = 1 << 20
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; best of the runs; baseline {baseline}")
+    print(f"CPU: {machine_line(machine)}; best of the runs; baseline {baseline}")
     print(f"{'':38}{'before':>10}{'after':>10}{'after/before':>14}")
     rows = [("berth generate, 1 request, 1 token (s)", before["generate"], after["generate"]),
             ("  the same in CPU seconds (user+sys)", before["generate_cpu"], after["generate_cpu"]),
@@ -368,10 +363,11 @@ def main() -> None:
             runs["before"].append(one_run(base))
             runs["after"].append(one_run(ROOT))
         before, after = summary(runs["before"]), summary(runs["after"])
-    report(before, after, args.baseline)
+    machine = machine_info(os.cpu_count())  # berth's default, a thread a core: variant_env drops BERTH_THREADS
+    report(before, after, args.baseline, machine)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"cpu": cpu_name(), "baseline": args.baseline, "before": before,
+        args.out.write_text(json.dumps({"machine": machine, "baseline": args.baseline, "before": before,
                                         "after": after}, indent=2))
 
 
