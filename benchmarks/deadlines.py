@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.workload import make_workload
 from worker.config import Settings, default_model_path
 from worker.engine.engine import DTYPES, Engine
@@ -45,28 +45,6 @@ from worker.model.loader import load_model
 
 DAY, HOUR = 86400.0, 3600.0
 ORDERINGS = ("same", "deadlines")  # B's deadline: A's (24 h), or 1 h
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_description() -> dict:
-    """/proc/cpuinfo's model name, family and model, and which of ``FLAGS`` it has."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    return {"model_name": fields.get("model name", "unknown CPU"), "family": fields.get("cpu family"),
-            "model": fields.get("model"), "cores": os.cpu_count(), "flags": {f: f in flags for f in FLAGS}}
-
-
-def describe_cpu(cpu: dict) -> str:
-    has = [f for f, v in cpu["flags"].items() if v]
-    lacks = [f for f, v in cpu["flags"].items() if not v]
-    return (f"{cpu['model_name']} (family {cpu['family']} model {cpu['model']}), {cpu['cores']} cores; "
-            f"{' '.join(has) or 'none of ' + ' '.join(FLAGS)}{'; no ' + ' '.join(lacks) if lacks else ''}")
 
 
 def run(loaded, settings: Settings, jobs: dict[str, list[tuple[list[int], int]]], b_after: int,
@@ -143,16 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    cpu = cpu_description()
     loaded = load_model(args.model, DTYPES[args.dtype])
     prompts = make_workload(loaded.tokenizer, args.a + args.b, args.seed).prompts
     rng = random.Random(args.seed)
     lengths = [rng.randint(*args.lengths) for _ in prompts]
     jobs = {"A": list(zip(prompts[:args.a], lengths[:args.a])), "B": list(zip(prompts[args.a:], lengths[args.a:]))}
     settings = Settings(model=args.model, dtype=args.dtype, threads=args.threads, max_num_seqs=args.seats)
-    print(f"{describe_cpu(cpu)}\nA (24 h) {args.a} requests, B {args.b} requests added after A's step {args.b_after}; "
-          f"output {args.lengths[0]}-{args.lengths[1]} tokens ({sum(lengths)} in all), {args.seats} seats, "
-          f"{args.dtype}, model {Path(args.model).name}; {args.rounds} round(s)", flush=True)
+    machine = machine_info(settings.resolved_threads())
+    print(f"{machine_line(machine)}\nA (24 h) {args.a} requests, B {args.b} requests added after A's step "
+          f"{args.b_after}; output {args.lengths[0]}-{args.lengths[1]} tokens ({sum(lengths)} in all), "
+          f"{args.seats} seats, {args.dtype}, model {Path(args.model).name}; {args.rounds} round(s)", flush=True)
     runs: dict[str, list[dict]] = {o: [] for o in ORDERINGS}
     first: dict[str, list[int]] | None = None
     same_tokens = True
@@ -192,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{summary['b_first_with_deadlines']}, B finished {dl['B_finished_s']:.1f} s against "
           f"{same['B_finished_s']:.1f} s ({dl['B_finished_s'] / same['B_finished_s']:.2f}x)")
     print(f"outputs identical between the orderings: {same_tokens} ({len(first or {})} requests)")
-    report = {"cpu": cpu, "model": args.model, "dtype": args.dtype, "threads": args.threads, "seed": args.seed,
+    report = {"machine": machine, "model": args.model, "dtype": args.dtype, "threads": args.threads, "seed": args.seed,
               "a": args.a, "b": args.b, "seats": args.seats, "lengths": list(args.lengths), "b_after": args.b_after,
               "output_tokens": sum(lengths), "rounds": args.rounds, "quick": args.quick, "runs": runs,
               "median": median, "summary": summary}

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from benchmarks.machine import machine_info, machine_line
 from benchmarks.throughput import save_report
 from kernels.int8_linear import load as load_int8_kernel
 from worker.config import cache_dir
@@ -51,20 +51,8 @@ ROWS = (1, 4, 16, 64, 256, 1024)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 PATHS = ("fp32-onednn", "fp32-mkl", "int8-c", "int8pack", "int8-dequant", "fbgemm-dyn", "onednn-qlinear")
 SKIP_SLOWER = 8
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # what PyTorch's int8 paths (fbgemm, oneDNN) multiply with
 SKIP_FROM_MS = 20.0  # ... and more than this many ms: below it, a burst of load could be the difference
-
-
-def cpu_description() -> str:
-    """lscpu's model name and whether the flags that matter here exist."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        out = ""
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    name = fields.get("Model name", "unknown CPU").strip()
-    have = {f: f in flags for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")}
-    return f"{name}, {os.cpu_count()} cores; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in have.items())
 
 
 def _fbgemm(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> Callable:
@@ -243,11 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_description()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.2f}")
-    report: dict = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "load_average_1m": [round(os.getloadavg()[0], 2)]}
+    machine = machine_info()
+    int8_dots = ", ".join(f for f in INT8_DOT_FLAGS if f in machine["cpu_flags"]) or "no VNNI, no AMX int8"
+    print(f"CPU: {machine_line(machine)}; int8 dot products: {int8_dots}")
+    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    report: dict = {"machine": machine, "load_average_1m": [round(os.getloadavg()[0], 2)]}
     if not args.no_kernels:
         print("ms per call (float32 oneDNN's time / this path's)")
         print(f"{'shape':20} {'rows':>5} " + " ".join(f"{p:>16}" for p in PATHS), flush=True)

@@ -24,5 +24,5 @@ def test_a_quick_run_finishes_the_one_hour_job_first_with_the_same_tokens(tmp_pa
     assert 0 < deadlines["jobs"]["B"]["arrived_s"] < deadlines["jobs"]["A"]["finished_s"]
     assert report["summary"]["b_first_with_deadlines"] and report["summary"]["outputs_identical"]
     assert same["output_tokens"] == deadlines["output_tokens"] == report["output_tokens"]
-    assert report["summary"]["tokens_per_s_ratio"] > 0 and report["cpu"]["model_name"]
+    assert report["summary"]["tokens_per_s_ratio"] > 0 and report["machine"]["cpu_model"]
     assert "outputs identical between the orderings: True" in proc.stdout
