@@ -51,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
 from benchmarks import random_model  # noqa: E402
+from benchmarks.machine import machine_info, machine_line  # noqa: E402
 
 try:  # a machine lacking one of berth's packages still gets a JSON, which names it
     from worker.config import default_model_path
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = {"name": "random Llama-3-8B shape" if cuda else "random tiny Llama (smoke)", "loaded": loaded,
              "device": "cuda" if cuda else "cpu", "dtype": "bfloat16" if cuda else "float32"}
     report = {"script": "benchmarks/gpu_check.py", "smoke": args.smoke,
-              "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or 'unknown'})",
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "machine": machine_info(),
               "torch": torch.__version__, "python": platform.python_version(), "budget_s": args.budget,
               "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "parts": {}}
     runners = {"cuda_tests": lambda: part_cuda_tests(args, deadline),
@@ -406,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
                "fp8_and_swap": lambda: part_fp8_and_swap(args, deadline, model),
                "simulated": lambda: part_simulated(args, deadline)}
     report["environment"] = environment()
+    print(f"[gpu_check] {report['device']} on {machine_line(report['machine'])}", flush=True)
     wanted = set(args.parts.split(","))
     for name in PARTS:
         t0 = time.monotonic()
