@@ -16,6 +16,7 @@ from worker.engine.penalties import TokenCounts
 from worker.engine.request import Request, SamplingParams, StructuredOutput
 from worker.engine.speculative.proposer import NgramIndex
 from worker.engine.structured import grammar
+from worker.engine.text_delta import TextDelta
 from worker.metrics import WorkerMetrics
 
 
@@ -396,3 +397,42 @@ def test_constrained_rows_mask_each_verified_position_and_the_matcher_rolls_back
     monkeypatch.setattr(grammar, "allowed_prefix", lambda matcher, tokens: len(tokens))  # drafts never cut
     uncut = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory="64MiB")
     assert output_texts(uncut.generate(prompts, params)) == output_texts(reference)  # the masks alone refuse them
+
+
+def test_int8_kv_keeps_the_outputs_with_drafts(tiny_loaded, text_ids, oracle):
+    """Verified rows write their keys and values to the int8 cache, as decode rows do, before attention reads
+    them: the outputs are those of the int8 cache without drafts."""
+    prompts, params = _copying_prompts(text_ids, 6), draft_params(6)
+    off = Engine(loaded=tiny_loaded, speculation="off", kv_memory="64MiB", kv_cache_dtype="int8")
+    reference = off.generate(prompts, params)
+    oracle(prompts, reference)
+    on = Engine(loaded=tiny_loaded, speculation="ngram:5", kv_memory="64MiB", kv_cache_dtype="int8")
+    assert output_texts(on.generate(prompts, params)) == output_texts(reference)
+    _spoke(on)
+
+
+def test_a_stream_gets_several_tokens_a_step_and_its_pieces_add_up_to_the_result(smol_loaded, text_ids):
+    """An interactive stream (the inbox's ``TextDelta``, fed after each step) takes a step's accepted tokens
+    at once; its pieces add up to the result's text, where a stop string ended it too."""
+    prompts = _copying_prompts(text_ids, 4)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, stop=(" the",) if i % 2 else ()) for i in range(4)]
+    engine = Engine(loaded=smol_loaded, speculation="ngram:4", kv_memory="64MiB")
+    streams = {str(i): TextDelta(smol_loaded.tokenizer, p.stop) for i, p in enumerate(params)}
+    pieces = {rid: [] for rid in streams}
+    seen, most = dict.fromkeys(streams, 0), 0
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(Request(str(i), prompt, p))
+    done = {}
+    while engine.has_unfinished():
+        finished = {out.request_id: out for out in engine.step()}
+        for rid, request in engine.requests.items():
+            out_ids = request.sequences[0].output_token_ids
+            most, seen[rid] = max(most, len(out_ids) - seen[rid]), len(out_ids)
+            pieces[rid].append(streams[rid].advance(out_ids))
+        for rid, out in finished.items():
+            pieces[rid].append(streams[rid].finish(out.completions[0].text))
+            done[rid] = out
+    _spoke(engine)
+    assert most > 1, "no step gave a stream several tokens: the test lost its point"
+    assert {rid: "".join(p) for rid, p in pieces.items()} == {rid: o.completions[0].text for rid, o in done.items()}
+    assert any(o.completions[0].finish_reason == "stop" and params[int(rid)].stop for rid, o in done.items())
