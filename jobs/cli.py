@@ -224,7 +224,8 @@ def job_spec(flags: dict):
 USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"),
                ("jobs.records.job_errors", "JobStateError"), ("jobs.records.storage_quota", "QuotaExceeded"),
                ("jobs.records.job_errors", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
-               ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
+               ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"),
+               ("jobs.pipeline.publish", "PublishError"))  # `berth run`'s ingest: the broker refused messages
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

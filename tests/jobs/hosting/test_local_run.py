@@ -22,6 +22,7 @@ import jobs.pipeline.ingest
 from jobs import api
 from jobs.cli import EXIT_INTERRUPTED, main
 from jobs.pipeline import ingest_threads
+from jobs.pipeline.publish import PublishError
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow, Result
 from tests.support.jobs_env import AMQP_URL, TINY_NAME, read_jsonl, tiny_settings, write_requests
@@ -146,18 +147,24 @@ def _berth_run(tiny_llama_dir):
                                      *TINY_FLAGS])
 
 
-def test_berth_run_says_in_one_line_what_stopped_its_ingest(tmp_path, monkeypatch, tiny_llama_dir, chunks_of_three):
+@pytest.mark.parametrize("error, line", [
+    (OperationalError("INSERT INTO requests", {}, sqlite3.OperationalError("disk I/O error")),
+     "Error: the database at sqlite:///./berth.db: disk I/O error; check that it runs and takes connections there, "
+     "or set BERTH_DATABASE_URL (--database-url)"),
+    (PublishError("the broker refused 3 messages (nack: out of disk or memory?); the reconciler will publish them "
+                  "again"),
+     "Error: the broker refused 3 messages (nack: out of disk or memory?); the reconciler will publish them again"),
+], ids=["database", "broker"])
+def test_berth_run_says_in_one_line_what_stopped_its_ingest(tmp_path, monkeypatch, tiny_llama_dir, chunks_of_three,
+                                                            error, line):
     monkeypatch.chdir(tmp_path)
     write_requests(tmp_path / "requests.jsonl", LINES)
-    _fail_second_chunk(monkeypatch, OperationalError("INSERT INTO requests", {},
-                                                     sqlite3.OperationalError("disk I/O error")))
+    _fail_second_chunk(monkeypatch, error)
 
     result = _berth_run(tiny_llama_dir)
 
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert result.output.strip().splitlines()[-1] == (
-        "Error: the database at sqlite:///./berth.db: disk I/O error; check that it runs and takes "
-        "connections there, or set BERTH_DATABASE_URL (--database-url)")
+    assert result.output.strip().splitlines()[-1] == line
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
