@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from worker.consumer.loop import EngineWorker
 
 STOP_WAIT = 10.0  # seconds a stopped run waits for its ingest's chunk under way; the ingest stops after it anyway
+FIRST_WAIT = 2.0  # seconds a new job's worker waits to start for its first chunk's messages (see ``submit``)
 
 
 class LocalRun:
@@ -45,10 +46,20 @@ class LocalRun:
 
     @classmethod
     def submit(cls, path: str | Path, settings: Settings, spec: JobSpec | None = None) -> LocalRun:
-        """Accept the file as a job (``create_job``: refused at once past a limit) and start its ingest."""
+        """Accept the file as a job (``create_job``: refused at once past a limit) and start its ingest;
+        return once its first chunk's messages are out (or it ended, or ``FIRST_WAIT`` passed). A worker
+        started before would find the embedded queue empty, and kombu looks at an empty queue again
+        only after its polling interval (a second, half of it within the loop's wait): longer than the
+        first chunk takes. On RabbitMQ, which pushes, the worker would only have waited the same."""
         job_id = create_job(open_database(settings.database_url), JobFiles(settings.storage_url), path,
                             settings.served_model_name(), spec or JobSpec(), settings)
-        return cls(settings, job_id, ingest_beside(make_app(settings, eager=True), settings, job_id))
+        ingest = ingest_beside(make_app(settings, eager=True), settings, job_id)
+        try:
+            ingest.published.wait(FIRST_WAIT)
+        except BaseException:  # Ctrl-C before the worker took the signals: no ingest left running behind
+            ingest.stop(STOP_WAIT)
+            raise
+        return cls(settings, job_id, ingest)
 
     @classmethod
     def resume(cls, job_id: str, settings: Settings) -> LocalRun:

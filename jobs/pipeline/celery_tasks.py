@@ -112,11 +112,12 @@ def ingest_later(app: Celery, job_ids: list[str]) -> None:
         app.tasks[INGEST].delay(job_id)
 
 
-def ingest_then_finalize(app: Celery, settings: Settings, job_id: str, stop: Callable[[], bool] | None = None) -> None:
+def ingest_then_finalize(app: Celery, settings: Settings, job_id: str, stop: Callable[[], bool] | None = None,
+                         published: Callable[[], None] | None = None) -> None:
     """The ingest task's work, raising what stopped it: the job's lines stored and published
-    (``jobs.pipeline.ingest``; ``stop`` asked between chunks), then the finalize of the jobs it made ready."""
+    (``jobs.pipeline.ingest``, with its ``stop`` and ``published``), then the finalize of the jobs it made ready."""
     finalize_later(app, ingest(open_database(settings.database_url), JobFiles(settings.storage_url), settings,
-                               job_id, stop))
+                               job_id, stop, published))
 
 
 def ingest_aside(app: Celery, job_ids: list[str]) -> list[threading.Thread]:
@@ -125,7 +126,7 @@ def ingest_aside(app: Celery, job_ids: list[str]) -> list[threading.Thread]:
     twice. The task logs what stops an ingest; the reconciler runs it again."""
     started = []
     for job_id in job_ids:
-        aside, new = ingest_threads.start(job_id, lambda _stop, job=job_id: app.tasks[INGEST].delay(job))
+        aside, new = ingest_threads.start(job_id, lambda _aside, job=job_id: app.tasks[INGEST].delay(job))
         if new:
             started.append(aside.thread)
     return started
@@ -133,10 +134,12 @@ def ingest_aside(app: Celery, job_ids: list[str]) -> list[threading.Thread]:
 
 def ingest_beside(app: Celery, settings: Settings, job_id: str) -> ingest_threads.IngestAside:
     """The job's ingest on a thread of its own, for a caller that works the job in this process
-    (``berth run``): what stops it is kept on the handle, not logged, for the caller to raise, and the
-    handle's ``stop`` stops it between chunks. ``app`` (eager) runs the finalize it makes ready. The
-    ingest already running here for the job, if any, instead (the reconciler's: it logs its own errors)."""
-    aside, _ = ingest_threads.start(job_id, lambda stop: ingest_then_finalize(app, settings, job_id, stop))
+    (``berth run``): what stops it is kept on the handle, not logged, for the caller to raise, the
+    handle's ``published`` is set once its first messages are out, and its ``stop`` stops it between chunks.
+    ``app`` (eager) runs the finalize it makes ready. The ingest already running here for the job, if any,
+    instead (the reconciler's: it logs its own errors, and neither stops nor says what it published)."""
+    aside, _ = ingest_threads.start(job_id, lambda handle: ingest_then_finalize(
+        app, settings, job_id, handle.stopping.is_set, handle.published.set))
     return aside
 
 

@@ -65,17 +65,17 @@ def job_target(db: Database, job_id: str) -> JobTarget:
 
 
 def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str,
-           stop: Callable[[], bool] | None = None) -> list[str]:
+           stop: Callable[[], bool] | None = None, published: Callable[[], None] | None = None) -> list[str]:
     """Validate, store and publish the job's lines; returns the jobs now ready to finalize. ``stop`` is
     asked before each chunk: once true the ingest returns [] at once, its job left ``validating`` with
     the lines stored and published so far, as a crash between two chunks leaves it (the next ingest of
-    the job goes on after them)."""
+    the job goes on after them). ``published`` is called each time messages of the job are out."""
     with db.session() as s, s.begin():
         if not hold_validating(s, job_id):
             return []
         input_key = s.scalar(select(Job.input_key).where(Job.id == job_id))
     with heartbeat(db, job_id):
-        return _ingest(db, files, settings, job_id, input_key, stop or (lambda: False))
+        return _ingest(db, files, settings, job_id, input_key, stop or (lambda: False), published or (lambda: None))
 
 
 def chunk_sizes() -> Iterator[int]:
@@ -87,13 +87,14 @@ def chunk_sizes() -> Iterator[int]:
 
 
 def _ingest(db: Database, files: JobFiles, settings: Settings, job_id: str, input_key: str,
-            stop: Callable[[], bool]) -> list[str]:
+            stop: Callable[[], bool], published: Callable[[], None]) -> list[str]:
     target = job_target(db, job_id)
     last_line, seen = _stored(db, job_id)
     validator = LineValidator(model_info(settings), seen=seen, tenant=target.tenant)
     error = None
     with Publisher(settings) as publisher:
-        publish_unpublished(db, publisher, job_id)  # a previous run's last chunk, if it died before publishing
+        if publish_unpublished(db, publisher, job_id):  # a previous run's last chunk, if it died before publishing
+            published()
         try:
             with files.open(input_key) as f:
                 lines = (raw for raw in read_lines(f) if raw.number > last_line)
@@ -107,7 +108,8 @@ def _ingest(db: Database, files: JobFiles, settings: Settings, job_id: str, inpu
                         return _refuse(db, files, job_id, str(exc), exc.code)
                     if rows is None:  # the job was cancelled or expired: its finalize closes the rest
                         return []
-                    publish(db, publisher, [target.message(r) for r in rows])
+                    if publish(db, publisher, [target.message(r) for r in rows]):
+                        published()
         except InputError as exc:
             error = str(exc)
         except ObjectNotFound:

@@ -5,8 +5,8 @@ defaults, the reconciler's (``jobs.pipeline.celery_tasks.dispatch``), which must
 One such thread a job in a process: a second start of a job whose ingest runs here gets the running
 one, so the reconciler of `berth run`'s own worker never starts a second ingest beside it (two
 would store each line once anyway, at twice the work). The handle keeps what ended the ingest
-(the caller raises it) and the thread's CPU (benchmarks), and asks it to stop before its next
-chunk (``jobs.pipeline.ingest.ingest``'s ``stop``).
+(the caller raises it) and the thread's CPU (benchmarks), says when its first messages are out,
+and asks it to stop before its next chunk (``jobs.pipeline.ingest.ingest``'s ``published`` and ``stop``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-Work = Callable[[Callable[[], bool]], object]  # the ingest, given the stop to ask between chunks
+Work = Callable[["IngestAside"], object]  # the ingest, given its handle: its ``stopping`` and ``published``
 
 
 class IngestAside:
@@ -25,18 +25,20 @@ class IngestAside:
         self.job_id = job_id
         self.error: BaseException | None = None  # what ended the ingest, once it ended
         self.cpu_seconds = 0.0  # the thread's CPU, once it ended
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # asked between chunks: set, the ingest stops
+        self.published = threading.Event()  # set by the ingest once messages of the job are out, or when it ends
         self._work = work
         self.thread = threading.Thread(target=self._run, name=f"berth-ingest-{job_id}", daemon=True)
 
     def _run(self) -> None:
         started = time.thread_time()
         try:
-            self._work(self.stopping.is_set)
+            self._work(self)
         except BaseException as exc:  # noqa: BLE001 (kept for the caller, which raises it in its own thread)
             self.error = exc
         finally:
             self.cpu_seconds = time.thread_time() - started
+            self.published.set()
 
     @property
     def done(self) -> bool:

@@ -3,14 +3,15 @@ answers the first requests while the ingest still reads the file; an ingest stop
 run with it, and one stopped with the worker (Ctrl-C, SIGTERM) leaves a job the same run goes on with;
 either way every line is answered once. On the embedded defaults and on PostgreSQL with RabbitMQ.
 
-The ingest is held at a chosen point by wrapping ``jobs.pipeline.ingest.publish`` (the first chunk's
-messages are published, the next chunk not yet read), so what runs beside it is decided, not raced."""
+The ingest is held at a chosen point by wrapping ``jobs.pipeline.ingest._store_chunk`` (the first chunk's
+messages are published, the second chunk not yet stored), so what runs beside it is decided, not raced."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 import jobs.pipeline.ingest
 from jobs import api
 from jobs.cli import EXIT_INTERRUPTED, main
+from jobs.hosting.local_run import LocalRun
 from jobs.pipeline import ingest_threads
 from jobs.pipeline.publish import PublishError
 from jobs.records.db import open_database
@@ -69,19 +71,19 @@ def _wait_for_an_answer(settings, job_id) -> list[str]:
     return answered
 
 
-def _hold_after_first_chunk(monkeypatch, hold) -> list[str]:
-    """Call ``hold(job_id)`` on the ingest's thread once its first chunk is published (once a process);
-    the job ids it was called for."""
-    publish, held = jobs.pipeline.ingest.publish, []
+def _hold_before_second_chunk(monkeypatch, hold) -> list[str]:
+    """Call ``hold(job_id)`` on the ingest's thread before it stores its second chunk, its first one
+    published (once a process); the job ids it was called for."""
+    store, calls, held = jobs.pipeline.ingest._store_chunk, [], []
 
-    def publish_then_hold(db, publisher, messages):
-        n = publish(db, publisher, messages)
-        if not held:
-            held.append(messages[0].job_id)
-            hold(messages[0].job_id)
-        return n
+    def hold_then_store(db, target, *args):
+        calls.append(target.job_id)
+        if len(calls) == 2:
+            held.append(target.job_id)
+            hold(target.job_id)
+        return store(db, target, *args)
 
-    monkeypatch.setattr(jobs.pipeline.ingest, "publish", publish_then_hold)
+    monkeypatch.setattr(jobs.pipeline.ingest, "_store_chunk", hold_then_store)
     return held
 
 
@@ -105,7 +107,7 @@ def _answered_once(settings, job, files) -> None:
 
 def test_the_worker_answers_the_first_requests_while_the_ingest_reads_the_rest(any_settings, tmp_path, tiny_engine,
                                                                              chunks_of_three, monkeypatch):
-    """Held after its first chunk, the ingest waits for a result of that chunk to be committed: it comes
+    """Held before its second chunk, the ingest waits for a result of the first to be committed: it comes
     (an ingest run to its end before the worker started would wait in vain), while the job is still
     ``validating`` with 3 lines read."""
     seen = {}
@@ -114,13 +116,33 @@ def test_the_worker_answers_the_first_requests_while_the_ingest_reads_the_rest(a
         seen["answered"] = _wait_for_an_answer(any_settings, job_id)
         seen["job"] = api.status(job_id, any_settings)
 
-    _hold_after_first_chunk(monkeypatch, until_answered)
+    _hold_before_second_chunk(monkeypatch, until_answered)
     job, files = api.run(write_requests(tmp_path / "requests.jsonl", LINES), tmp_path / "out.jsonl", any_settings,
                          engine=tiny_engine)
 
     assert set(seen["answered"]) <= set(EXPECTED[:3])
     assert (seen["job"].status, seen["job"].total) == (JobStatus.VALIDATING, 3)
     _answered_once(any_settings, job, files)
+
+
+def test_submit_returns_once_the_first_chunk_is_queued(tmp_path, tiny_llama_dir, chunks_of_three, monkeypatch):
+    """Not before (the embedded queue would be found empty by the worker's first look, and looked at again
+    only half a second later), nor after the whole file: here the ingest is held before its second chunk."""
+    settings = _embedded(tmp_path, tiny_llama_dir)
+    release = threading.Event()
+    _hold_before_second_chunk(monkeypatch, lambda job_id: release.wait(WAIT))
+    try:
+        here = LocalRun.submit(write_requests(tmp_path / "requests.jsonl", LINES), settings)
+        assert here.ingest.published.is_set() and not here.ingest.done
+        with open_database(settings.database_url).session() as s:
+            published = s.scalars(select(RequestRow.line).where(RequestRow.job_id == here.job_id,
+                                                                RequestRow.published_at.is_not(None))).all()
+        assert sorted(published) == [1, 2, 3]
+    finally:
+        release.set()
+    here.ingest.thread.join(WAIT)
+    assert (api.status(here.job_id, settings).status, api.status(here.job_id, settings).total) == (
+        JobStatus.IN_PROGRESS, LINES)
 
 
 def test_an_ingest_stopped_by_an_error_ends_the_run_with_it_and_the_same_run_goes_on(any_settings, tmp_path,
@@ -171,8 +193,9 @@ def test_berth_run_says_in_one_line_what_stopped_its_ingest(tmp_path, monkeypatc
 def test_berth_run_stopped_during_its_ingest_goes_on_with_the_job(tmp_path, monkeypatch, tiny_llama_dir,
                                                                   chunks_of_three, signum):
     """The signal comes once the worker answered a request of the first chunk (its handlers are in place),
-    and the ingest, held there, goes on only once it is asked to stop: so it stops before its second chunk.
-    The job is left ``validating`` with 3 lines, and the same `berth run` goes on with it to the end."""
+    while the ingest is held before storing its second chunk, which it goes on with only once it is asked
+    to stop: it stores and publishes that chunk and reads no third. The job is left ``validating`` with 6
+    lines, and the same `berth run` goes on with it to the end."""
     monkeypatch.chdir(tmp_path)
     write_requests(tmp_path / "requests.jsonl", LINES)
     settings = _embedded(tmp_path, tiny_llama_dir)
@@ -182,15 +205,15 @@ def test_berth_run_stopped_during_its_ingest_goes_on_with_the_job(tmp_path, monk
         os.kill(os.getpid(), signum)
         assert ingest_threads.running(job_id).stopping.wait(WAIT), "the ingest was not asked to stop"
 
-    held = _hold_after_first_chunk(monkeypatch, interrupt)
+    held = _hold_before_second_chunk(monkeypatch, interrupt)
     result = _berth_run(tiny_llama_dir)
 
     assert result.exit_code == EXIT_INTERRUPTED, result.output
     [job_id] = held
     job = api.status(job_id, settings)
-    assert (job.status, job.total) == (JobStatus.VALIDATING, 3) and job.completed >= 1
+    assert (job.status, job.total) == (JobStatus.VALIDATING, 6) and job.completed >= 1
     assert result.output.strip().splitlines()[-1] == (
-        f"stopped: {job_id} left with {job.completed} of the 3 lines read so far done, the rest of its file not yet "
+        f"stopped: {job_id} left with {job.completed} of the 6 lines read so far done, the rest of its file not yet "
         f"read; `berth run requests.jsonl -o out.jsonl` again goes on with it (or `berth worker`, then "
         f"`berth results {job_id} -o out.jsonl`)")
 

@@ -42,20 +42,20 @@ def _stored(settings, job_id) -> list[tuple[int, bool]]:
 def test_one_thread_a_job_and_its_error_kept():
     release, calls = threading.Event(), []
 
-    def work(stop):
-        calls.append(stop)
+    def work(aside):
+        calls.append(aside)
         release.wait(10)
         raise ConnectionError("the broker went away")
 
     first, new = ingest_threads.start("job-a", work)
-    again, second_new = ingest_threads.start("job-a", lambda stop: calls.append("a second ingest"))
+    again, second_new = ingest_threads.start("job-a", lambda aside: calls.append("a second ingest"))
     assert (new, second_new, again) == (True, False, first) and ingest_threads.running("job-a") is first
-    assert not first.failed
+    assert not first.failed and not first.published.is_set()
     release.set()
     first.thread.join(10)
     assert first.failed and isinstance(first.error, ConnectionError) and ingest_threads.running("job-a") is None
-    assert len(calls) == 1 and calls[0]() is False  # its stop, not asked
-    restarted, new = ingest_threads.start("job-a", lambda stop: None)
+    assert calls == [first] and first.published.is_set()  # said once it ended, whatever it published
+    restarted, new = ingest_threads.start("job-a", lambda aside: None)
     assert new and restarted is not first
     restarted.thread.join(10)
 
@@ -69,8 +69,11 @@ def test_a_stopped_ingest_leaves_its_chunks_published_and_the_next_goes_on_after
 
     def stopped_while_storing(*args):
         calls.append(len(args[3]))
+        aside = ingest_threads.running(job_id)
+        if len(calls) <= 2:  # the first ingest's: it says when the first chunk's messages are out
+            assert aside.published.is_set() == (len(calls) == 2)
         if len(calls) == 2:
-            ingest_threads.running(job_id).stopping.set()
+            aside.stopping.set()
         return store(*args)
 
     monkeypatch.setattr(jobs.pipeline.ingest, "_store_chunk", stopped_while_storing)
