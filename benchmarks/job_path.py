@@ -310,7 +310,8 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     from jobs.records.models import JobStatus, Result
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
-    worker = engine_worker(settings, stand_in_device(warmed_engine(loaded, settings), device_ms), eager_tasks=True)
+    worker = engine_worker(settings, stand_in_device(warmed_engine(loaded, settings), device_ms), eager_tasks=True,
+                           checks_lines=True)  # as api.run: the line checks' model facts read with the worker
     steps = StepClock(worker.engine)
     ledger = LedgerClock(worker.ledger)
     database = settings.database_url.rsplit("/", 1)[1] if settings.database_url.startswith("postgresql") else None

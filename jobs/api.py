@@ -153,7 +153,8 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
     from jobs.hosting.local_run import LocalRun
 
     settings = settings or Settings()
-    worker = engine_worker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
+    # the model loads, and the line checks' facts are read, before the job's clock starts
+    worker = engine_worker(settings, engine, eager_tasks=True, checks_lines=True)
     here = LocalRun.resume(job_id, settings) if job_id else LocalRun.submit(path, settings, spec)
     job = here.work(worker, on_progress)
     if not job.status.is_final:

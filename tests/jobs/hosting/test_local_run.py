@@ -19,9 +19,11 @@ from click.testing import CliRunner
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
+import jobs.lines.validate
 import jobs.pipeline.ingest
 from jobs import api
 from jobs.cli import EXIT_INTERRUPTED, main
+from jobs.hosting.engine_worker import engine_worker
 from jobs.hosting.local_run import LocalRun
 from jobs.pipeline import ingest_threads
 from jobs.pipeline.publish import PublishError
@@ -143,6 +145,15 @@ def test_submit_returns_once_the_first_chunk_is_queued(tmp_path, tiny_llama_dir,
     here.ingest.thread.join(WAIT)
     assert (api.status(here.job_id, settings).status, api.status(here.job_id, settings).total) == (
         JobStatus.IN_PROGRESS, LINES)
+
+
+@pytest.mark.parametrize("checks_lines", [True, False])
+def test_the_worker_of_a_run_reads_the_line_checks_model_facts_before_the_job(tmp_path, tiny_llama_dir, tiny_engine,
+                                                                              monkeypatch, checks_lines):
+    """Read on the job's clock, they would hold back the ingest's first chunk, and the worker with it."""
+    monkeypatch.setattr(jobs.lines.validate, "_model_infos", {})
+    engine_worker(_embedded(tmp_path, tiny_llama_dir), tiny_engine, eager_tasks=True, checks_lines=checks_lines)
+    assert bool(jobs.lines.validate._model_infos) is checks_lines
 
 
 def test_an_ingest_stopped_by_an_error_ends_the_run_with_it_and_the_same_run_goes_on(any_settings, tmp_path,
