@@ -10,16 +10,20 @@ then decides the rate. A near-free model shows that cost on a CPU: ``random_mode
 through, each on a new engine warmed up first:
 
 1. engine: ``jobs.hosting.generate.generate_file`` (``berth generate``): no database, no queue.
-2. embedded: ``berth run``'s path (``api.submit`` with ingest in this process, then an engine worker
-   in this process until the job ends, finalize in this process) on SQLite, the embedded queue and
-   a local folder, in a fresh temporary directory.
+2. embedded: ``berth run``'s path (``jobs.hosting.local_run``, what ``api.run`` calls: the job accepted,
+   its ingest on a thread of this process beside an engine worker in this process, which consumes the
+   requests as they are published until the job ends, finalize in this process) on SQLite, the
+   embedded queue and a local folder, in a fresh temporary directory.
 3. servers: the same on PostgreSQL and RabbitMQ at 127.0.0.1 (``--pg-admin-url``, ``--amqp-url``),
    in a database created for the run and under a queue prefix of its own, both removed at the end.
 
-Rate = requests (and output tokens) / wall seconds from the call (``generate_file``, ``api.submit``)
+Rate = requests (and output tokens) / wall seconds from the call (``generate_file``, ``LocalRun.submit``)
 to the results written (``generate_file`` returned; the job's ``completed_at``). CPU, in ms a
-request: this process's (``os.times``, all threads) split into submit (ingest) and worker loop, and
-the engine's step on the loop thread (``time.thread_time`` around ``Engine.step``); PostgreSQL's as
+request: this process's (``os.times``, all threads) split into submit (the job's creation on the
+calling thread and its ingest's thread, each by ``time.thread_time``: they overlap the worker now,
+so the split is by thread, not by time) and worker (the rest: the loop, its committer and claim
+threads, housekeeping), and the engine's step on the loop thread (``time.thread_time`` around
+``Engine.step``); PostgreSQL's as
 the CPU of the backends connected to the run's database plus the server's background processes
 (walwriter, checkpointer, ...: shared with anyone else on the server); RabbitMQ's as the whole
 ``beam.smp`` process's (shared likewise). Each is read from ``/proc`` before and after the run, the
@@ -294,33 +298,43 @@ def run_engine(loaded, settings: Settings, requests: Path, out: Path, device_ms:
 
 
 def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total: int, device_ms: float = 0.0) -> dict:
-    """``berth run``'s path in this process: submit with ingest, then the worker until the job ends."""
+    """``berth run``'s path in this process, as ``api.run`` takes it (``jobs.hosting.local_run``): the job
+    accepted and its ingest started on a thread, the worker beside it until the job ends. Phases, in
+    seconds from the call: the first result committed, every line queued (the ingest's end), the last
+    result."""
+    from sqlalchemy import func, select
+
     from jobs import api
     from jobs.hosting.engine_worker import engine_worker
+    from jobs.hosting.local_run import LocalRun
     from jobs.records.db import open_database
-    from jobs.records.models import JobStatus
+    from jobs.records.models import JobStatus, Result
 
     open_database(settings.database_url)  # the schema is in place before the clock starts
-    worker = engine_worker(settings, stand_in_device(warmed_engine(loaded, settings), device_ms), eager_tasks=True)
+    worker = engine_worker(settings, stand_in_device(warmed_engine(loaded, settings), device_ms), eager_tasks=True,
+                           checks_lines=True)  # as api.run: the line checks' model facts read with the worker
     steps = StepClock(worker.engine)
     ledger = LedgerClock(worker.ledger)
     database = settings.database_url.rsplit("/", 1)[1] if settings.database_url.startswith("postgresql") else None
     servers = ServerCpu(database)
     before = servers.read() if settings.broker_url else {}
-    cpu0, t0 = process_cpu(), time.time()
-    job = api.submit(requests, settings, eager=True)
+    cpu0, t0, created0 = process_cpu(), time.time(), time.thread_time()
+    here = LocalRun.submit(requests, settings)
+    created = time.thread_time() - created0
+    job = here.work(worker)
     cpu1 = process_cpu()
-    worker.run(until=lambda: api.status(job.id, settings).status.is_final)
-    cpu2 = process_cpu()
     after = servers.read() if settings.broker_url else {}
     api.results(job.id, out, settings=settings)
-    job = api.status(job.id, settings)
     if job.status is not JobStatus.COMPLETED or job.completed != total:
         raise RuntimeError(f"job {job.id} ended {job.status.value} with {job.completed} of {total} completed")
-    cpu = {"process": cpu2 - cpu0, "submit": cpu1 - cpu0, "worker": cpu2 - cpu1, "engine_step": steps.cpu}
+    submit = created + here.ingest.cpu_seconds
+    cpu = {"process": cpu1 - cpu0, "submit": submit, "worker": cpu1 - cpu0 - submit, "engine_step": steps.cpu}
     cpu.update({k: after[k] - before.get(k, 0.0) for k in after})
+    with open_database(settings.database_url).session() as s:
+        first = s.scalar(select(func.min(Result.created_at)).where(Result.job_id == job.id))
     return {"seconds": job.completed_at - t0, "cpu": cpu, "steps": steps.steps, "ledger": ledger.figures(total),
-            "phases": {"queued": round(job.in_progress_at - t0, 3), "last_result": round(job.finalizing_at - t0, 3)}}
+            "phases": {"first_result": round(first - t0, 3), "queued": round(job.in_progress_at - t0, 3),
+                       "last_result": round(job.finalizing_at - t0, 3)}}
 
 
 @contextmanager
@@ -364,6 +378,9 @@ def run_round(number: int, systems: list[str], loaded, base: Settings, args, req
             r = results[name]
             print(f"[{clock()}]   {r['seconds']:.2f} s, {r['requests_per_s']:.1f} requests/s, CPU ms/request "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_request"].items()), flush=True)
+            if "phases" in r:
+                print(f"[{clock()}]   s from the call: " + ", ".join(f"{k} {v}" for k, v in r["phases"].items()),
+                      flush=True)
             if "ledger" in r:
                 print(f"[{clock()}]   ledger calls, ms/request CPU/wall: " + ", ".join(
                     f"{k} ({v['calls']}) {v['cpu_ms_per_request']:.3f}/{v['wall_ms_per_request']:.3f}"

@@ -142,26 +142,21 @@ def _partial_results(job_id: str, output: Path, errors: Path | None, settings: S
 def run(path: str | Path, output: str | Path, settings: Settings | None = None, *, errors: str | Path | None = None,
         spec: JobSpec | None = None, engine=None, on_progress: Callable[[JobView], None] | None = None,
         job_id: str | None = None) -> tuple[JobView, ResultFiles | None]:
-    """Submit, work and fetch the results in this process: ingest and finalize run in-process, an
-    engine worker consumes the queue until the job ends. Zero servers on the default settings.
-    ``job_id``: go on with that job (``unfinished_run``) instead of submitting the file again. The
-    files are None when the worker was stopped (SIGINT, SIGTERM) before the job ended: the job stays
-    queued, for ``berth worker`` (or this call again) to finish."""
+    """Submit, work and fetch the results in this process: the ingest runs on a thread beside an engine
+    worker, which consumes the requests as they are queued until the job ends, and finalize runs
+    in-process (``jobs.hosting.local_run``). Zero servers on the default settings. ``job_id``: go on with
+    that job (``unfinished_run``) instead of submitting the file again, its ingest too if it was stopped.
+    The files are None when the worker was stopped (SIGINT, SIGTERM) before the job ended: the job stays
+    queued, for ``berth worker`` (or this call again) to finish. An ingest stopped by an error (the
+    database, the store, the broker) raises it, the job left to go on with likewise."""
     from jobs.hosting.engine_worker import engine_worker
+    from jobs.hosting.local_run import LocalRun
 
     settings = settings or Settings()
-    worker = engine_worker(settings, engine, eager_tasks=True)  # the model loads before the job's clock starts
-    job = status(job_id, settings) if job_id else submit(path, settings, spec=spec, eager=True)
-    if not job.status.is_final:
-
-        def job_over() -> bool:
-            view = status(job.id, settings)
-            if on_progress is not None:
-                on_progress(view)
-            return view.status.is_final
-
-        worker.run(until=job_over)
-    job = status(job.id, settings)
+    # the model loads, and the line checks' facts are read, before the job's clock starts
+    worker = engine_worker(settings, engine, eager_tasks=True, checks_lines=True)
+    here = LocalRun.resume(job_id, settings) if job_id else LocalRun.submit(path, settings, spec)
+    job = here.work(worker, on_progress)
     if not job.status.is_final:
         return job, None
     return job, results(job.id, output, errors, settings)
@@ -169,7 +164,8 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
 
 def unfinished_run(path: str | Path, settings: Settings | None = None, spec: JobSpec | None = None) -> JobView | None:
     """The newest job an earlier ``run`` of this file left unfinished (stopped, or its process killed):
-    the same tenant, model, file name and number of lines, submitted by the CLI, not yet over."""
+    the same tenant, model, file name and number of lines (at most that many, for one stopped during its
+    ingest), submitted by the CLI, not yet over."""
     from jobs.pipeline.submit import JobSpec
 
     settings, spec = settings or Settings(), spec or JobSpec()
@@ -178,8 +174,9 @@ def unfinished_run(path: str | Path, settings: Settings | None = None, spec: Job
         lines = sum(1 for line in f if line.strip())
     for view in query_jobs(open_database(settings.database_url), spec.tenant, None, 20, input_name=path.name,
                            cli_only=True):
-        if (view.status in (JobStatus.VALIDATING, JobStatus.IN_PROGRESS) and view.model == settings.served_model_name()
-                and view.total in (0, lines)):
+        if view.model == settings.served_model_name() and (
+                view.status is JobStatus.IN_PROGRESS and view.total == lines
+                or view.status is JobStatus.VALIDATING and view.total <= lines):
             return view
     return None
 

@@ -224,7 +224,8 @@ def job_spec(flags: dict):
 USER_ERRORS = (("jobs.records.db", "SchemaError"), ("jobs.records.job_errors", "JobNotFound"),
                ("jobs.records.job_errors", "JobStateError"), ("jobs.records.storage_quota", "QuotaExceeded"),
                ("jobs.records.job_errors", "TenantNotFound"), ("jobs.lines.validate", "InputError"),
-               ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"))
+               ("worker.engine.engine", "RequestRejected"), ("worker.model.base", "ModelLoadError"),
+               ("jobs.pipeline.publish", "PublishError"))  # `berth run`'s ingest: the broker refused messages
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -631,8 +632,10 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, new_job, **flags
     with user_errors(settings):
         earlier = None if new_job else api.unfinished_run(input_file, settings, spec)
     if earlier is not None:
+        done = (f"{earlier.completed} of {earlier.total} lines done" if earlier.status is not JobStatus.VALIDATING
+                else f"{earlier.completed} of the {earlier.total} lines read so far done, the rest read now")
         click.echo(f"going on with {earlier.id}, which an earlier run of {Path(input_file).name} left unfinished "
-                   f"({earlier.completed} of {earlier.total} lines done); --new submits the file again", err=True)
+                   f"({done}); --new submits the file again", err=True)
     try:
         with user_errors(settings), JobProgress(disabled=quiet) as progress:
             view, files = api.run(input_file, output, settings, errors=errors, spec=spec, on_progress=progress.update,
@@ -642,9 +645,11 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, new_job, **flags
                    "submitted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     if files is None:  # Ctrl-C or SIGTERM: the worker stopped, the job waits in the queue
-        click.echo(f"stopped: {view.id} left with {view.completed} of {view.total} lines done, its other lines queued; "
-                   f"`berth run {input_file} -o {output}` again goes on with it (or `berth worker`, then "
-                   f"`berth results {view.id} -o {output}`)", err=True)
+        left = (f"{view.completed} of {view.total} lines done, its other lines queued"
+                if view.status is not JobStatus.VALIDATING else  # stopped during its ingest
+                f"{view.completed} of the {view.total} lines read so far done, the rest of its file not yet read")
+        click.echo(f"stopped: {view.id} left with {left}; `berth run {input_file} -o {output}` again goes on with it "
+                   f"(or `berth worker`, then `berth results {view.id} -o {output}`)", err=True)
         sys.exit(EXIT_INTERRUPTED)
     click.echo(f"{view.id} {view.status.value}: {view.completed} completed, {view.failed} failed of {view.total}; "
                f"{view.prompt_tokens} input tokens, "  # all an embeddings job has

@@ -19,12 +19,16 @@ if TYPE_CHECKING:
 
 
 def engine_worker(settings: Settings, engine: Engine | None = None, eager_tasks: bool | None = None,
-                  chores: bool = True, interactive: InteractiveInbox | None = None) -> EngineWorker:
+                  chores: bool = True, interactive: InteractiveInbox | None = None,
+                  checks_lines: bool = False) -> EngineWorker:
     """``eager_tasks``: run finalize tasks in this process (default: when the broker is embedded);
     ``chores``: on the embedded defaults, reconcile, expire and collect garbage on a thread of its own;
-    ``interactive``: live callers' requests beside the queue's (``berth serve`` on the embedded defaults).
+    ``interactive``: live callers' requests beside the queue's (``berth serve`` on the embedded defaults);
+    ``checks_lines``: this process ingests a job too (``berth run``): the line checks' model facts
+    (``jobs.lines.validate.model_info``: the tokenizer read, the chat template compiled) are read beside
+    the model's load, not before the job's first chunk, which the worker waits for.
     With RabbitMQ and ``interactive_prefetch`` > 0 the worker also answers the model's interactive queue."""
-    ledger_side = LedgerSide(settings)
+    ledger_side = LedgerSide(settings, checks_lines)
     if engine is None:
         ledger_side.start()  # beside the model's load
         try:
@@ -61,12 +65,13 @@ def ledger_modules() -> LedgerModules:
 
 
 class LedgerSide:
-    """The worker's imports beside the engine and the database's opening, on a thread of their own when
-    started, else in the caller's when asked for; errors (a database at another migration, unreachable)
-    are raised to the caller as they would have been without the thread."""
+    """The worker's imports beside the engine and the database's opening (and the line checks' model facts
+    when asked), on a thread of their own when started, else in the caller's when asked for; errors (a
+    database at another migration, unreachable) are raised to the caller as they would have been without
+    the thread."""
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, settings: Settings, checks_lines: bool = False):
+        self.settings, self.checks_lines = settings, checks_lines
         self.thread: threading.Thread | None = None
         self.value: LedgerModules | None = None
         self.error: BaseException | None = None
@@ -79,6 +84,10 @@ class LedgerSide:
         try:
             modules = ledger_modules()
             modules.open_database(self.settings.database_url)  # one per process: the ledger's is this one
+            if self.checks_lines:
+                from jobs.lines.validate import model_info
+
+                model_info(self.settings)  # kept for the process: the ingest's validator takes it from there
             self.value = modules
         except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
             self.error = exc

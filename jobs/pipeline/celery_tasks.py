@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from celery import Celery
 
+from jobs.pipeline import ingest_threads
 from jobs.pipeline.finalize import finalize
 from jobs.pipeline.ingest import ingest
 from jobs.pipeline.reconcile import INGEST_SILENCE_SECONDS, Reconciled, reconcile
@@ -59,12 +61,10 @@ def make_app(settings: Settings, eager: bool | None = None) -> Celery:
     @app.task(name=INGEST, shared=False)
     def ingest_job(job_id: str) -> None:
         try:
-            ready = ingest(db(), JobFiles(settings.storage_url), settings, job_id)
+            ingest_then_finalize(app, settings, job_id)
         except Exception:
             log.exception("the ingest of job %s stopped; it resumes after its last stored line once it has "
                           "been silent for %.0f s (the reconciler)", job_id, INGEST_SILENCE_SECONDS)
-            return
-        finalize_later(app, ready)
 
     @app.task(name=FINALIZE, shared=False)
     def finalize_job(job_id: str) -> None:
@@ -112,26 +112,35 @@ def ingest_later(app: Celery, job_ids: list[str]) -> None:
         app.tasks[INGEST].delay(job_id)
 
 
-_aside: dict[str, threading.Thread] = {}  # job id -> the thread running its ingest, in this process
-_aside_lock = threading.Lock()
+def ingest_then_finalize(app: Celery, settings: Settings, job_id: str, stop: Callable[[], bool] | None = None,
+                         published: Callable[[], None] | None = None) -> None:
+    """The ingest task's work, raising what stopped it: the job's lines stored and published
+    (``jobs.pipeline.ingest``, with its ``stop`` and ``published``), then the finalize of the jobs it made ready."""
+    finalize_later(app, ingest(open_database(settings.database_url), JobFiles(settings.storage_url), settings,
+                               job_id, stop, published))
 
 
 def ingest_aside(app: Celery, job_ids: list[str]) -> list[threading.Thread]:
-    """Run the ingest task of each job on a thread of its own, and return at once: the threads.
-    A job whose ingest already runs on such a thread here is not started twice."""
+    """Run the ingest task of each job on a thread of its own (``jobs.pipeline.ingest_threads``), and return
+    at once: the threads started. A job whose ingest already runs on such a thread here is not started
+    twice. The task logs what stops an ingest; the reconciler runs it again."""
     started = []
-    with _aside_lock:
-        for job_id in [j for j, t in _aside.items() if not t.is_alive()]:
-            del _aside[job_id]
-        for job_id in job_ids:
-            if job_id in _aside:
-                continue
-            thread = threading.Thread(target=app.tasks[INGEST].delay, args=(job_id,), name=f"berth-ingest-{job_id}",
-                                      daemon=True)
-            thread.start()
-            _aside[job_id] = thread
-            started.append(thread)
+    for job_id in job_ids:
+        aside, new = ingest_threads.start(job_id, lambda _aside, job=job_id: app.tasks[INGEST].delay(job))
+        if new:
+            started.append(aside.thread)
     return started
+
+
+def ingest_beside(app: Celery, settings: Settings, job_id: str) -> ingest_threads.IngestAside:
+    """The job's ingest on a thread of its own, for a caller that works the job in this process
+    (``berth run``): what stops it is kept on the handle, not logged, for the caller to raise, the
+    handle's ``published`` is set once its first messages are out, and its ``stop`` stops it between chunks.
+    ``app`` (eager) runs the finalize it makes ready. The ingest already running here for the job, if any,
+    instead (the reconciler's: it logs its own errors, and neither stops nor says what it published)."""
+    aside, _ = ingest_threads.start(job_id, lambda handle: ingest_then_finalize(
+        app, settings, job_id, handle.stopping.is_set, handle.published.set))
+    return aside
 
 
 def dispatch(app: Celery, reconciled: Reconciled, aside: bool = False) -> None:

@@ -2,6 +2,10 @@
 chunk committed, then published with confirms. An ingest always finishes (a line that breaks the
 validator or the database is that line's error), resumes after the last line stored when run again,
 and never stores a line twice or once its job has left ``validating`` (docs/jobs.md).
+
+The first chunk is small and each next one twice the last, up to ``CHUNK_LINES``: a worker already
+consuming (``berth run``'s, ``berth serve``'s, a fleet's) starts on the first requests within
+milliseconds, not once a whole 2,000-line chunk is checked, while a long file still goes in large chunks.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,6 +38,7 @@ from worker.config import Settings
 log = logging.getLogger("berth.ingest")
 
 CHUNK_LINES = 2000
+FIRST_CHUNK_LINES = 64  # then 128, 256, ... up to CHUNK_LINES
 HEARTBEAT_SECONDS = 15.0  # a running ingest's sign of life; the reconciler waits 8 of them (INGEST_SILENCE_SECONDS)
 PUBLISH_BATCH = 2000
 MAX_MESSAGE = 1000  # characters of an exception's text kept in a line's error
@@ -59,34 +64,52 @@ def job_target(db: Database, job_id: str) -> JobTarget:
         return JobTarget(job.id, job.model, job.priority, tenant, job.expires_at - job.created_at)
 
 
-def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str) -> list[str]:
-    """Validate, store and publish the job's lines; returns the jobs now ready to finalize."""
+def ingest(db: Database, files: JobFiles, settings: Settings, job_id: str,
+           stop: Callable[[], bool] | None = None, published: Callable[[], None] | None = None) -> list[str]:
+    """Validate, store and publish the job's lines; returns the jobs now ready to finalize. ``stop`` is
+    asked before each chunk: once true the ingest returns [] at once, its job left ``validating`` with
+    the lines stored and published so far, as a crash between two chunks leaves it (the next ingest of
+    the job goes on after them). ``published`` is called each time messages of the job are out."""
     with db.session() as s, s.begin():
         if not hold_validating(s, job_id):
             return []
         input_key = s.scalar(select(Job.input_key).where(Job.id == job_id))
     with heartbeat(db, job_id):
-        return _ingest(db, files, settings, job_id, input_key)
+        return _ingest(db, files, settings, job_id, input_key, stop or (lambda: False), published or (lambda: None))
 
 
-def _ingest(db: Database, files: JobFiles, settings: Settings, job_id: str, input_key: str) -> list[str]:
+def chunk_sizes() -> Iterator[int]:
+    """``FIRST_CHUNK_LINES``, doubling, up to ``CHUNK_LINES`` (both read now: tests set them)."""
+    size = max(1, min(FIRST_CHUNK_LINES, CHUNK_LINES))
+    while True:
+        yield size
+        size = min(size * 2, CHUNK_LINES)
+
+
+def _ingest(db: Database, files: JobFiles, settings: Settings, job_id: str, input_key: str,
+            stop: Callable[[], bool], published: Callable[[], None]) -> list[str]:
     target = job_target(db, job_id)
     last_line, seen = _stored(db, job_id)
     validator = LineValidator(model_info(settings), seen=seen, tenant=target.tenant)
     error = None
     with Publisher(settings) as publisher:
-        publish_unpublished(db, publisher, job_id)  # a previous run's last chunk, if it died before publishing
+        if publish_unpublished(db, publisher, job_id):  # a previous run's last chunk, if it died before publishing
+            published()
         try:
             with files.open(input_key) as f:
                 lines = (raw for raw in read_lines(f) if raw.number > last_line)
-                while chunk := list(itertools.islice(lines, CHUNK_LINES)):
+                sizes = chunk_sizes()
+                while chunk := list(itertools.islice(lines, next(sizes))):
+                    if stop():  # asked between chunks: what is stored is published, the rest waits
+                        return []
                     try:
                         rows = _store_chunk(db, target, validator, chunk, settings.tenant_max_enqueued_tokens)
                     except budgets.TokenLimitExceeded as exc:
                         return _refuse(db, files, job_id, str(exc), exc.code)
                     if rows is None:  # the job was cancelled or expired: its finalize closes the rest
                         return []
-                    publish(db, publisher, [target.message(r) for r in rows])
+                    if publish(db, publisher, [target.message(r) for r in rows]):
+                        published()
         except InputError as exc:
             error = str(exc)
         except ObjectNotFound:
