@@ -8,7 +8,15 @@ import tracemalloc
 
 import pytest
 
-from worker.engine.speculative.job_suffix import CHUNK, MIN_MATCH, PENDING, PROMPT_TAIL, JobSuffixIndex, SuffixTrie
+from worker.engine.speculative.job_suffix import (
+    CHUNK,
+    FULL_EVERY,
+    MIN_MATCH,
+    PENDING,
+    PROMPT_TAIL,
+    JobSuffixIndex,
+    SuffixTrie,
+)
 
 
 def test_the_longest_match_then_the_most_frequent_path():
@@ -193,3 +201,15 @@ def test_past_the_queues_bound_the_oldest_feeds_go_in_at_once():
         index.feed("t", "j", [i, i + 1, i + 2])
     assert index.pending == PENDING
     assert index._tries[("t", "j")]._count[0] == 3 * 3  # the three oldest fed, three starts each
+
+
+def test_a_full_trie_takes_one_feed_in_full_every():
+    """Once full a trie only counts, and a sample of the job's lines keeps their shares: 1 feed in FULL_EVERY."""
+    index = JobSuffixIndex(max_nodes=50)
+    index.feed("t", "j", list(range(100)))
+    trie = index.trie("t", "j")
+    assert trie.full
+    roots = trie._count[0]
+    for _ in range(2 * FULL_EVERY):
+        index.feed("t", "j", [0, 1, 2])
+    assert index.trie("t", "j")._count[0] == roots + 2 * 3  # two of the 16 feeds, three starts each

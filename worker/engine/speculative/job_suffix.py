@@ -25,7 +25,9 @@ steps leave the host no such time (a CPU's, computed on the loop's own thread), 
 wait: past that the oldest are fed at once, as before.
 
 Memory bound: a trie stops growing at ``max_nodes`` nodes (its existing nodes keep counting: the job's
-first lines, which its later ones resemble, are what it holds), and at most ``max_jobs`` tries are kept,
+first lines, which its later ones resemble, are what it holds; a full trie takes one feed in ``FULL_EVERY``,
+a sample of the job's lines whose shares are the lines' in expectation, at a fraction of the cost: the
+feeds were half of what auto cost a worker at a GPU's pace), and at most ``max_jobs`` tries are kept,
 the one fed longest ago dropped first. A node is one entry of a dict keyed by ``parent << 32 | token`` and
 three entries of flat int arrays: 115 to 150 bytes (CPython 3.11, 64-bit; the most just after the dict
 grows; tests/engine/speculative/test_job_suffix.py measures it). With the defaults (65,536 nodes, 16 jobs)
@@ -48,6 +50,7 @@ PROMPT_TAIL = 1024  # a prompt's last tokens fed: a line's own text is in its ow
 CONFIDENT = 0.5  # a proposal this sure and matching more than a sequence's own n-grams may is preferred to theirs
 PENDING = 64  # feeds queued at most (``JobSuffixIndex.catch_up``); past it the oldest are fed at once
 CHUNK = 32  # start positions a queued feed takes between two looks at whether to go on (~0.05 ms)
+FULL_EVERY = 8  # a full trie takes one feed in this many
 _ROOT = 0
 
 
@@ -76,10 +79,16 @@ class SuffixTrie:
         self._count = array("q", [0])  # by node; the root's counts the start positions fed
         self._best = array("q", [-1])  # by node: its most frequent child, -1 for none
         self._token = array("q", [-1])  # by node: the token of its edge from its parent
+        self.feeds_when_full = 0  # feeds offered since it was full (``JobSuffixIndex.feed`` takes 1 in FULL_EVERY)
 
     @property
     def num_nodes(self) -> int:
         return len(self._count)
+
+    @property
+    def full(self) -> bool:
+        """It has ``max_nodes`` nodes: feeds only count."""
+        return len(self._count) >= self.max_nodes
 
     def feed(self, tokens: list[int], new_from: int = 0) -> None:
         """Count the spans of ``tokens`` that end at or after ``new_from`` (those ending before it were fed
@@ -193,6 +202,10 @@ class JobSuffixIndex:
                 self._tries.popitem(last=False)
         else:
             self._tries.move_to_end(key)
+        if trie.full:
+            trie.feeds_when_full += 1
+            if trie.feeds_when_full % FULL_EVERY:
+                return
         self._pending.append(_Feed(trie, tokens, new_from, trie.first_start(new_from)))
         while len(self._pending) > PENDING:
             self._feed_first(lambda: True)
