@@ -84,6 +84,23 @@ def tiny_settings(model_dir, **overrides):
     return Settings(model=str(model_dir), model_name=TINY_NAME, kv_memory="64MiB", threads=1, **overrides)
 
 
+def embedded_settings(model_dir, tmp_path, **overrides):
+    """``tiny_settings`` on the embedded defaults in ``tmp_path``: SQLite, the embedded queue, a local folder."""
+    return tiny_settings(model_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
+                         storage_url=f"file://{tmp_path / 'store'}", **overrides)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_settings(request, tmp_path, tiny_llama_dir):
+    """The tiny model's settings on the embedded defaults, or on PostgreSQL and RabbitMQ (a test's own
+    database and queue prefix)."""
+    if request.param == "sqlite":
+        return embedded_settings(tiny_llama_dir, tmp_path)
+    return tiny_settings(tiny_llama_dir, database_url=request.getfixturevalue("pg_url"), broker_url=AMQP_URL,
+                         queue_prefix=request.getfixturevalue("queue_prefix"),
+                         storage_url=f"file://{tmp_path / 'store'}")
+
+
 def tiny_env(settings) -> dict[str, str]:
     """The settings as BERTH_* variables, for a worker in another process."""
     names = ("model", "model_name", "kv_memory", "threads", "max_num_seqs", "database_url", "broker_url",

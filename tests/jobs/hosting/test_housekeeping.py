@@ -22,13 +22,8 @@ from jobs import api
 from jobs.hosting.chores import chores
 from jobs.records.db import open_database
 from jobs.records.models import Job, JobStatus, RequestRow, now
-from tests.support.jobs_env import AMQP_URL, TINY_NAME, request_line, tiny_settings, write_requests
+from tests.support.jobs_env import AMQP_URL, TINY_NAME, embedded_settings, request_line, tiny_settings, write_requests
 from worker.messaging.topology import Topology, broker_url, connect
-
-
-def _embedded(tmp_path, tiny_llama_dir):
-    return tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
-                         storage_url=f"file://{tmp_path / 'store'}")
 
 
 def _chore(settings, name):
@@ -44,7 +39,7 @@ def _queue_rows(settings) -> list[tuple[int, int, str | None]]:
 
 def test_chores_run_on_the_embedded_queue_only(tmp_path, tiny_llama_dir):
     assert chores(tiny_settings(tiny_llama_dir, broker_url=AMQP_URL, database_url="postgresql://x/y")) == []
-    embedded = chores(_embedded(tmp_path, tiny_llama_dir))
+    embedded = chores(embedded_settings(tiny_llama_dir, tmp_path))
     periods = {fn.__name__: period for period, fn in embedded}
     assert set(periods) == {"reconcile", "expire", "at_risk", "expire_files", "checkpoint_gc", "queue_gc"}
     assert periods["reconcile"] <= 10 and periods["expire"] <= 10 and periods["at_risk"] <= 10
@@ -54,7 +49,7 @@ def test_chores_run_on_the_embedded_queue_only(tmp_path, tiny_llama_dir):
 
 
 def test_a_request_held_by_a_dead_worker_is_published_again_once(tmp_path, tiny_llama_dir):
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     job = api.submit(write_requests(tmp_path / "requests.jsonl", 3), settings)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -83,7 +78,7 @@ def test_a_request_held_by_a_dead_worker_is_published_again_once(tmp_path, tiny_
 
 
 def test_a_job_past_its_window_expires_through_the_chores(tmp_path, tiny_llama_dir):
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     job = api.submit(write_requests(tmp_path / "requests.jsonl", 2), settings)
     with open_database(settings.database_url).session() as s, s.begin():
         s.execute(update(Job).where(Job.id == job.id).values(expires_at=now() - 1))
@@ -93,7 +88,7 @@ def test_a_job_past_its_window_expires_through_the_chores(tmp_path, tiny_llama_d
 
 
 def test_queue_rows_handed_out_long_ago_are_deleted(tmp_path, tiny_llama_dir):
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     api.submit(write_requests(tmp_path / "requests.jsonl", 3), settings)
     queue = Topology(settings.queue_prefix).request_queue(TINY_NAME, "default")
     with connect(settings) as conn:  # two handed out and acked: kombu keeps their rows, invisible
@@ -115,7 +110,7 @@ def test_a_failing_chore_logs_once_and_does_not_raise(tmp_path, tiny_llama_dir, 
         raise ConnectionError("the database went away")
 
     monkeypatch.setattr(jobs.pipeline.celery_tasks, "reconcile", broken)
-    reconcile = _chore(_embedded(tmp_path, tiny_llama_dir), "reconcile")
+    reconcile = _chore(embedded_settings(tiny_llama_dir, tmp_path), "reconcile")
     with caplog.at_level(logging.INFO, logger="berth.housekeeping"):
         reconcile()
         reconcile()
@@ -138,7 +133,7 @@ def test_housekeeping_runs_on_while_an_ingest_it_resumed_runs(tmp_path, tiny_lla
     from jobs.records.job_files import JobFiles
     from worker.consumer.housekeeper import Housekeeper
 
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     monkeypatch.setattr(jobs.hosting.chores, "RECONCILE_SECONDS", 0.5)
     monkeypatch.setattr(jobs.hosting.chores, "EXPIRE_SECONDS", 0.5)
     db, files = open_database(settings.database_url), JobFiles(settings.storage_url)

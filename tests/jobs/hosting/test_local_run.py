@@ -29,7 +29,7 @@ from jobs.pipeline import ingest_threads
 from jobs.pipeline.publish import PublishError
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow, Result
-from tests.support.jobs_env import AMQP_URL, TINY_NAME, read_jsonl, tiny_settings, write_requests
+from tests.support.jobs_env import TINY_NAME, embedded_settings, read_jsonl, write_requests
 
 LINES = 8  # in chunks of 3: lines 1-3, 4-6, 7-8
 EXPECTED = [f"req-{i}" for i in range(LINES)]
@@ -37,19 +37,6 @@ TINY_FLAGS = ["--model-name", TINY_NAME, "--kv-memory", "64MiB", "--threads", "1
 WAIT = 60.0  # seconds a held ingest waits for what it waits for before it gives up (a failure, not a timing)
 
 
-def _embedded(tmp_path, tiny_llama_dir):
-    return tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
-                         storage_url=f"file://{tmp_path / 'store'}")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def any_settings(request, tmp_path, tiny_llama_dir):
-    """The embedded defaults, or PostgreSQL and RabbitMQ."""
-    if request.param == "sqlite":
-        return _embedded(tmp_path, tiny_llama_dir)
-    return tiny_settings(tiny_llama_dir, database_url=request.getfixturevalue("pg_url"), broker_url=AMQP_URL,
-                         queue_prefix=request.getfixturevalue("queue_prefix"),
-                         storage_url=f"file://{tmp_path / 'store'}")
 
 
 @pytest.fixture
@@ -130,7 +117,7 @@ def test_the_worker_answers_the_first_requests_while_the_ingest_reads_the_rest(a
 def test_submit_returns_once_the_first_chunk_is_queued(tmp_path, tiny_llama_dir, chunks_of_three, monkeypatch):
     """Not before (the embedded queue would be found empty by the worker's first look, and looked at again
     only half a second later), nor after the whole file: here the ingest is held before its second chunk."""
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     release = threading.Event()
     _hold_before_second_chunk(monkeypatch, lambda job_id: release.wait(WAIT))
     try:
@@ -152,7 +139,7 @@ def test_the_worker_of_a_run_reads_the_line_checks_model_facts_before_the_job(tm
                                                                               monkeypatch, checks_lines):
     """Read on the job's clock, they would hold back the ingest's first chunk, and the worker with it."""
     monkeypatch.setattr(jobs.lines.validate, "_model_infos", {})
-    engine_worker(_embedded(tmp_path, tiny_llama_dir), tiny_engine, eager_tasks=True, checks_lines=checks_lines)
+    engine_worker(embedded_settings(tiny_llama_dir, tmp_path), tiny_engine, eager_tasks=True, checks_lines=checks_lines)
     assert bool(jobs.lines.validate._model_infos) is checks_lines
 
 
@@ -209,7 +196,7 @@ def test_berth_run_stopped_during_its_ingest_goes_on_with_the_job(tmp_path, monk
     lines, and the same `berth run` goes on with it to the end."""
     monkeypatch.chdir(tmp_path)
     write_requests(tmp_path / "requests.jsonl", LINES)
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
 
     def interrupt(job_id):
         _wait_for_an_answer(settings, job_id)

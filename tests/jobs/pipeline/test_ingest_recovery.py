@@ -23,29 +23,13 @@ from jobs.records.job_files import JobFiles
 from jobs.records.lifecycle import cancel, expire_due
 from jobs.records.models import Job, JobStatus, LineErrorRow, RequestRow, now
 from tests.support.jobs_env import (
-    AMQP_URL,
     TINY_NAME,
+    embedded_settings,
     read_jsonl,
     request_line,
-    tiny_settings,
     work_until_over,
     write_requests,
 )
-
-
-def _embedded(tmp_path, tiny_llama_dir):
-    return tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
-                         storage_url=f"file://{tmp_path / 'store'}")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def any_settings(request, tmp_path, tiny_llama_dir):
-    """The embedded defaults, or PostgreSQL and RabbitMQ."""
-    if request.param == "sqlite":
-        return _embedded(tmp_path, tiny_llama_dir)
-    return tiny_settings(tiny_llama_dir, database_url=request.getfixturevalue("pg_url"), broker_url=AMQP_URL,
-                         queue_prefix=request.getfixturevalue("queue_prefix"),
-                         storage_url=f"file://{tmp_path / 'store'}")
 
 
 def _stored_lines(settings, job_id) -> tuple[list[int], list[int]]:
@@ -66,7 +50,7 @@ def test_a_line_that_breaks_the_validator_is_that_lines_error(tmp_path, tiny_lla
 
     monkeypatch.setattr(LineValidator, "check", breaking)
     job, files = api.run(write_requests(tmp_path / "requests.jsonl", 6), tmp_path / "out.jsonl",
-                         _embedded(tmp_path, tiny_llama_dir), engine=tiny_engine)
+                         embedded_settings(tiny_llama_dir, tmp_path), engine=tiny_engine)
 
     assert (job.status, job.total, job.completed, job.failed) == (JobStatus.COMPLETED, 6, 5, 1)
     assert [line["custom_id"] for line in read_jsonl(files.output)] == ["req-0", "req-1", "req-3", "req-4", "req-5"]
@@ -105,7 +89,7 @@ def test_a_line_the_database_refuses_is_that_lines_error(any_settings, tmp_path,
 
 def test_an_ingest_that_stopped_midway_is_resumed_by_the_reconciler(tmp_path, tiny_llama_dir, tiny_engine,
                                                                     monkeypatch):
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     monkeypatch.setattr(jobs.pipeline.ingest, "CHUNK_LINES", 3)
     store, calls = jobs.pipeline.ingest._store_chunk, []
 
@@ -137,7 +121,7 @@ def test_an_ingest_that_stopped_midway_is_resumed_by_the_reconciler(tmp_path, ti
 
 
 def test_an_ingest_never_dispatched_is_started_by_the_reconciler(tmp_path, tiny_llama_dir):
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     db = open_database(settings.database_url)
     job_id = create_job(db, JobFiles(settings.storage_url), write_requests(tmp_path / "requests.jsonl", 3),
                         TINY_NAME, JobSpec())  # as if the submitter died before dispatching the ingest
@@ -189,7 +173,7 @@ def test_a_job_closed_during_its_ingest_accounts_for_every_line(tmp_path, tiny_l
                                                                 finalize_at):
     """Closed after the ingest stored its first chunk; finalized at once (as on the embedded queue)
     or once the ingest returned (a Celery worker's finalize may run before or after)."""
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     app = make_app(settings, eager=True)
     monkeypatch.setattr(jobs.pipeline.ingest, "CHUNK_LINES", 3)
     lines = [json.dumps(request_line(i)) for i in range(8)]
@@ -245,7 +229,7 @@ def test_a_chunk_slower_than_the_silence_window_is_ingested_once(tmp_path, tiny_
     compiles, say): the ingest's heartbeat stamps it by the clock, so the reconciler never hands the
     job out again, and each line is checked and stored once, by one ingest. Here the window is 2 s
     and the heartbeat 0.2 s instead of 120 s and 15 s (``test_the_heartbeat_fits_the_silence_window``)."""
-    settings = _embedded(tmp_path, tiny_llama_dir)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
     monkeypatch.setattr(jobs.pipeline.ingest, "HEARTBEAT_SECONDS", 0.2, raising=False)
     check, checked = LineValidator.check, []
 

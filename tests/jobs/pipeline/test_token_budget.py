@@ -5,7 +5,6 @@ lines finish. At the defaults a user gets, a limit holds."""
 
 from __future__ import annotations
 
-import pytest
 from sqlalchemy import select, update
 
 from jobs.pipeline.ingest import ingest
@@ -16,19 +15,8 @@ from jobs.records.job_files import JobFiles
 from jobs.records.models import Job, JobStatus, RequestRow, ResultStatus
 from jobs.records.results import ResultRecord, record_outcomes
 from jobs.records.status import get_job
-from tests.support.jobs_env import AMQP_URL, TINY_NAME, read_jsonl, tiny_settings, write_requests
+from tests.support.jobs_env import TINY_NAME, read_jsonl, tiny_settings, write_requests
 from worker.config import Settings
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def any_settings(request, tmp_path, tiny_llama_dir):
-    """The embedded defaults, or PostgreSQL and RabbitMQ."""
-    if request.param == "sqlite":
-        return tiny_settings(tiny_llama_dir, database_url=f"sqlite:///{tmp_path / 'berth.db'}",
-                             storage_url=f"file://{tmp_path / 'store'}")
-    return tiny_settings(tiny_llama_dir, database_url=request.getfixturevalue("pg_url"), broker_url=AMQP_URL,
-                         queue_prefix=request.getfixturevalue("queue_prefix"),
-                         storage_url=f"file://{tmp_path / 'store'}")
 
 
 def _submit(settings, path, tenant="alice") -> str:
