@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.orm import Session
 
@@ -320,9 +320,10 @@ def _close_validation(db: Database, files: JobFiles, job_id: str, error: str | N
             error = "the input file has no request lines: give one JSON request per line (OpenAI Batch format)"
         elif error is None and failed == total:
             error = f"none of the {total} lines is a valid request: the errors file says what is wrong with each"
-        if error is None:
+        if error is None:  # its work began with its first chunk's messages: workers run them while it ingests
+            first = s.scalar(select(func.min(RequestRow.published_at)).where(RequestRow.job_id == job_id))
             s.execute(update(Job).where(Job.id == job_id)
-                      .values(status=JobStatus.IN_PROGRESS, in_progress_at=now()))
+                      .values(status=JobStatus.IN_PROGRESS, in_progress_at=min(first or now(), now())))
             return mark_finalizing(s, [job_id])
         outputs = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
         s.execute(update(Job).where(Job.id == job_id).values(
