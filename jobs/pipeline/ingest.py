@@ -323,7 +323,7 @@ def _close_validation(db: Database, files: JobFiles, job_id: str, error: str | N
         if error is None:  # its work began with its first chunk's messages: workers run them while it ingests
             first = s.scalar(select(func.min(RequestRow.published_at)).where(RequestRow.job_id == job_id))
             s.execute(update(Job).where(Job.id == job_id)
-                      .values(status=JobStatus.IN_PROGRESS, in_progress_at=min(first or now(), now())))
+                      .values(status=JobStatus.IN_PROGRESS, in_progress_at=first or now()))
             return mark_finalizing(s, [job_id])
         outputs = write_outputs(db, files, job_id)  # the rows are committed; this transaction wrote none
         s.execute(update(Job).where(Job.id == job_id).values(

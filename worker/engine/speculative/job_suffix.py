@@ -102,7 +102,7 @@ class SuffixTrie:
     def feed_starts(self, tokens: list[int], new_from: int, begin: int, end: int) -> None:
         """``feed``'s walks from the start positions ``begin`` to ``end`` (exclusive): a feed in pieces."""
         depth, child, count, best, token_of = self.depth, self._child, self._count, self._best, self._token
-        full = len(count) >= self.max_nodes
+        full = self.full
         for start in range(begin, end):
             node = _ROOT
             if start >= new_from:

@@ -281,9 +281,7 @@ def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int,
         if not tokens:
             continue
         matcher = matchers[i]
-        done = taken.get(id(matcher), (matcher, 0))[1]
-        while done < len(tokens) and not matcher.is_terminated() and matcher.accept_token(tokens[done]):
-            done += 1
+        done = _take(matcher, tokens, taken.get(id(matcher), (matcher, 0))[1])
         taken[id(matcher)] = (matcher, done)
         if done == len(tokens) and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, i)
@@ -298,11 +296,17 @@ def fill_bitmask(matchers: Sequence[xgr.GrammarMatcher], vocab_size: int,
 def allowed_prefix(matcher: xgr.GrammarMatcher, tokens: Sequence[int]) -> int:
     """How many of ``tokens`` the grammar takes in turn from ``matcher``'s state, which is left as it was: a
     draft ends at the first token its grammar refuses."""
-    done = 0
-    while done < len(tokens) and not matcher.is_terminated() and matcher.accept_token(tokens[done]):
-        done += 1
+    done = _take(matcher, tokens, 0)
     if done:
         matcher.rollback(done)
+    return done
+
+
+def _take(matcher: xgr.GrammarMatcher, tokens: Sequence[int], done: int) -> int:
+    """Advance ``matcher``, which has taken ``tokens[:done]``, through the rest of ``tokens`` while the
+    grammar takes them; how many it has taken then (the caller rolls them back)."""
+    while done < len(tokens) and not matcher.is_terminated() and matcher.accept_token(tokens[done]):
+        done += 1
     return done
 
 
