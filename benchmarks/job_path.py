@@ -243,6 +243,24 @@ class StepClock:
         engine.step = timed
 
 
+class DeviceClock:
+    """The simulated device's timeline from now (none on a real model): seconds to its first step, its busy
+    and idle seconds between its first step and its last, and its busy share of that span."""
+
+    def __init__(self, engine):
+        self.timeline = getattr(engine.runner, "timeline", None)
+        if self.timeline is not None:  # the warm-up's steps are not the run's
+            self.timeline.first_at, self.timeline.busy_seconds, self.timeline.idle_seconds = None, 0.0, 0.0
+        self.called = time.perf_counter()
+
+    def figures(self) -> dict:
+        t = self.timeline
+        if t is None or t.first_at is None:
+            return {}
+        return {"first_step": round(t.first_at - self.called, 3), "busy": round(t.busy_seconds, 3),
+                "idle": round(t.idle_seconds, 3), "busy_share": round(t.busy_seconds / (t.free_at - t.first_at), 3)}
+
+
 class LedgerClock:
     """Each ledger call's seconds on its caller's thread (CPU and wall), by method, wrapped on one ledger."""
 
@@ -291,10 +309,11 @@ def run_engine(loaded, settings: Settings, requests: Path, out: Path, device_ms:
 
     engine = stand_in_device(warmed_engine(loaded, settings), device_ms)
     steps = StepClock(engine)
-    cpu0, t0 = process_cpu(), time.time()
+    cpu0, t0, device = process_cpu(), time.time(), DeviceClock(engine)
     generate_file(requests, out, engine=engine, progress=False)
     seconds, cpu = time.time() - t0, process_cpu() - cpu0
-    return {"seconds": seconds, "cpu": {"process": cpu, "engine_step": steps.cpu}, "steps": steps.steps}
+    return {"seconds": seconds, "cpu": {"process": cpu, "engine_step": steps.cpu}, "steps": steps.steps,
+            "device": device.figures()}
 
 
 def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total: int, device_ms: float = 0.0) -> dict:
@@ -318,7 +337,7 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     database = settings.database_url.rsplit("/", 1)[1] if settings.database_url.startswith("postgresql") else None
     servers = ServerCpu(database)
     before = servers.read() if settings.broker_url else {}
-    cpu0, t0, created0 = process_cpu(), time.time(), time.thread_time()
+    cpu0, t0, created0, device = process_cpu(), time.time(), time.thread_time(), DeviceClock(worker.engine)
     here = LocalRun.submit(requests, settings)
     created = time.thread_time() - created0
     job = here.work(worker)
@@ -333,6 +352,7 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     with open_database(settings.database_url).session() as s:
         first = s.scalar(select(func.min(Result.created_at)).where(Result.job_id == job.id))
     return {"seconds": job.completed_at - t0, "cpu": cpu, "steps": steps.steps, "ledger": ledger.figures(total),
+            "device": device.figures(),
             "phases": {"first_result": round(first - t0, 3), "queued": round(job.in_progress_at - t0, 3),
                        "last_result": round(job.finalizing_at - t0, 3)}}
 
@@ -381,6 +401,8 @@ def run_round(number: int, systems: list[str], loaded, base: Settings, args, req
             if "phases" in r:
                 print(f"[{clock()}]   s from the call: " + ", ".join(f"{k} {v}" for k, v in r["phases"].items()),
                       flush=True)
+            if r.get("device"):
+                print(f"[{clock()}]   device: " + ", ".join(f"{k} {v}" for k, v in r["device"].items()), flush=True)
             if "ledger" in r:
                 print(f"[{clock()}]   ledger calls, ms/request CPU/wall: " + ", ".join(
                     f"{k} ({v['calls']}) {v['cpu_ms_per_request']:.3f}/{v['wall_ms_per_request']:.3f}"

@@ -30,6 +30,7 @@ from jobs.lines.validate import LineValidator, ModelInfo, check_file_size, check
 from jobs.records.work_estimate import WorkEstimate
 from worker.config import Settings
 from worker.engine.engine import Engine, RequestRejected
+from worker.frozen_heap import frozen_heap
 
 
 @dataclass
@@ -116,7 +117,7 @@ def generate_file(input_path: str | Path, output_path: str | Path, settings: Set
                                errors_path=str(errors_path) if errors else None, resumed=len(kept))
 
     try:
-        with open(partial, "a" if resume else "w") as out:
+        with frozen_heap(), open(partial, "a" if resume else "w") as out:  # the collector skips start-up's heap
             while unfinished:
                 if stop is not None and stop.is_set():
                     raise KeyboardInterrupt

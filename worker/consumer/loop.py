@@ -33,6 +33,7 @@ from worker.consumer.outcomes import OutcomeBook, Pending
 from worker.consumer.suspects import CLEAR_TOKENS, CrashSuspects
 from worker.engine.engine import Engine, RequestRejected
 from worker.engine.request import Request
+from worker.frozen_heap import frozen_heap
 from worker.messaging.message_body import UnreadableBody
 from worker.messaging.topology import BadMessage, RequestRef, parse_request_body
 from worker.metrics import WorkerMetrics
@@ -127,6 +128,10 @@ class EngineWorker:
     # ---- the loop
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Work until stopped by a signal, or until ``until()`` is true (checked about every second)."""
+        with frozen_heap():  # the collector's full walks skip what start-up made
+            self._run(until)
+
+    def _run(self, until: Callable[[], bool] | None) -> None:
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         previous_handlers = self._install_signal_handlers()

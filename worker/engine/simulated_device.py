@@ -136,11 +136,18 @@ class Timeline:
         self.free_at = 0.0  # perf_counter time the last enqueued item ends
         self.busy_seconds = 0.0
         self.waited_seconds = 0.0  # host time spent blocked on the device
+        self.first_at: float | None = None  # perf_counter time the first item started
+        self.idle_seconds = 0.0  # the device free with nothing enqueued, after its first item
 
     def enqueue(self, seconds: float) -> float:
         """Enqueue ``seconds`` of work; when it will be done."""
         with self._lock:
-            start = max(time.perf_counter(), self.free_at)
+            now = time.perf_counter()
+            if self.first_at is None:
+                self.first_at = now
+            elif now > self.free_at:
+                self.idle_seconds += now - self.free_at
+            start = max(now, self.free_at)
             self.free_at = start + seconds
             self.busy_seconds += seconds
             return self.free_at

@@ -1,0 +1,63 @@
+"""The heap as a run starts is frozen for the run (``worker.frozen_heap``): the collector's full walks,
+which stopped the loop for 200 ms at a GPU's pace, then skip the model's and the libraries' objects.
+Checked on both hosts of an engine (``berth generate``'s file loop and the engine worker, ``berth run``'s
+and ``berth worker``'s), and that the run gives everything back: what it froze is collectable after."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from jobs import api
+from jobs.hosting.generate import generate_file
+from tests.support.jobs_env import embedded_settings, write_requests
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def _garbage_cycle() -> weakref.ref:
+    """A cycle no one holds: only the collector frees it."""
+    return weakref.ref(_Cycle())
+
+
+@pytest.fixture
+def frozen_during_steps(tiny_engine):
+    """The collector's permanent generation at every step of ``tiny_engine`` (its size, or 0)."""
+    seen = []
+    step = tiny_engine.step
+
+    def watched():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    tiny_engine.step = watched
+    yield seen
+    del tiny_engine.step
+
+
+def _check(seen: list[int], before: weakref.ref) -> None:
+    assert seen and min(seen) > 1000, "the start-up heap was not frozen while the engine stepped"
+    assert gc.get_freeze_count() == 0, "the run left objects frozen: they would never be collected"
+    gc.collect()
+    assert before() is None, "garbage made before the run was not given back to the collector after it"
+
+
+def test_berth_generate_freezes_the_start_up_heap_for_its_run(tmp_path, tiny_engine, frozen_during_steps):
+    before = _garbage_cycle()
+    generate_file(write_requests(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl", engine=tiny_engine,
+                  progress=False)
+    _check(frozen_during_steps, before)
+
+
+def test_the_engine_worker_freezes_the_start_up_heap_for_its_run(tmp_path, tiny_llama_dir, tiny_engine,
+                                                                  frozen_during_steps):
+    before = _garbage_cycle()
+    job, files = api.run(write_requests(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl",
+                         embedded_settings(tiny_llama_dir, tmp_path), engine=tiny_engine)
+    assert job.completed == 3
+    _check(frozen_during_steps, before)
