@@ -2,11 +2,13 @@
 end, so a count of finished requests promised 78 minutes for a job that ended 3.4 minutes in. Tokens made
 (finished and running, as workers say at their heartbeats) against tokens expected give the time left.
 
-Two regimes of a 200-request job: many requests' lifetimes in a row (8 seats, as a long job runs), where
+Two regimes: many requests' lifetimes in a row (120 requests, 8 seats, as a long job runs), where
 the ETA at a quarter and at half of the job's time is within 30% of the real time left (40% allowed here,
-where other work on the machine changes the rate as the job runs); and every request
-running at once (256 seats), where a count of finished requests is off many times over (the finding) and
-tokens stay within a factor of 2 (the last requests' own time, the tail, is what no rate foresees)."""
+where other work on the machine changes the rate as the job runs; the answers are long enough that the
+ingest beside the worker, which slows its first second on a busy machine, is a small part of the job:
+with 200 answers of 10-40 tokens, beside two busy loops, the ETA at a quarter was 1.5x the time left);
+and 200 requests running at once (256 seats), where a count of finished requests is off many times over
+(the finding) and tokens stay within a factor of 2 (the last requests' own time, the tail, is what no rate foresees)."""
 
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ def test_the_eta_at_a_quarter_and_half_of_a_jobs_time(tmp_path, monkeypatch, tin
     monkeypatch.setattr(loop, "HEARTBEAT_INTERVAL", 0.5)
     monkeypatch.chdir(tmp_path)
     with open(tmp_path / "in.jsonl", "w") as f:
-        for i in range(200):  # lengths that vary, as a real job's do; the short ones finish first
-            line = request_line(i, max_tokens=10 + (i * 37) % 30 if seats == 8 else 60 + (i * 37) % 120)
+        for i in range(lines := 120 if seats == 8 else 200):  # lengths that vary, as a real job's do
+            line = request_line(i, max_tokens=20 + (i * 37) % 60 if seats == 8 else 60 + (i * 37) % 120)
             line["body"]["ignore_eos"] = True
             f.write(json.dumps(line) + "\n")
     seen = []
     view, _ = api.run(tmp_path / "in.jsonl", tmp_path / "out.jsonl", tiny_settings(tiny_llama_dir, max_num_seqs=seats),
                       on_progress=lambda v: seen.append((time.time(), v.eta_seconds, _by_requests(v))))
-    assert view.completed == 200
+    assert view.completed == lines
     start, end = view.in_progress_at, view.finalizing_at
     for share in (0.25, 0.5):
         moment = start + share * (end - start)
