@@ -117,8 +117,8 @@ class JobsLedger:
         while len(self.kept) > KEPT_ROWS:  # requests claimed and never recorded here (handed back, closed jobs)
             del self.kept[next(iter(self.kept))]
 
-    # ``started`` and ``begin`` run on the engine loop's thread, before a step: SQLAlchemy's core on a
-    # connection, not an ORM session's bulk update, which cost several times the statement's CPU
+    # ``started`` and ``begin`` run before a step (on the loop's thread, or the claims' with a claim): SQLAlchemy's
+    # core on a connection, not an ORM session's bulk update, which cost several times the statement's CPU
     @_translated
     def started(self, request_ids: list[int]) -> None:
         rows = RequestRow.__table__
@@ -126,13 +126,15 @@ class JobsLedger:
             connection.execute(update(rows).where(one_of(rows.c.id, request_ids, self.dialect)).values(started=True))
 
     @_translated
-    def begin(self, baselines: dict[int, tuple[int, int]]) -> None:
+    def begin(self, baselines: dict[int, tuple[int, int]], started: list[int] = ()) -> None:
         rows = RequestRow.__table__
         stmt = update(rows).where(rows.c.id == bindparam("rid")).values(progress=bindparam("b_progress"),
                                                                         strikes=bindparam("b_strikes"))
         with self.db.engine.begin() as connection:  # one executemany
             connection.execute(stmt, [{"rid": rid, "b_progress": tokens, "b_strikes": strikes}
                                       for rid, (tokens, strikes) in baselines.items()])
+            if started:
+                connection.execute(update(rows).where(one_of(rows.c.id, started, self.dialect)).values(started=True))
 
     @_translated
     def suspect(self, classes: dict[int, int]) -> None:

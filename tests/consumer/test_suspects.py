@@ -8,6 +8,7 @@ charged to what was running."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -103,6 +104,62 @@ def test_suspects_run_apart_in_groups_while_the_innocent_run_at_full_batch(ledge
     assert worker.metrics.registry.get_sample_value("berth_suspect_groups_total") == 2
 
 
+@pytest.mark.parametrize("arrive", ["while the suspects' claim runs", "while the group runs"])
+def test_requests_claimed_beside_a_group_of_suspects_are_never_charged_with_its_deaths(ledger, broker, arrive):
+    """The claim's thread says its fresh requests started with their baselines (``EngineWorker._claim``);
+    not while a group of suspects runs alone, and no group starts while such a claim is under way: at every
+    step a death would be charged to what the step ran (and the finished ones being committed), never to a
+    request that has not run. The group's steps wait for the innocent's claim (1 s at most); in the first
+    case the claim's write waits for a group's step too: a group started beside the claim would run with
+    the innocent said started."""
+    suspects, innocent = [1, 2, 3, 4], list(range(5, 13))
+    _rows(ledger, broker, suspects)
+    for i in suspects:
+        ledger.crash(i)  # running when that worker died: they run in groups of two, alone
+    for i in innocent:
+        ledger.rows[i] = Row("batch_a", prompt=[1, 2, i], params=SamplingParams(max_tokens=20, temperature=0))
+    steps, claim, begin = [], ledger.claim, ledger.begin
+    published, group_stepped, innocent_begun = [], threading.Event(), threading.Event()
+
+    def publish_innocent():
+        if not published:
+            published.append(True)
+            for i in innocent:
+                broker.publish_request(i, "batch_a")
+
+    def watched_claim(request_ids, worker_name):
+        if set(request_ids) & set(suspects) and arrive == "while the suspects' claim runs":
+            publish_innocent()  # claimed next, beside the first group's start
+        return claim(request_ids, worker_name)
+
+    def watched_begin(baselines, started=()):
+        if set(started) & set(innocent) and arrive == "while the suspects' claim runs":
+            group_stepped.wait(1.0)
+        begin(baselines, started)
+        if set(baselines) & set(innocent):
+            innocent_begun.set()
+
+    def on_batch(ids):
+        ran = {int(i) for i in ids}
+        if ran <= set(suspects):
+            if not group_stepped.is_set():
+                group_stepped.set()
+                if arrive == "while the group runs":
+                    publish_innocent()
+            innocent_begun.wait(1.0)  # the group's next step comes after the innocent's claim
+        steps.append((ran, ledger.running(worker.name)))
+
+    ledger.claim, ledger.begin = watched_claim, watched_begin
+    worker = make_worker(ledger, broker, FakeEngine(Settings(checkpoint_interval=0), on_batch=on_batch))
+    run_until_done(worker, ledger, suspects + innocent)
+    assert all(ledger.rows[i].outcome.completed for i in suspects + innocent)
+    assert any(ran <= set(suspects) for ran, _ in steps) and any(ran & set(innocent) for ran, _ in steps)
+    have_run: set[int] = set()
+    for ran, charged in steps:  # beside what the step runs, only finished ones whose outcome is being committed
+        assert ran <= charged and charged - ran <= have_run, (ran, charged)
+        have_run |= ran
+
+
 def _run_until_it_dies(ledger, broker, ids, s) -> bool:
     """One worker life; True if it finished the job, False if a step killed it (its deliveries requeued)."""
     worker = make_worker(ledger, broker, FakeEngine(s, kill_token=KILLER))
@@ -179,7 +236,8 @@ def test_the_requests_queued_in_the_engine_are_said_started_in_one_write_before_
                                                                                           tiny_llama_dir):
     """On the real engine, 2 seats and 8 requests of different lengths: each is said started before the
     step that first runs it (a crash in that step counts it), and the requests queued behind the first
-    two are said in the same write, so that the steps that start them later need none."""
+    two are said in the same write (the claim's, with their baselines), so that the steps that start them
+    later need none."""
     from tests.support.jobs_env import TINY_NAME, tiny_settings
     from worker.engine.engine import Engine
 
@@ -190,13 +248,18 @@ def test_the_requests_queued_in_the_engine_are_said_started_in_one_write_before_
                              params=SamplingParams(max_tokens=2 + 3 * i, temperature=0, ignore_eos=True))
         broker.publish_request(i, "batch_a")
     writes, starts = [], []
-    said = ledger.started
+    said, begun = ledger.started, ledger.begin
 
     def counted(request_ids):
         writes.append(sorted(request_ids))
         said(request_ids)
 
-    ledger.started = counted
+    def counted_with_baselines(baselines, started=()):  # the claim's thread says them with their baselines
+        if started:
+            writes.append(sorted(started))
+        begun(baselines, started)
+
+    ledger.started, ledger.begin = counted, counted_with_baselines
     worker = make_worker(ledger, broker, engine, prefetch=16)
     on_start = engine.on_start
 

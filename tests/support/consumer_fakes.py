@@ -117,10 +117,12 @@ class FakeLedger:
         for rid in request_ids:
             self.rows[rid].started = True
 
-    def begin(self, baselines):
+    def begin(self, baselines, started=()):
         self._check()
         for rid, (tokens, strikes) in baselines.items():
             self.rows[rid].progress, self.rows[rid].strikes = tokens, strikes
+        for rid in started:
+            self.rows[rid].started = True
 
     def release(self, request_ids):
         for rid in request_ids:

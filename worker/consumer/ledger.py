@@ -110,8 +110,9 @@ class Ledger(Protocol):
     def started(self, request_ids: list[int]) -> None:
         """An engine step is about to run these requests for the first time in their delivery."""
 
-    def begin(self, baselines: dict[int, tuple[int, int]]) -> None:
-        """request id -> (checkpointed output tokens it starts from, its strikes), before it runs."""
+    def begin(self, baselines: dict[int, tuple[int, int]], started: list[int] = ()) -> None:
+        """request id -> (checkpointed output tokens it starts from, its strikes), before it runs; in the same
+        transaction, ``started`` as ``started`` says (the claim's thread says both for fresh requests)."""
 
     def suspect(self, classes: dict[int, int]) -> None:
         """request id -> its suspect size class from now on (0: innocent again), before it runs."""

@@ -62,6 +62,7 @@ class Inflight:
     request: Request  # as the engine runs it
     delivery: Delivery | None  # None once handed over to another delivery's bookkeeping
     suspect: int = 0  # its suspect size class in this delivery (0: innocent): runs apart (``worker.consumer.suspects``)
+    begun: bool = False  # its baseline was written with its claim (``EngineWorker._claim``), not in ``_begin``
     finishing: bool = False  # its outcome is with the committer: held until committed, then acked
 
     @property
@@ -107,8 +108,9 @@ class EngineWorker:
         self.inflight: dict[str, Inflight] = {}
         self.incoming: list[Delivery] = []
         self.incoming_since = 0.0  # monotonic time the oldest delivery in ``incoming`` came
-        # a claim under way on a thread of its own (the deliveries it claims, its answer): the loop steps on
-        self.claiming: tuple[list[tuple[RequestRef, Delivery]], Future] | None = None
+        # a claim under way on a thread of its own (the deliveries it claims, its answer, whether it says
+        # its requests started): the loop steps on
+        self.claiming: tuple[list[tuple[RequestRef, Delivery]], Future, bool] | None = None
         self._claims: ThreadPoolExecutor | None = None  # its thread, made at the first claim
         self.commit_peak = 0.0  # outcomes with the committer at a time, lately (their messages hold the window)
         self.mean_kv_tokens: float | None = None
@@ -161,7 +163,10 @@ class EngineWorker:
                 self.remote.admit()
                 self.interactive.admit()
                 self._add_restored()
-                self.suspects.start_next(bool(self.stop_requested), self._add, self._record)
+                # no group of suspects starts while a claim under way says its requests started: they would
+                # count as running beside the group (``_claim``)
+                hold = self.claiming is not None and self.claiming[2]
+                self.suspects.start_next(bool(self.stop_requested) or hold, self._add, self._record)
                 if self.engine.has_unfinished():
                     self._step()
                 self.remote.keepalive()
@@ -259,17 +264,44 @@ class EngineWorker:
                 self.broker.ack(delivery)  # a duplicate of what this worker runs
         if not fresh:
             return
-        ids = list(dict.fromkeys(r.request_id for r, _ in fresh))
         if self._claims is None:
             self._claims = ThreadPoolExecutor(1, thread_name_prefix="berth-claims")
-        self.claiming = (fresh, self._claims.submit(self._ledger, self.ledger.claim, ids, self.name))
+        says_started = self.suspects.may_say_started()
+        self.claiming = (fresh, self._claims.submit(self._claim, fresh, says_started), says_started)
+
+    def _claim(self, fresh: list[tuple[RequestRef, Delivery]], says_started: bool) -> tuple[dict | object, set[int]]:
+        """On the claims thread: the claim, then in one more transaction the baselines of the requests it
+        runs from their start (innocent, nothing checkpointed to read first) and, with ``says_started``,
+        that they run (``CrashSuspects.on_start``'s write, said ahead of their first step). Those two
+        writes were two transactions on the loop's thread before most steps that started requests, the
+        device waiting (benchmarks/HISTORY.md, "The claim says what the loop said"); ``_begin`` writes
+        the rest. The claims (or ``DOWN``) and the ids begun here."""
+        claims = self._ledger(self.ledger.claim, list(dict.fromkeys(r.request_id for r, _ in fresh)), self.name)
+        if claims is DOWN:
+            return claims, set()
+        baselines: dict[int, tuple[int, int]] = {}
+        for ref, delivery in fresh:
+            claim = claims.get(ref.request_id)
+            if claim is None or claim.checkpoint or claim.suspect or admission.judge(
+                    ref, claim, self.engine.model_name, delivery.tenant).action is not Action.RUN:
+                continue
+            standing = suspects.standing_after(claim, 0)
+            limit = self.settings.max_delivery_attempts
+            if not standing.suspect and not suspects.poison_reason(claim, standing, limit):
+                baselines[claim.request_id] = (0, standing.strikes)
+        if not baselines:
+            return claims, set()
+        wrote = self._ledger(self.ledger.begin, baselines, list(baselines) if says_started else [])
+        return claims, set() if wrote is DOWN else set(baselines)
 
     def _admit_claimed(self) -> None:
         """Admit the deliveries of the claim under way once it has its answer (its errors are raised here)."""
         if self.claiming is None or not self.claiming[1].done():
             return
-        (fresh, future), self.claiming = self.claiming, None
-        claims = future.result()
+        (fresh, future, says_started), self.claiming = self.claiming, None
+        claims, begun = future.result()
+        if says_started:  # the database holds them as running here from now
+            self.suspects.said_ahead([str(rid) for rid in begun])
         if claims is DOWN:
             self.incoming[:0] = [delivery for _, delivery in fresh]  # admitted once the database is back
             return
@@ -292,7 +324,7 @@ class EngineWorker:
                 item = Inflight(claim, Request(str(claim.request_id), list(claim.prompt_token_ids), claim.params,
                                                priority=claim.priority, tenant=claim.tenant,
                                                cache_salt=claim.cache_salt, deadline=claim.deadline,
-                                               job=claim.job_id), delivery)
+                                               job=claim.job_id), delivery, begun=claim.request_id in begun)
                 self.inflight[item.request.request_id] = item
                 if not self.store.begin(item.request, claim.checkpoint):  # else it begins once read (_add_restored)
                     starting.append(item)
@@ -317,6 +349,9 @@ class EngineWorker:
         runnable = []
         for item in items:
             claim = item.claim
+            if item.begun:  # written with its claim: innocent, from its start
+                runnable.append(item)
+                continue
             tokens = sum(len(out) for out in item.request.resume_output_ids)
             standing = suspects.standing_after(claim, tokens)
             reason = suspects.poison_reason(claim, standing, self.settings.max_delivery_attempts)
@@ -524,9 +559,9 @@ class EngineWorker:
         (a result, a closed job), the others requeued (their attempts released)."""
         if self.claiming is None:
             return
-        (fresh, future), self.claiming = self.claiming, None
+        (fresh, future, _), self.claiming = self.claiming, None
         wait_for([future], CLAIM_WAIT)
-        claims = future.result() if future.done() and future.exception() is None else DOWN
+        claims = future.result()[0] if future.done() and future.exception() is None else DOWN
         claims = {} if claims is DOWN else claims
         done = [delivery for ref, delivery in fresh if admission.judge(
             ref, claims.get(ref.request_id), self.engine.model_name, delivery.tenant).action is Action.SKIP]

@@ -199,6 +199,16 @@ class CrashSuspects:
             self._marked.intersection_update(self.inflight)  # those gone since
             self._marked.update(fresh + ahead)
 
+    def may_say_started(self) -> bool:
+        """Whether requests claimed now may be said running before their first step, as ``on_start`` says
+        the queued ones: not while a group of suspects runs alone (the others are paused). The loop starts
+        no group while such a claim is under way."""
+        return self.state.group is None and self._pause_at_start is None
+
+    def said_ahead(self, request_ids: list[str]) -> None:
+        """These were said running with their claim (``EngineWorker._claim``): their first step writes nothing."""
+        self._marked.update(request_ids)
+
     def said_started(self) -> list[int]:
         """The requests the database holds as running here: run by a step, or said ahead of their first."""
         return [int(rid) for rid, item in self.inflight.items() if item.request.started or rid in self._marked]
