@@ -18,7 +18,8 @@ through, each on a new engine warmed up first:
    in a database created for the run and under a queue prefix of its own, both removed at the end.
 
 Rate = requests (and output tokens) / wall seconds from the call (``generate_file``, ``LocalRun.submit``)
-to the results written (``generate_file`` returned; the job's ``completed_at``). CPU, in ms a
+to the results written (``generate_file`` returned; the job's ``completed_at``; the phases say when
+``work``, `berth run`'s wait, returned). CPU, in ms a
 request: this process's (``os.times``, all threads) split into submit (the job's creation on the
 calling thread and its ingest's thread, each by ``time.thread_time``: they overlap the worker now,
 so the split is by thread, not by time) and worker (the rest: the loop, its committer and claim
@@ -341,7 +342,7 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     here = LocalRun.submit(requests, settings)
     created = time.thread_time() - created0
     job = here.work(worker)
-    cpu1 = process_cpu()
+    returned, cpu1 = time.time(), process_cpu()
     after = servers.read() if settings.broker_url else {}
     api.results(job.id, out, settings=settings)
     if job.status is not JobStatus.COMPLETED or job.completed != total:
@@ -354,7 +355,8 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     return {"seconds": job.completed_at - t0, "cpu": cpu, "steps": steps.steps, "ledger": ledger.figures(total),
             "device": device.figures(),
             "phases": {"first_result": round(first - t0, 3), "queued": round(job.in_progress_at - t0, 3),
-                       "last_result": round(job.finalizing_at - t0, 3)}}
+                       "last_result": round(job.finalizing_at - t0, 3), "completed": round(job.completed_at - t0, 3),
+                       "returned": round(returned - t0, 3)}}
 
 
 @contextmanager

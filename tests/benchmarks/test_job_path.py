@@ -32,7 +32,9 @@ def test_a_quick_run_on_the_embedded_defaults_reports_rates_ratio_and_cpu(tmp_pa
     [round_] = report["by_round"]
     assert round_["systems"]["embedded"]["output_tokens"] == round_["systems"]["engine"]["output_tokens"] == 40 * 4
     assert "claim" in round_["systems"]["embedded"]["ledger"] and "record" in round_["systems"]["embedded"]["ledger"]
-    assert set(round_["systems"]["embedded"]["phases"]) == {"first_result", "queued", "last_result"}
+    phases = round_["systems"]["embedded"]["phases"]
+    assert set(phases) == {"first_result", "queued", "last_result", "completed", "returned"}
+    assert phases["first_result"] <= phases["last_result"] <= phases["completed"] <= phases["returned"]
     assert round_["systems"]["embedded"]["cpu"]["submit"] > 0  # the ingest's thread, counted apart from the worker
 
 

@@ -129,7 +129,9 @@ class EngineWorker:
 
     # ---- the loop
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Work until stopped by a signal, or until ``until()`` is true (checked about every second)."""
+        """Work until stopped by a signal, or until ``until()`` is true: checked about every second, and at
+        once when the worker falls idle after committing outcomes (the last of a job's, as a rule: `berth
+        run` returned up to a second after its job ended)."""
         with frozen_heap():  # the collector's full walks skip what start-up made
             self._run(until)
 
@@ -148,6 +150,7 @@ class EngineWorker:
         drain_deadline = None
         next_control = next_depth = 0.0
         graceful = False
+        settled = False  # outcomes were acked since ``until`` was last asked
         try:
             while True:
                 busy = self.engine.has_unfinished() or self.interactive.pending()
@@ -158,7 +161,7 @@ class EngineWorker:
                 soon = self.store.reading or self.committer.pending or self.claiming is not None
                 wait = 0 if busy else RESTORE_WAIT if soon else IDLE_WAIT
                 self._receive(wait)
-                self._settle()  # outcomes committed since: ack them
+                settled = self._settle() or settled  # outcomes committed since: ack them
                 self._admit()
                 self.remote.admit()
                 self.interactive.admit()
@@ -175,7 +178,13 @@ class EngineWorker:
                     next_control = t + CONTROL_INTERVAL
                     self._control(t >= next_depth)
                     next_depth = next_depth if t < next_depth else t + QUEUE_DEPTH_INTERVAL
+                    settled = False
                     if until is not None and until():
+                        graceful = True
+                        break
+                elif settled and until is not None and self._idle_now():
+                    settled = False
+                    if until():
                         graceful = True
                         break
                 if self.stop_requested:
@@ -434,10 +443,17 @@ class EngineWorker:
         self.committer.put(items, len(self.inflight))
         self.commit_peak = max(self.commit_peak, self.committer.pending)
 
-    def _settle(self) -> None:
-        """The outcomes committed since the last call: dead-letter what must be and ack the rest."""
-        acks = []
+    def _idle_now(self) -> bool:
+        """Nothing running, committing, claiming or waiting to be claimed."""
+        return not (self.engine.has_unfinished() or self.committer.pending or self.claiming is not None
+                    or self.incoming or self.interactive.pending())
+
+    def _settle(self) -> bool:
+        """The outcomes committed since the last call: dead-letter what must be and ack the rest. Whether
+        there were any."""
+        acks, taken = [], False
         for p in self.committer.take():
+            taken = True
             item = self.inflight.pop(p.engine_id, None)
             delivery = item.delivery if item is not None else p.delivery  # it may have been redelivered since
             if p.dead_reason is not None and delivery is not None:
@@ -448,6 +464,7 @@ class EngineWorker:
             self.store.finished(p.engine_id)
         if acks:
             self.broker.ack_all(acks)
+        return taken
 
     # ---- every second
     def _control(self, measure_queue: bool) -> None:

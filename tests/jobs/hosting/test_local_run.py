@@ -30,6 +30,7 @@ from jobs.pipeline.publish import PublishError
 from jobs.records.db import open_database
 from jobs.records.models import JobStatus, RequestRow, Result
 from tests.support.jobs_env import TINY_NAME, embedded_settings, read_jsonl, write_requests
+from worker.consumer import loop
 
 LINES = 8  # in chunks of 3: lines 1-3, 4-6, 7-8
 EXPECTED = [f"req-{i}" for i in range(LINES)]
@@ -135,6 +136,20 @@ def test_submit_returns_once_the_first_chunk_is_queued(tmp_path, tiny_llama_dir,
     here.ingest.thread.join(WAIT)
     assert (api.status(here.job_id, settings).status, api.status(here.job_id, settings).total) == (
         JobStatus.IN_PROGRESS, LINES)
+
+
+def test_the_run_returns_once_its_job_is_over_not_at_the_workers_next_look(tmp_path, tiny_llama_dir, tiny_engine,
+                                                                            monkeypatch):
+    """The worker asks whether its job is over when it falls idle after committing outcomes, not only at
+    its look every ``CONTROL_INTERVAL``: `berth run` returned up to a second after its job had ended. With
+    the look made once a minute here, the run still returns within seconds of the job's end."""
+    monkeypatch.setattr(loop, "CONTROL_INTERVAL", 60.0)
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
+    job, files = api.run(write_requests(tmp_path / "requests.jsonl", LINES), tmp_path / "out.jsonl", settings,
+                         engine=tiny_engine)
+    returned = time.time()
+    _answered_once(settings, job, files)
+    assert returned - job.completed_at < 10.0, f"returned {returned - job.completed_at:.1f} s after the job ended"
 
 
 @pytest.mark.parametrize("checks_lines", [True, False])
