@@ -148,7 +148,7 @@ class EngineWorker:
                  f"{self.broker.interactive_prefetch})" if self.consumes_interactive_queue else "",
                  seconds_since_start())
         drain_deadline = None
-        next_control = next_depth = 0.0
+        next_control = next_depth = time.monotonic()  # due at once
         graceful = False
         settled = False  # outcomes were acked since ``until`` was last asked
         try:
@@ -160,6 +160,9 @@ class EngineWorker:
                     self._idle(IDLE_WAIT)  # no database and nothing to run: the same
                 soon = self.store.reading or self.committer.pending or self.claiming is not None
                 wait = 0 if busy else RESTORE_WAIT if soon else IDLE_WAIT
+                if wait and self.claiming is not None:  # the loop waits for the claim's answer, not a delivery's
+                    wait_for([self.claiming[1]], wait)
+                    wait = 0
                 self._receive(wait)
                 settled = self._settle() or settled  # outcomes committed since: ack them
                 self._admit()
@@ -174,7 +177,11 @@ class EngineWorker:
                     self._step()
                 self.remote.keepalive()
                 t = time.monotonic()
-                if t >= next_control:
+                # the look waits while the engine is empty and a claim is under way (at most a second): at the
+                # start it delayed the job's first step by its heartbeat, queue depth and tenants (~75 ms)
+                claim_first = (self.claiming is not None and not self.engine.has_unfinished()
+                               and t < next_control + CONTROL_INTERVAL)
+                if t >= next_control and not claim_first:
                     next_control = t + CONTROL_INTERVAL
                     self._control(t >= next_depth)
                     next_depth = next_depth if t < next_depth else t + QUEUE_DEPTH_INTERVAL
