@@ -181,15 +181,12 @@ class EngineWorker:
                 # start it delayed the job's first step by its heartbeat, queue depth and tenants (~75 ms)
                 claim_first = (self.claiming is not None and not self.engine.has_unfinished()
                                and t < next_control + CONTROL_INTERVAL)
-                if t >= next_control and not claim_first:
+                look = t >= next_control and not claim_first
+                if look:
                     next_control = t + CONTROL_INTERVAL
                     self._control(t >= next_depth)
                     next_depth = next_depth if t < next_depth else t + QUEUE_DEPTH_INTERVAL
-                    settled = False
-                    if until is not None and until():
-                        graceful = True
-                        break
-                elif settled and until is not None and self._idle_now():
+                if until is not None and (look or settled and self._idle_now()):
                     settled = False
                     if until():
                         graceful = True
@@ -301,9 +298,8 @@ class EngineWorker:
             if claim is None or claim.checkpoint or claim.suspect or admission.judge(
                     ref, claim, self.engine.model_name, delivery.tenant).action is not Action.RUN:
                 continue
-            standing = suspects.standing_after(claim, 0)
-            limit = self.settings.max_delivery_attempts
-            if not standing.suspect and not suspects.poison_reason(claim, standing, limit):
+            standing, reason = self._standing(claim, 0)
+            if not standing.suspect and reason is None:
                 baselines[claim.request_id] = (0, standing.strikes)
         if not baselines:
             return claims, set()
@@ -369,8 +365,7 @@ class EngineWorker:
                 runnable.append(item)
                 continue
             tokens = sum(len(out) for out in item.request.resume_output_ids)
-            standing = suspects.standing_after(claim, tokens)
-            reason = suspects.poison_reason(claim, standing, self.settings.max_delivery_attempts)
+            standing, reason = self._standing(claim, tokens)
             if reason is not None:
                 del self.inflight[item.request.request_id]
                 failures.append(Pending(Outcome.failure(claim.request_id, claim.job_id, "delivery_limit", reason),
@@ -391,6 +386,11 @@ class EngineWorker:
             else:
                 self._add(item, failures)
         self._record(failures)
+
+    def _standing(self, claim: Claim, tokens: int) -> tuple[suspects.Standing, str | None]:
+        """A claimed request's standing once it starts from ``tokens`` checkpointed; why it is poison, or None."""
+        standing = suspects.standing_after(claim, tokens)
+        return standing, suspects.poison_reason(claim, standing, self.settings.max_delivery_attempts)
 
     def _add(self, item: Inflight, failures: list[Pending]) -> None:
         claim = item.claim
