@@ -14,7 +14,6 @@ import subprocess
 import pytest
 from sqlalchemy import select
 
-import worker.consumer.loop as consumer
 from jobs import api
 from jobs.hosting.engine_worker import engine_worker
 from jobs.records.db import open_database
@@ -125,8 +124,8 @@ def _cut_by_the_broker(worker) -> None:
 
 @pytest.mark.parametrize("cut_off", [_cut_by_the_client, _cut_by_the_broker], ids=["by-the-client", "by-the-broker"])
 def test_a_worker_cut_off_from_the_broker_keeps_running_and_nothing_runs_twice(tmp_path, settings, tiny_engine,
-                                                                              cut_off, monkeypatch):
-    monkeypatch.setattr(consumer, "CONTROL_INTERVAL", 0.05)  # looks for running requests often: claims are async
+                                                                              cut_off):
+    # at the default look every second: the first look waits for the first claim, so requests run at it
     job = _long_job(tmp_path, settings)
     worker = engine_worker(settings, tiny_engine, eager_tasks=True)
     cut = []
