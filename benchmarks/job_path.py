@@ -24,7 +24,8 @@ request: this process's (``os.times``, all threads) split into submit (the job's
 calling thread and its ingest's thread, each by ``time.thread_time``: they overlap the worker now,
 so the split is by thread, not by time) and worker (the rest: the loop, its committer and claim
 threads, housekeeping), and the engine's step on the loop thread (``time.thread_time`` around
-``Engine.step``); PostgreSQL's as
+``Engine.step``); the ledger's process's (``worker.consumer.ledger_process``: the claims, the commits and
+the finalize they call, read as the worker closes it); PostgreSQL's as
 the CPU of the backends connected to the run's database plus the server's background processes
 (walwriter, checkpointer, ...: shared with anyone else on the server); RabbitMQ's as the whole
 ``beam.smp`` process's (shared likewise). Each is read from ``/proc`` before and after the run, the
@@ -290,6 +291,21 @@ class LedgerClock:
                        "wall_ms_per_request": 1000 * self.wall[name] / requests} for name in self.calls}
 
 
+class LedgerEnd:
+    """The ledger's process's CPU and the servers', read as the worker closes the ledger (its process and its
+    database connections end then)."""
+
+    def __init__(self, ledger, servers: ServerCpu, broker_url: str):
+        self.figures: dict[str, float] = {}
+        close = ledger.close
+
+        def closing():
+            self.figures = {**(servers.read() if broker_url else {}), "ledger_process": proc_cpu(ledger.pid)}
+            close()
+
+        ledger.close = closing
+
+
 def stand_in_device(engine, milliseconds: float):
     """Every forward of ``engine`` also sleeps ``milliseconds`` (see ``--device-ms``); the engine back."""
     if milliseconds > 0:
@@ -338,12 +354,14 @@ def run_whole_path(loaded, settings: Settings, requests: Path, out: Path, total:
     database = settings.database_url.rsplit("/", 1)[1] if settings.database_url.startswith("postgresql") else None
     servers = ServerCpu(database)
     before = servers.read() if settings.broker_url else {}
+    before["ledger_process"] = proc_cpu(worker.ledger.pid)
+    after = LedgerEnd(worker.ledger, servers, settings.broker_url)
     cpu0, t0, created0, device = process_cpu(), time.time(), time.thread_time(), DeviceClock(worker.engine)
     here = LocalRun.submit(requests, settings)
     created = time.thread_time() - created0
     job = here.work(worker)
     returned, cpu1 = time.time(), process_cpu()
-    after = servers.read() if settings.broker_url else {}
+    after = after.figures
     api.results(job.id, out, settings=settings)
     if job.status is not JobStatus.COMPLETED or job.completed != total:
         raise RuntimeError(f"job {job.id} ended {job.status.value} with {job.completed} of {total} completed")
@@ -436,7 +454,8 @@ def summarize(rounds: list[dict], systems: list[str]) -> dict:
         engine_ms = summary["engine"]["cpu_ms_per_request"]["process"]
         for name in ("embedded", "servers"):
             if name in summary:
-                own = summary[name]["cpu_ms_per_request"]["process"]
+                cpu = summary[name]["cpu_ms_per_request"]
+                own = cpu["process"] + cpu.get("ledger_process", 0.0)
                 summary[name]["job_path_cpu_ms_per_request"] = own - engine_ms
     if "servers" in summary:
         summary["fleet"] = fleet(summary["servers"]["cpu_ms_per_request"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy import exc as sql_errors
@@ -236,6 +236,25 @@ class JobsLedger:
     @_translated
     def heartbeat(self, beat: Heartbeat) -> None:
         workers.beat(self.db, beat)
+
+    def close(self) -> None:
+        """Nothing of its own to release: the database is the process's (``open_database``)."""
+
+
+@dataclass(frozen=True)
+class LedgerRecipe:
+    """A ``JobsLedger`` as the ledger's process builds it (``worker.consumer.ledger_process``): what it
+    needs, picklable; the tokenizer (the result lines' logprobs) read there from the model's files."""
+
+    settings: Settings
+    model_path: str
+    model_name: str
+    eager_tasks: bool | None = None
+
+    def __call__(self) -> JobsLedger:
+        from worker.model.tokenizer import load_tokenizer
+
+        return JobsLedger(self.settings, load_tokenizer(self.model_path), self.model_name, self.eager_tasks)
 
 
 def _life(row: RequestRow) -> str | None:

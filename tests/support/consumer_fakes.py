@@ -166,6 +166,9 @@ class FakeLedger:
         self._check()
         self.beats.append(beat)
 
+    def close(self):
+        self.closed = True
+
     def crash(self, request_id: int, worker: str = "dead-host:1") -> None:
         """As a worker that died while an engine step ran the request leaves its row."""
         row = self.rows[request_id]

@@ -155,3 +155,6 @@ class Ledger(Protocol):
 
     def heartbeat(self, beat: Heartbeat) -> None:
         """The worker is alive and this is what it runs."""
+
+    def close(self) -> None:
+        """The worker stopped: release what the ledger holds of its own (no call follows)."""

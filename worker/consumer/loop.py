@@ -608,3 +608,4 @@ class EngineWorker:
         self.engine.on_start = None
         self.store.close(CHECKPOINT_FLUSH)
         self.broker.close()
+        self.ledger.close()

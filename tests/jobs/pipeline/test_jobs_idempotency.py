@@ -160,7 +160,7 @@ def test_cancelling_a_running_job_aborts_its_requests_in_the_engine(tmp_path, se
         view = api.status(job.id, settings)
         if view.status is JobStatus.IN_PROGRESS and worker.inflight:
             api.cancel(job.id, settings)
-            finalize_later(worker.ledger.tasks, [job.id])
+            finalize_later(make_app(settings, eager=True), [job.id])
         return view.status.is_final and not worker.inflight  # emptied by the worker, not at its exit
 
     worker.run(until=cancel_once_running)

@@ -1,0 +1,106 @@
+"""The ledger's calls answered by a process of its own (worker/consumer/ledger_process.py): the same answers
+and errors, callers on several threads at once, the worker's signals left to the worker, and no child
+outliving its worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.ledger_child import PidLedgerRecipe
+from worker.consumer.ledger import LedgerDown, Outcome
+from worker.consumer.ledger_process import LedgerProcess, LedgerProcessGone
+from worker.engine.request import Completion, RequestOutput
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def ledger():
+    ledger = LedgerProcess(PidLedgerRecipe())
+    yield ledger
+    ledger.close()
+
+
+def test_calls_are_answered_by_the_child_with_their_values(ledger):
+    assert ledger.pid != os.getpid()
+    assert ledger.live_tenants("m") == {"pid": float(ledger.pid)}
+    output = RequestOutput("r", [1, 2], [Completion(0, [5, 6], "hello", "stop")])
+    outcomes = [Outcome(7, "job", output), Outcome(8, "job", None, "engine_error", "it failed")]
+    assert ledger.record(outcomes, "w") == {7}  # the outcomes crossed whole, the answer came back
+
+
+def test_callers_on_two_threads_are_answered_at_once(ledger):
+    slow = threading.Thread(target=ledger.note_error, args=(1, "1.5"))
+    slow.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert ledger.live_tenants("m")  # not queued behind the slow call of the other thread
+    assert time.monotonic() - t0 < 1.0
+    slow.join()
+
+
+def test_the_ledgers_errors_reach_the_caller_as_they_are():
+    ledger = LedgerProcess(PidLedgerRecipe(down=True))
+    try:
+        with pytest.raises(LedgerDown, match="the database is down"):
+            ledger.live_tenants("m")
+    finally:
+        ledger.close()
+
+
+def test_it_leaves_interrupts_to_the_worker_and_ends_on_close(ledger):
+    os.kill(ledger.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group: the worker drains through it
+    os.kill(ledger.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    assert ledger.live_tenants("m") == {"pid": float(ledger.pid)}
+    t0 = time.monotonic()
+    ledger.close()
+    assert time.monotonic() - t0 < 2.0 and gone_within(ledger.pid, 2.0)
+
+
+def test_a_dead_child_stops_the_worker_with_an_error_that_says_so(ledger):
+    os.kill(ledger.pid, signal.SIGKILL)
+    assert gone_within(ledger.pid, 5.0) or ledger._child.poll() is not None
+    ledger._child.wait(5)
+    with pytest.raises(LedgerProcessGone, match=r"ended \(exit code -9\) while the worker ran"):
+        ledger.live_tenants("m")
+
+
+def test_a_killed_worker_leaves_no_ledger_process_behind():
+    script = ("import time; from tests.support.ledger_child import PidLedgerRecipe\n"
+              "from worker.consumer.ledger_process import LedgerProcess\n"
+              "ledger = LedgerProcess(PidLedgerRecipe()); print(ledger.pid, flush=True); time.sleep(60)\n")
+    worker = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(worker.stdout.readline())
+        assert alive(child)
+        worker.kill()  # SIGKILL: the worker runs no cleanup
+        worker.wait()
+        assert gone_within(child, 3.0), "the ledger's process outlived its worker"
+    finally:
+        worker.kill()
