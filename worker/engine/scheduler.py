@@ -294,8 +294,7 @@ class Scheduler:
             if interactive and not self._room_for_interactive(step, seat):
                 return 0
             return self._swap_in(seq, limit, step) if seat() else 0
-        seq = self.waiting.head(tenant, interactive)
-        if seq is None or swapped:
+        if swapped or not self.waiting.has(tenant, interactive):
             return 0
         step.asked.add(tenant)
         step.asking.add(tenant)
@@ -307,6 +306,7 @@ class Scheduler:
             total = free + sum(step.seats.values())
         if not self.waiting.may_seat(tenant, step.seats, free, total, step.asking, interactive):
             return 0
+        seq = self.waiting.head(tenant, interactive)  # after the seat: a job's tail is a scan of its sequences
         hits = self.bm.prefix_hits(seq)
         n = min(seq.num_tokens - len(hits) * self.bm.block_size, limit)
         if interactive:

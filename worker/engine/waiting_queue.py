@@ -86,6 +86,10 @@ class WaitingQueue:
         """The tenants with sequences of the class waiting."""
         return {t for (c, t), q in self._queues.items() if q and c == interactive}
 
+    def has(self, tenant: str, interactive: bool = False) -> bool:
+        """Whether ``tenant`` has a sequence of the class waiting."""
+        return bool(self._queues.get((interactive, tenant)))
+
     def head(self, tenant: str, interactive: bool = False) -> Sequence | None:
         """``tenant``'s sequence of the class to admit next (it stays queued until ``remove``)."""
         queue = self._queues.get((interactive, tenant))
