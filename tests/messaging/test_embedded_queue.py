@@ -115,3 +115,45 @@ def test_a_message_priority_is_the_jobs_urgency_then_its_priority():
     assert message_priority(9, day) == 3 < message_priority(0, 6 * hour) == 4 < message_priority(0, hour)
     assert message_priority(9, week) == 1 < message_priority(0, day) == message_priority(0, None) == 2
     assert all(0 <= message_priority(p, w) <= MAX_PRIORITY for p in range(10) for w in (60, hour, day, week))
+
+
+def test_a_busy_consumer_polls_again_soon_only_for_a_window_with_room_for_many(tmp_path, monkeypatch):
+    """Each poll is a transaction on the engine loop's thread: a window with room for a few and a queue
+    found empty wait ``GET_EVERY`` before the next; room for a sixteenth of the window or more is filled at once."""
+    settings = _settings(tmp_path)
+    _publish(settings, "default", range(100))
+    got, polls = [], []
+    get_many = EmbeddedChannel._get_many_from
+    monkeypatch.setattr(EmbeddedChannel, "_get_many_from",
+                        lambda self, queue, limit: polls.append(limit) or get_many(self, queue, limit))
+    monkeypatch.setattr(EmbeddedChannel, "GET_EVERY", 3600.0)  # "soon" is the rest of the test
+
+    def drain_now() -> None:
+        try:
+            conn.drain_events(timeout=0)
+        except TimeoutError:
+            pass
+
+    with connect(settings) as conn:
+        _consumer(conn, ["default"], 64, got)
+        drain_now()
+        assert (len(got), polls) == (64, [64])
+        for _, message in got[:3]:  # room for 3, under 64 / 16
+            message.ack()
+        for _ in range(20):
+            drain_now()
+        assert (len(got), polls) == (64, [64])
+        got[3][1].ack()  # room for 4: polled at once
+        drain_now()
+        assert (len(got), polls) == (68, [64, 4])
+        for _, message in got[4:]:
+            message.ack()
+        drain_now()  # the 32 left
+        drain_now()  # room for 32 more: polled at once, and found empty
+        assert (len(got), polls[2:]) == (100, [64, 32])
+        for _ in range(20):  # found empty: not polled again soon, whatever the room
+            drain_now()
+        assert len(polls) == 4
+        monkeypatch.setattr(EmbeddedChannel, "GET_EVERY", 0.0)
+        drain_now()
+        assert len(polls) == 5  # polled again once its time came
