@@ -129,7 +129,7 @@ def _checked_ids(line: BatchLine, where: str, ids: list, limit: int) -> list[int
 
 def embedding_body(output: RequestOutput, model_name: str) -> dict:
     """OpenAI's embeddings response for a finished request."""
-    vectors = output.embeddings.numpy()
+    vectors = output.embeddings
     as_base64 = output.embedding.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if as_base64 else v.tolist()}

@@ -98,7 +98,7 @@ def check_beside_generation(engine: Engine, hf, text_ids, pooling: str) -> None:
     both = run(engine, generation_requests(text_ids) + embedding_requests(inputs))
     for rid, out in alone.items():
         assert both[rid].completions[0].token_ids == out.completions[0].token_ids, rid
-    ours = torch.cat([both[f"e{g}"].embeddings for g in range(len(GROUPS))])
+    ours = torch.cat([torch.from_numpy(both[f"e{g}"].embeddings) for g in range(len(GROUPS))])
     assert ours.shape == (16, engine.hidden_size)
     want = hf_vectors(hf, inputs, pooling)
     assert (ours - want).abs().max().item() < 1e-4
@@ -157,7 +157,8 @@ def test_dimensions_cut_then_normalise_and_bounds_are_refused(qwen3_last, text_i
     full = run(engine, embedding_requests(inputs))
     cut = run(engine, embedding_requests(inputs, dimensions=8))
     for g in range(len(GROUPS)):
-        assert torch.allclose(cut[f"e{g}"].embeddings, F.normalize(full[f"e{g}"].embeddings[:, :8], dim=-1),
+        assert torch.allclose(torch.from_numpy(cut[f"e{g}"].embeddings),
+                              F.normalize(torch.from_numpy(full[f"e{g}"].embeddings[:, :8]), dim=-1),
                               atol=1e-6)
     too_wide = SamplingParams(max_tokens=1, embedding=EmbeddingParams((3,), dimensions=65))
     with pytest.raises(RequestRejected, match="dimensions 65 exceeds the model's hidden size 64"):

@@ -600,6 +600,7 @@ class Engine:
         self.stats.requests_finished += 1
         if request.params.embedding is not None:
             vectors = torch.stack([seq.pooled for seq in sorted(request.sequences, key=lambda s: s.sample_index)])
+            vectors = vectors.to("cpu", torch.float32).numpy()  # plain data: it crosses to the ledger's process
             return RequestOutput(request.request_id, request.prompt_token_ids, [], embeddings=vectors,
                                  embedding=request.params.embedding)
         jobs = self.speculation.jobs

@@ -278,7 +278,7 @@ class RequestOutput:
     completions: list[Completion]
     num_cached_prompt_tokens: int = 0
     error: str | None = None
-    embeddings: object | None = None  # an embeddings request: float32 [inputs, dimensions], unit rows
+    embeddings: object | None = None  # an embeddings request: a numpy float32 [inputs, dimensions], unit rows
     embedding: EmbeddingParams | None = None  # what it asked for (how the door writes the vectors)
     rejected: bool = False  # ``error`` is the request's own: what it asks cannot be run (a 400, not a 500)
 
