@@ -4,6 +4,9 @@ either way each outcome counts once and gives its tokens back to its tenant."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 from sqlalchemy import select
 
@@ -52,3 +55,34 @@ def test_outcomes_are_recorded_from_the_claims_facts_or_the_rows(settings, tmp_p
     assert worker.record(failed[:1], "w:1") == set()
     job = get_job(db, job_id)
     assert (job.failed, job.completed, job.enqueued_tokens) == (4, 0, 0)
+
+
+def test_the_workers_of_one_process_share_a_ledger_process_with_their_own_relative_files(tmp_path, monkeypatch,
+                                                                                      tiny_llama_dir):
+    """Each worker's ledger answers from the process's one ledger child (started once), and the embedded
+    defaults' ``./berth.db`` and ``./berth-store`` are the files of the directory the worker was built in,
+    whichever the child started in."""
+    from jobs import api
+    from jobs.hosting.engine_worker import engine_worker
+
+    engine, children = None, set()
+    for name in ("one", "two"):
+        folder = tmp_path / name
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        settings = tiny_settings(tiny_llama_dir, database_url="sqlite:///./berth.db",
+                                 storage_url="file://./berth-store")
+        job = api.submit(write_requests(folder / "requests.jsonl", 5), settings, eager=True)
+        worker = engine_worker(settings, engine, eager_tasks=True)
+        engine = worker.engine
+        children.add(worker.ledger.pid)
+        deadline = time.monotonic() + 60
+
+        def over(job_id=job.id, settings=settings) -> bool:
+            assert time.monotonic() < deadline, "the job did not end: its worker's ledger read another database"
+            return api.status(job_id, settings).status.is_final
+
+        worker.run(until=over)
+        assert api.status(job.id, settings).completed == 5
+        assert (folder / "berth-store").is_dir()
+    assert len(children) == 1 and os.getpid() not in children
