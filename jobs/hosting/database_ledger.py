@@ -258,23 +258,17 @@ class LedgerRecipe:
     def here(cls, settings: Settings, model_path: str, model_name: str,
              eager_tasks: bool | None = None) -> LedgerRecipe:
         """The recipe with the files its settings name relative to this process's working directory (the
-        embedded defaults' ``./berth.db`` and ``./berth-store``) made absolute: the ledger's process serves
-        every worker of this process, and may have started in another directory."""
+        embedded defaults' ``./berth.db`` and ``./berth-store``) made absolute: they name the same files in
+        the ledger's process whatever its directory."""
         paths = {"database_url": normalize_url(settings.database_url)}
         if settings.storage_url.startswith("file://"):
             paths["storage_url"] = open_store(settings.storage_url).url
         return cls(settings.model_copy(update=paths), os.path.abspath(model_path), model_name, eager_tasks)
 
     def __call__(self) -> JobsLedger:
-        return JobsLedger(self.settings, _tokenizer(self.model_path), self.model_name, self.eager_tasks)
+        from worker.model.tokenizer import load_tokenizer
 
-
-@functools.cache
-def _tokenizer(model_path: str):
-    """A model's tokenizer, read once a process (the ledger's process builds a ledger for each worker)."""
-    from worker.model.tokenizer import load_tokenizer
-
-    return load_tokenizer(model_path)
+        return JobsLedger(self.settings, load_tokenizer(self.model_path), self.model_name, self.eager_tasks)
 
 
 def _life(row: RequestRow) -> str | None:

@@ -11,10 +11,9 @@ The contract is the ``Ledger``'s: the same calls, answers and exceptions (``Ledg
 caller thread with a connection of its own (the standard library's managers), so a claim and a commit run
 at once as they did on threads. The child is a fresh interpreter (``python -m`` this module: nothing of the
 worker's threads or its main script), which builds the ledger from a picklable ``factory`` (it opens the
-database, which the worker has already opened and migrated). One child serves every ledger of the worker's
-process (a process that builds many workers, as the tests do, pays its start once), each ledger an object
-of its own there until its ``close``. The child ends with that process: at its exit, or when it is gone
-(looked at every ``PARENT_POLL`` seconds): a killed worker's call under way finishes, as if the worker had
+database, which the worker has already opened and migrated), one child a worker: its start (~1 s of
+imports, beside the model's load) is paid by each. It answers until ``close``, or until the worker's process
+is gone (looked at every ``PARENT_POLL`` seconds): a killed worker's call under way finishes, as if the worker had
 died just after it, and nothing more is done. It ignores SIGINT and SIGTERM,
 which are the worker's (a Ctrl-C'd worker drains, committing through it). A child that died answers no
 call: the call raises ``LedgerProcessGone`` and the worker stops, its messages redelivered.
@@ -22,7 +21,6 @@ call: the call raises ``LedgerProcessGone`` and the worker stops, its messages r
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
@@ -41,7 +39,7 @@ from worker.consumer.ledger import Ledger
 PARENT_POLL = 0.1  # seconds between the child's looks at whether the worker's process is still there
 STOP_WAIT = 10.0  # seconds ``close`` waits for the child to end before killing it
 GONE_WAIT = 2.0  # seconds a call whose connection broke waits to see the child ended
-# what the child answers (``close`` is the proxy's own: it releases the ledger there)
+# what the child answers (``close`` ends the child instead)
 CALLS = tuple(name for name in vars(Ledger) if not name.startswith("_") and name != "close")
 
 
@@ -57,71 +55,37 @@ class _Manager(BaseManager):
     pass
 
 
-_Manager.register("Ledger", _build, exposed=(*CALLS, "close"))
-
-
-class _Server:
-    """The child process, shared by this process's ledgers: started with the first, kept until this process
-    exits (its imports are paid once where a process builds many workers, as the tests do)."""
-
-    _current: _Server | None = None
-    _lock = threading.Lock()
-
-    @classmethod
-    def get(cls) -> _Server:
-        with cls._lock:
-            server = cls._current
-            if server is None or server.owner != os.getpid() or server.child.poll() is not None:
-                cls._current = server = cls()
-            return server
-
-    def __init__(self):
-        self.owner = os.getpid()
-        self.folder = tempfile.mkdtemp(prefix="berth-ledger-")
-        self.address = os.path.join(self.folder, "socket")
-        self.authkey = os.urandom(32)
-        root = logging.getLogger()
-        fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else ""
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
-        self.child = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(os.getpid()), self.address,
-             str(logging.getLogger("berth").getEffectiveLevel()), fmt],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self.pid = self.child.pid
-        try:
-            self.child.stdin.write(self.authkey.hex().encode() + b"\n")
-            self.child.stdin.close()
-            if self.child.stdout.readline().strip() != b"ready":
-                raise LedgerProcessGone(f"the ledger's process {self.pid} did not start (exit code "
-                                        f"{self.child.wait()}): its error is above")
-            self.child.stdout.close()
-            self.manager = _Manager(address=self.address, authkey=self.authkey)
-            self.manager.connect()
-        except BaseException:
-            self.stop()
-            raise
-        atexit.register(self.stop)
-
-    def stop(self) -> None:
-        """End the child, after the calls under way."""
-        if self.child.poll() is None:
-            try:
-                with Client(self.address, authkey=self.authkey) as conn:
-                    dispatch(conn, None, "shutdown")
-                self.child.wait(STOP_WAIT)
-            except (OSError, EOFError, subprocess.TimeoutExpired):
-                self.child.kill()
-                self.child.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+_Manager.register("Ledger", _build, exposed=CALLS)
 
 
 class LedgerProcess:
-    """A ``Ledger`` whose calls are answered by ``factory()``'s ledger, built in the child process."""
+    """A ``Ledger`` whose calls are answered by ``factory()``'s ledger in a child process, started here."""
 
     def __init__(self, factory: Callable[[], Ledger]):
-        self._server = _Server.get()
-        self.pid = self._server.pid
-        self._ledger = self._server.manager.Ledger(factory)
+        self._folder = tempfile.mkdtemp(prefix="berth-ledger-")
+        self._address = os.path.join(self._folder, "socket")
+        self._authkey = os.urandom(32)
+        root = logging.getLogger()
+        fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else ""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(os.getpid()), self._address,
+             str(logging.getLogger("berth").getEffectiveLevel()), fmt],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.pid = self._child.pid
+        try:
+            self._child.stdin.write(self._authkey.hex().encode() + b"\n")
+            self._child.stdin.close()
+            if self._child.stdout.readline().strip() != b"ready":
+                raise LedgerProcessGone(f"the ledger's process {self.pid} did not start (exit code "
+                                        f"{self._child.wait()}): its error is above")
+            self._child.stdout.close()
+            manager = _Manager(address=self._address, authkey=self._authkey)
+            manager.connect()
+            self._ledger = manager.Ledger(factory)
+        except BaseException:
+            self.close()
+            raise
         for name in CALLS:
             setattr(self, name, self._forward(name))
 
@@ -132,12 +96,11 @@ class LedgerProcess:
             try:
                 return method(*args, **kwargs)
             except (EOFError, OSError) as exc:  # a connection broken, refused, its socket file gone
-                child = self._server.child
                 try:
-                    child.wait(GONE_WAIT)  # a broken connection: the child is gone, or going
+                    self._child.wait(GONE_WAIT)  # a broken connection: the child is gone, or going
                 except subprocess.TimeoutExpired:
                     raise exc from None  # the call's own error, raised in the child
-                raise LedgerProcessGone(f"the ledger's process {self.pid} ended (exit code {child.returncode}) "
+                raise LedgerProcessGone(f"the ledger's process {self.pid} ended (exit code {self._child.returncode}) "
                                         "while the worker ran: the worker stops; its unacked requests are "
                                         "redelivered") from exc
 
@@ -145,14 +108,16 @@ class LedgerProcess:
         return call
 
     def close(self) -> None:
-        """Release this ledger (its ``close``, then the child's reference to it); the child stays for the
-        process's next worker."""
-        if self._server.child.poll() is None:
+        """End the child, after the calls under way."""
+        if self._child.poll() is None:
             try:
-                self._ledger.close()
-                self._ledger._close()  # the manager's reference: the child drops the ledger
-            except (EOFError, OSError):
-                pass  # the child is gone: nothing of it to release
+                with Client(self._address, authkey=self._authkey) as conn:
+                    dispatch(conn, None, "shutdown")
+                self._child.wait(STOP_WAIT)
+            except (OSError, EOFError, subprocess.TimeoutExpired):
+                self._child.kill()
+                self._child.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def _end_with(parent: int) -> None:

@@ -57,11 +57,9 @@ def test_outcomes_are_recorded_from_the_claims_facts_or_the_rows(settings, tmp_p
     assert (job.failed, job.completed, job.enqueued_tokens) == (4, 0, 0)
 
 
-def test_the_workers_of_one_process_share_a_ledger_process_with_their_own_relative_files(tmp_path, monkeypatch,
-                                                                                      tiny_llama_dir):
-    """Each worker's ledger answers from the process's one ledger child (started once), and the embedded
-    defaults' ``./berth.db`` and ``./berth-store`` are the files of the directory the worker was built in,
-    whichever the child started in."""
+def test_each_worker_has_a_ledger_process_of_its_own_with_its_relative_files(tmp_path, monkeypatch, tiny_llama_dir):
+    """Each worker's ledger answers from a child of its own, gone once the worker stopped, and the embedded
+    defaults' ``./berth.db`` and ``./berth-store`` are the files of the directory the worker was built in."""
     from jobs import api
     from jobs.hosting.engine_worker import engine_worker
 
@@ -85,4 +83,5 @@ def test_the_workers_of_one_process_share_a_ledger_process_with_their_own_relati
         worker.run(until=over)
         assert api.status(job.id, settings).completed == 5
         assert (folder / "berth-store").is_dir()
-    assert len(children) == 1 and os.getpid() not in children
+        assert not os.path.exists(f"/proc/{worker.ledger.pid}"), "the ledger's process outlived its worker's run"
+    assert len(children) == 2 and os.getpid() not in children
