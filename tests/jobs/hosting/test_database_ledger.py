@@ -76,7 +76,7 @@ def test_each_worker_has_a_ledger_process_of_its_own_with_its_relative_files(tmp
         children.add(worker.ledger.pid)
         deadline = time.monotonic() + 60
 
-        def over(job_id=job.id, settings=settings) -> bool:
+        def over(job_id=job.id, settings=settings, deadline=deadline) -> bool:
             assert time.monotonic() < deadline, "the job did not end: its worker's ledger read another database"
             return api.status(job_id, settings).status.is_final
 
