@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import uuid
 from dataclasses import dataclass, fields
 
@@ -25,13 +24,12 @@ from jobs.lines.batch_format import BatchLine, response_line
 from jobs.lines.tool_formats import FORMATS
 from jobs.pipeline.celery_tasks import finalize_later, make_app
 from jobs.records import workers
-from jobs.records.db import normalize_url, one_of, open_database
+from jobs.records.db import one_of, open_database
 from jobs.records.lifecycle import LIVE
 from jobs.records.models import Job, RequestRow, Result, ResultStatus, Tenant, now
 from jobs.records.results import ResultRecord, record_outcomes
 from jobs.records.status import budgets
 from jobs.records.tenants import live_tenants
-from storage import open_store
 from worker.config import Settings
 from worker.consumer.ledger import Claim, Death, Heartbeat, LedgerDown, Outcome
 from worker.engine.request import EmbeddingParams, SamplingParams, StructuredOutput
@@ -240,8 +238,7 @@ class JobsLedger:
         workers.beat(self.db, beat)
 
     def close(self) -> None:
-        """The database's pooled connections closed (it opens new ones if this process uses it again)."""
-        self.db.engine.dispose()
+        """Nothing of its own to release: the database is the process's (``open_database``)."""
 
 
 @dataclass(frozen=True)
@@ -253,17 +250,6 @@ class LedgerRecipe:
     model_path: str
     model_name: str
     eager_tasks: bool | None = None
-
-    @classmethod
-    def here(cls, settings: Settings, model_path: str, model_name: str,
-             eager_tasks: bool | None = None) -> LedgerRecipe:
-        """The recipe with the files its settings name relative to this process's working directory (the
-        embedded defaults' ``./berth.db`` and ``./berth-store``) made absolute: they name the same files in
-        the ledger's process whatever its directory."""
-        paths = {"database_url": normalize_url(settings.database_url)}
-        if settings.storage_url.startswith("file://"):
-            paths["storage_url"] = open_store(settings.storage_url).url
-        return cls(settings.model_copy(update=paths), os.path.abspath(model_path), model_name, eager_tasks)
 
     def __call__(self) -> JobsLedger:
         from worker.model.tokenizer import load_tokenizer

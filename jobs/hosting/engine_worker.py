@@ -96,7 +96,7 @@ class LedgerSide:
 
                 model_info(self.settings)  # kept for the process: the ingest's validator takes it from there
             settings = self.settings
-            self.ledger = modules.LedgerProcess(modules.LedgerRecipe.here(
+            self.ledger = modules.LedgerProcess(modules.LedgerRecipe(
                 settings, self.model_path or settings.model_path(), settings.served_model_name(), self.eager_tasks))
             self.value = modules
         except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
