@@ -43,6 +43,9 @@ def engine_worker(settings: Settings, engine: Engine | None = None, eager_tasks:
                                 interactive=interactive, door=modules.InteractiveDoor(engine, settings))
 
 
+LEDGER_MODULE = "jobs.hosting.database_ledger"  # the ledger's recipe, which its process imports as it starts
+
+
 class LedgerModules(NamedTuple):
     open_database: Callable
     LedgerRecipe: type  # the jobs ledger, as its process builds it
@@ -88,7 +91,11 @@ class LedgerSide:
         self.thread.start()
 
     def _run(self) -> None:
+        from worker.consumer.ledger_process import LedgerChild
+
+        child = None
         try:
+            child = LedgerChild(LEDGER_MODULE)  # first: its imports run beside ours and the database's opening
             modules = ledger_modules()
             modules.open_database(self.settings.database_url)  # one per process: the ledger's is this one
             if self.checks_lines:
@@ -97,9 +104,12 @@ class LedgerSide:
                 model_info(self.settings)  # kept for the process: the ingest's validator takes it from there
             settings = self.settings
             self.ledger = modules.LedgerProcess(modules.LedgerRecipe(
-                settings, self.model_path or settings.model_path(), settings.served_model_name(), self.eager_tasks))
+                settings, self.model_path or settings.model_path(), settings.served_model_name(), self.eager_tasks),
+                child)
             self.value = modules
         except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
+            if child is not None and self.ledger is None:
+                child.close()
             self.error = exc
 
     def close(self) -> None:

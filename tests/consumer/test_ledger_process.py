@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.ledger_child import PidLedgerRecipe
 from worker.consumer.ledger import LedgerDown, Outcome
-from worker.consumer.ledger_process import LedgerProcess, LedgerProcessGone
+from worker.consumer.ledger_process import LedgerChild, LedgerProcess, LedgerProcessGone
 from worker.engine.request import Completion, RequestOutput
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,3 +124,17 @@ def test_no_ledger_process_outlives_its_worker(end):
         assert gone_within(child, 3.0), "the ledger's process outlived its worker"
     finally:
         worker.kill()
+
+
+def test_a_child_started_ahead_serves_once_the_factory_comes_and_one_that_cannot_import_says_so():
+    child = LedgerChild("tests.support.ledger_child")  # started first: its imports beside the worker's start
+    ledger = LedgerProcess(PidLedgerRecipe(), child)
+    try:
+        assert ledger.pid == child.pid and ledger.live_tenants("m") == {"pid": float(child.pid)}
+    finally:
+        ledger.close()
+    assert gone_within(child.pid, 2.0)
+    broken = LedgerChild("tests.support.no_such_module")
+    with pytest.raises(LedgerProcessGone, match=r"did not start \(exit code 1\): its error is above"):
+        LedgerProcess(PidLedgerRecipe(), broken)
+    assert gone_within(broken.pid, 2.0)

@@ -11,16 +11,18 @@ The contract is the ``Ledger``'s: the same calls, answers and exceptions (``Ledg
 caller thread with a connection of its own (the standard library's managers), so a claim and a commit run
 at once as they did on threads. The child is a fresh interpreter (``python -m`` this module: nothing of the
 worker's threads or its main script), which builds the ledger from a picklable ``factory`` (it opens the
-database, which the worker has already opened and migrated), one child a worker: its start (~1 s of
-imports, beside the model's load) is paid by each. It answers until ``close``, or until the worker's process
-is gone (looked at every ``PARENT_POLL`` seconds): a killed worker's call under way finishes, as if the worker had
-died just after it, and nothing more is done. It ignores SIGINT and SIGTERM,
-which are the worker's (a Ctrl-C'd worker drains, committing through it). A child that died answers no
-call: the call raises ``LedgerProcessGone`` and the worker stops, its messages redelivered.
+database, which the worker has already opened and migrated), one child a worker. Its start (~1 s of
+imports) is paid by each, so the worker starts it first (``LedgerChild``): it imports the factory's module
+while the worker imports its own and opens the database, beside the model's load. It answers until
+``close``, or until the worker's process is gone (looked at every ``PARENT_POLL`` seconds): a killed worker's
+call under way finishes, as if the worker had died just after it, and nothing more is done. It ignores
+SIGINT and SIGTERM, which are the worker's (a Ctrl-C'd worker drains, committing through it). A child that
+died answers no call: the call raises ``LedgerProcessGone`` and the worker stops, its messages redelivered.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
@@ -58,29 +60,57 @@ class _Manager(BaseManager):
 _Manager.register("Ledger", _build, exposed=CALLS)
 
 
-class LedgerProcess:
-    """A ``Ledger`` whose calls are answered by ``factory()``'s ledger in a child process, started here."""
+class LedgerChild:
+    """The ledger's process, started and importing ``preload`` (the module of the factory it will build) while
+    the worker does the rest of its start; ``LedgerProcess`` then has it serve a ledger."""
 
-    def __init__(self, factory: Callable[[], Ledger]):
-        self._folder = tempfile.mkdtemp(prefix="berth-ledger-")
-        self._address = os.path.join(self._folder, "socket")
-        self._authkey = os.urandom(32)
+    def __init__(self, preload: str = ""):
+        self.folder = tempfile.mkdtemp(prefix="berth-ledger-")
+        self.address = os.path.join(self.folder, "socket")
+        self.authkey = os.urandom(32)
         root = logging.getLogger()
         fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else ""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(os.getpid()), self._address,
-             str(logging.getLogger("berth").getEffectiveLevel()), fmt],
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(os.getpid()), self.address,
+             str(logging.getLogger("berth").getEffectiveLevel()), fmt, preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.pid = self.process.pid
+        self.process.stdin.write(self.authkey.hex().encode() + b"\n")
+        self.process.stdin.close()
+
+    def wait_ready(self) -> None:
+        """Until it listens (its imports done)."""
+        if self.process.stdout.closed:
+            return
+        if self.process.stdout.readline().strip() != b"ready":
+            raise LedgerProcessGone(f"the ledger's process {self.pid} did not start (exit code "
+                                    f"{self.process.wait()}): its error is above")
+        self.process.stdout.close()
+
+    def close(self) -> None:
+        """End it, after the calls under way."""
+        if self.process.poll() is None:
+            try:
+                with Client(self.address, authkey=self.authkey) as conn:
+                    dispatch(conn, None, "shutdown")
+                self.process.wait(STOP_WAIT)
+            except (OSError, EOFError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class LedgerProcess:
+    """A ``Ledger`` whose calls are answered by ``factory()``'s ledger in a child process: ``child``, started
+    earlier, or one started here."""
+
+    def __init__(self, factory: Callable[[], Ledger], child: LedgerChild | None = None):
+        self._child = child or LedgerChild(type(factory).__module__)
         self.pid = self._child.pid
         try:
-            self._child.stdin.write(self._authkey.hex().encode() + b"\n")
-            self._child.stdin.close()
-            if self._child.stdout.readline().strip() != b"ready":
-                raise LedgerProcessGone(f"the ledger's process {self.pid} did not start (exit code "
-                                        f"{self._child.wait()}): its error is above")
-            self._child.stdout.close()
-            manager = _Manager(address=self._address, authkey=self._authkey)
+            self._child.wait_ready()
+            manager = _Manager(address=self._child.address, authkey=self._child.authkey)
             manager.connect()
             self._ledger = manager.Ledger(factory)
         except BaseException:
@@ -97,10 +127,11 @@ class LedgerProcess:
                 return method(*args, **kwargs)
             except (EOFError, OSError) as exc:  # a connection broken, refused, its socket file gone
                 try:
-                    self._child.wait(GONE_WAIT)  # a broken connection: the child is gone, or going
+                    self._child.process.wait(GONE_WAIT)  # a broken connection: the child is gone, or going
                 except subprocess.TimeoutExpired:
                     raise exc from None  # the call's own error, raised in the child
-                raise LedgerProcessGone(f"the ledger's process {self.pid} ended (exit code {self._child.returncode}) "
+                raise LedgerProcessGone(f"the ledger's process {self.pid} ended (exit code "
+                                        f"{self._child.process.returncode}) "
                                         "while the worker ran: the worker stops; its unacked requests are "
                                         "redelivered") from exc
 
@@ -109,15 +140,7 @@ class LedgerProcess:
 
     def close(self) -> None:
         """End the child, after the calls under way."""
-        if self._child.poll() is None:
-            try:
-                with Client(self._address, authkey=self._authkey) as conn:
-                    dispatch(conn, None, "shutdown")
-                self._child.wait(STOP_WAIT)
-            except (OSError, EOFError, subprocess.TimeoutExpired):
-                self._child.kill()
-                self._child.wait()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._child.close()
 
 
 def _end_with(parent: int) -> None:
@@ -126,14 +149,17 @@ def _end_with(parent: int) -> None:
     os._exit(0)  # the worker is gone: its unacked messages go to another worker, which redoes what is not committed
 
 
-def _serve(parent: int, address: str, level: int, fmt: str) -> None:
-    """The child: the worker's logging, its signals left to it, an end with it; then serve."""
+def _serve(parent: int, address: str, level: int, fmt: str, preload: str) -> None:
+    """The child: the worker's logging, its signals left to it, an end with it, the factory's module
+    imported; then serve."""
     logging.basicConfig(level=level, format=fmt or None)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_end_with, args=(parent,), name="berth-ledger-parent", daemon=True).start()
     authkey = bytes.fromhex(sys.stdin.readline().strip())
+    if preload:
+        importlib.import_module(preload)
     server = _Manager(address=address, authkey=authkey).get_server()  # listening from here
     sys.stdout.write("ready\n")
     sys.stdout.flush()
@@ -146,4 +172,4 @@ def _serve(parent: int, address: str, level: int, fmt: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    _serve(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
