@@ -4,7 +4,9 @@ random Llama with grouped-query attention and untied embeddings, and prompts cut
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 # torch's OpenMP threads spin up to 300,000 rounds waiting for work (libgomp's default): on a machine
@@ -25,6 +27,26 @@ from tests.support.models import save_tiny_model
 pytest_plugins = ("tests.support.jobs_env", "tests.support.s3_server", "tests.support.rabbitmq", "tests.support.qwen")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The suite runs on several processes (pytest-xdist, the README's test command), which share this machine's
+# PostgreSQL and RabbitMQ. A test marked ``exclusive`` stops one of them: it runs while no other test of any
+# run on this machine does (an exclusive lock on this file), every other test holding it shared.
+SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked ``slow`` first (in their order): the suite's processes take tests as they finish
+    them, and a minute-long test taken last left one process running it alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _services_lock(request):
+    """Set up before the test's other fixtures (autouse first) and released after their teardown, so that a
+    database is neither created nor dropped while PostgreSQL is down for an exclusive test."""
+    with open(SERVICES_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if request.node.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,7 @@ def _listening_sockets() -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.slow
 def test_the_images_warm_up_leaves_a_checked_tokenizer_and_the_kernel_in_the_cache(tmp_path):
     """The Dockerfile derives, at build time, what a start would otherwise derive once (the
     tokenizer's conversion and check, the C kernel): its command must keep working as the code changes."""

@@ -9,9 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_smoke_run_writes_every_part_with_a_status(tmp_path):
     out = tmp_path / "gpu_check.json"
     t0 = time.monotonic()

@@ -39,8 +39,9 @@ from tests.support.paths import ROOT
 from tests.support.processes import free_port, spawn
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian: apt-get install "
-                                "prometheus; the README's test command installs it)")
+pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian: apt-get install "
+                                 "prometheus; the README's test command installs it)"),
+              pytest.mark.slow]  # its servers take tens of seconds to start: the suite starts it first
 
 RULES = ROOT / "deploy" / "prometheus" / "berth-rules.yml"
 SCRAPE = 1  # seconds between scrapes, and between rule evaluations

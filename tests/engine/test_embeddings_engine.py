@@ -146,6 +146,7 @@ def test_mean_pooling_matches_transformers_through_preemptions(tmp_path, smol_to
     assert midway
 
 
+@pytest.mark.slow
 def test_the_default_model_mean_pools_as_transformers(smol_loaded, hf_smol, text_ids):
     engine = Engine(loaded=smol_loaded, kv_memory="64MiB", max_num_batched_tokens=256, dtype="float32", threads=1)
     check_beside_generation(engine, hf_smol.model, text_ids, "mean")  # the causal LM's body: AutoModel's

@@ -59,6 +59,7 @@ def test_n_samples_share_the_prompt_copy_on_write(tiny_loaded, text_ids):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_the_batch(smol_engine, text_ids):
     prompts = cut_prompts(text_ids, [random.Random(i).randint(5, 80) for i in range(64)])
     params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i)

@@ -13,6 +13,7 @@ from tests.support.exactness import check_against_hf, make_prompts
 from worker.engine.engine import Engine
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers(smol_loaded, hf_smol, text_ids):
     engine = Engine(loaded=smol_loaded, kv_memory="512MiB", max_num_batched_tokens=128, block_size=16)
     prompts = make_prompts(text_ids)

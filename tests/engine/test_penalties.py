@@ -133,6 +133,7 @@ def sampled_mix() -> list[SamplingParams]:
             for i, p in enumerate(MIXED)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mix", ["greedy", "sampled"])
 def test_engine_tokens_match_a_reference_loop_also_after_a_resume(engine, hf_smol, text_ids, mix):
     params = MIXED if mix == "greedy" else sampled_mix()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from sqlalchemy import select
 
 from jobs import api
@@ -22,6 +23,7 @@ from worker.checkpoint.format import SEGMENT_PREFIX
 from worker.engine.engine import Engine
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_checkpoints_and_the_next_resumes(tmp_path, tiny_llama_dir, pg_url, queue_prefix, s3_url):
     settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
                              storage_url=s3_url, drain_timeout=0.2)

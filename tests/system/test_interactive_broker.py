@@ -56,6 +56,8 @@ from tests.support.serving import client, key_for, serving
 from worker.config import Settings
 from worker.messaging.topology import Topology
 
+pytestmark = pytest.mark.slow  # tests of tens of seconds: the suite starts them first
+
 DEADLINE = 240.0  # seconds for anything to happen: generous, the machine is loaded; never a sleep
 START = 1200.0  # seconds for a worker process to import torch and load the model, at the lowest priority
 

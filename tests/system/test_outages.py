@@ -125,6 +125,7 @@ def _check_job(settings, job_id: str, requests: Path, lengths: list[int], genera
 
 
 # ---- the database failing, simulated: runs anywhere (the real restart below needs root)
+@pytest.mark.slow
 def test_outcomes_wait_while_the_database_fails(tmp_path, tiny_llama_dir, monkeypatch):
     from jobs.hosting.engine_worker import engine_worker
     from worker.consumer.ledger import LedgerDown
@@ -343,6 +344,7 @@ def _job_on_the_servers(tmp_path, tiny_llama_dir, pg_url, queue_prefix, lengths:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # the service is down a while: no other test may need it
 def test_rabbitmq_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
     _require_service_control("rabbitmqctl", "rabbitmq-server")
     lengths = [300] * 24  # more than the worker's window: most messages wait in the broker through the restart
@@ -399,6 +401,7 @@ def test_rabbitmq_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_pref
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # the service is down a while: no other test may need it
 def test_postgresql_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_prefix):
     _require_service_control("pg_ctlcluster")
     lengths = [300 + 25 * (i % 8) for i in range(16)]  # requests finish at different moments

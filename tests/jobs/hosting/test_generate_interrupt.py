@@ -17,6 +17,8 @@ from jobs.hosting.generate import GenerateInterrupted, generate_file, partial_pa
 from tests.support.terminal import berth_in_a_terminal
 from worker.engine.engine import Engine
 
+pytestmark = pytest.mark.slow  # tests of tens of seconds: the suite starts them first
+
 
 def _requests(path: Path, n: int, max_tokens: int = 24) -> Path:
     with open(path, "w") as f:

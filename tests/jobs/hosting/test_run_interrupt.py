@@ -9,6 +9,8 @@ import json
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from jobs.cli import EXIT_INTERRUPTED
 from tests.support.terminal import berth_in_a_terminal
 
@@ -42,6 +44,7 @@ def _texts(path: Path) -> dict[str, str]:
             for line in map(json.loads, path.read_text().splitlines())}
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_the_job_queued_and_the_same_command_finishes_it(tmp_path):
     src = _requests(tmp_path / "in.jsonl")
     out = tmp_path / "out.jsonl"

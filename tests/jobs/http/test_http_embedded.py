@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 
+import pytest
 from click.testing import CliRunner
 
 from jobs.cli import main
@@ -84,6 +85,7 @@ def _long(i: int) -> dict:
     return line
 
 
+@pytest.mark.slow
 def test_a_running_batch_cancelled_keeps_the_lines_finished_before(tmp_path, tiny_llama_dir, tiny_engine):
     """6 short lines finish at once, 4 long ones run for seconds: cancelled between the two, the batch
     goes cancelling then cancelled, its output holds the 6, its errors the 4 as batch_cancelled; the

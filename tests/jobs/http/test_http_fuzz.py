@@ -32,6 +32,8 @@ from jobs.http.background import Tasks
 from tests.support.jobs_env import TINY_NAME, tiny_settings, write_requests
 from tests.support.serving import client, embedded_settings, key_for, serving
 
+pytestmark = pytest.mark.slow  # tests of tens of seconds: the suite starts them first
+
 MAX_EXAMPLES = 25
 LIVE_EXAMPLES = 30  # per route and mode, against the live engine
 LIVE_CONTEXT = 128  # the live engine's context: no request it runs is longer, whatever its max_tokens

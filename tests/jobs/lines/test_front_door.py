@@ -186,6 +186,7 @@ def short_engine(tiny_llama_dir):
     return Engine(tiny_settings(tiny_llama_dir, max_model_len=96))
 
 
+@pytest.mark.slow
 def test_every_accepted_line_runs_and_every_other_gets_a_line_error(short_engine):
     engine = short_engine
     model = ModelInfo.of_engine(engine)

@@ -54,6 +54,7 @@ def _same(view: dict, shown: dict) -> None:
         assert float(view["eta_seconds"]) == pytest.approx(shown["eta_seconds"], rel=0.5, abs=2.0)
 
 
+@pytest.mark.slow
 def test_psql_on_the_view_says_what_berth_status_says(tmp_path, tiny_llama_dir, tiny_engine, pg_url, queue_prefix):
     settings = tiny_settings(tiny_llama_dir, database_url=pg_url, broker_url=AMQP_URL, queue_prefix=queue_prefix,
                              storage_url=f"file://{tmp_path / 'store'}", prefetch=1)  # one request at a time
