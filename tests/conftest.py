@@ -35,9 +35,11 @@ SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked ``slow`` first (in their order): the suite's processes take tests as they finish
-    them, and a minute-long test taken last left one process running it alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The modules with a test marked ``slow`` first (in their order, each whole, so that a module's fixtures
+    are made once): the suite's processes take tests as they finish them, and a minute-long test taken last
+    left one process running it alone at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(autouse=True)

@@ -64,7 +64,7 @@ class LedgerChild:
     """The ledger's process, started and importing ``preload`` (the module of the factory it will build) while
     the worker does the rest of its start; ``LedgerProcess`` then has it serve a ledger."""
 
-    def __init__(self, preload: str = ""):
+    def __init__(self, preload: str):
         self.folder = tempfile.mkdtemp(prefix="berth-ledger-")
         self.address = os.path.join(self.folder, "socket")
         self.authkey = os.urandom(32)
@@ -158,8 +158,7 @@ def _serve(parent: int, address: str, level: int, fmt: str, preload: str) -> Non
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_end_with, args=(parent,), name="berth-ledger-parent", daemon=True).start()
     authkey = bytes.fromhex(sys.stdin.readline().strip())
-    if preload:
-        importlib.import_module(preload)
+    importlib.import_module(preload)
     server = _Manager(address=address, authkey=authkey).get_server()  # listening from here
     sys.stdout.write("ready\n")
     sys.stdout.flush()
