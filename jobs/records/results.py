@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from jobs.records.db import Database, one_of
 from jobs.records.lifecycle import mark_finalizing
-from jobs.records.models import Job, RequestRow, Result, ResultStatus, now
+from jobs.records.models import Job, JobProgress, RequestRow, Result, ResultStatus, now
 
 
 @dataclass
@@ -83,7 +83,19 @@ def record_outcomes(db: Database, outcomes: list[ResultRecord], worker: str | No
                     finished_budget=jobs.finished_budget + max(0, done.get(job_id, 0) - prompt))
                     .returning(jobs.completed + jobs.failed >= jobs.total)).scalar():
                 complete.append(job_id)  # every request has its outcome now: finalizing, if in progress
+            if worker is not None and completion:
+                move_out_of_flight(connection, worker, job_id, completion)
         return Recorded(new, mark_finalizing(s, complete))
+
+
+def move_out_of_flight(connection, worker: str, job_id: str, completion: int) -> None:
+    """The tokens of requests just recorded leave the worker's in-flight count for their job (``job_progress``,
+    as of its last heartbeat) in the transaction that adds them to the job's: the work done a job's progress
+    and ETA count (``jobs.records.status``) is not counted twice until the worker's next heartbeat."""
+    progress = JobProgress.__table__.c
+    connection.execute(update(JobProgress.__table__)
+                       .where(progress.worker_id == worker, progress.job_id == job_id)
+                       .values(tokens=case((progress.tokens > completion, progress.tokens - completion), else_=0)))
 
 
 def given_back(session: Session, request_ids: set[int]) -> dict[str, int]:

@@ -145,9 +145,12 @@ def test_a_caller_that_leaves_withdraws_its_queued_compile(tmp_path, tiny_llama_
     settings = embedded_settings(tiny_llama_dir, tmp_path)
     pool = compile_pool()
     with serving(settings, engine=tiny_engine) as server:
+        begun = pool.stats.trials
         flood = Flood((server.host, server.port), key_for(settings, "leave-a"), 6)
         try:
-            _until(lambda: pool.queued("leave-a") == 5, "five compiles queued behind the running one")
+            # the running one counted as begun too: a slot takes a job from the queue before it counts it
+            _until(lambda: pool.queued("leave-a") == 5 and pool.stats.trials == begun + 1,
+                   "five compiles queued behind the running one")
             trials = pool.stats.trials
             flood.leave()
             _until(lambda: pool.queued("leave-a") == 0, "the compiles of callers that left withdrawn", timeout=10)
