@@ -70,8 +70,10 @@ def test_a_step_failing_for_one_request_fails_it_alone(engine, tiny_loaded, text
 
 
 def test_an_error_finishing_one_row_fails_that_request_alone(engine, tiny_loaded, text_ids):
+    """The culprit's stop string is looked for after each of its tokens (``stop_checker``, which decodes its
+    tail): the fourth look raises, as a tokenizer's decode might."""
     clean = _clean(tiny_loaded, text_ids)
-    requests = _requests(text_ids)
+    requests = _requests(text_ids, SamplingParams(max_tokens=12, temperature=0, stop=("a stop never written",)))
     original = engine._finish_reason
 
     def finish_reason(seq, token):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import operator
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +44,10 @@ from worker.model.rotary import long_rope, long_rope_from
 from worker.process_clock import seconds_since_start
 
 log = logging.getLogger("berth.engine")
+_FINISHED = SeqStatus.FINISHED
+_DRAFT, _MATCHER = operator.attrgetter("draft"), operator.attrgetter("matcher")
+_PLAIN_GREEDY = operator.attrgetter("request.plain_greedy")
+_SAMPLES = operator.attrgetter("request.params.n")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -404,13 +410,16 @@ class Engine:
             return outputs, None
         try:
             rows, logits = self._sampling_rows(logits, samplers, scheduler)
-            verifying = any(seq.draft for seq in samplers)
+            # per-row questions asked with C-level maps: a step has hundreds of rows
+            verifying = any(map(_DRAFT, samplers))
             offsets = verifier.row_offsets(rows) if verifying else [0] * len(rows)
-            constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+            matchers = list(map(_MATCHER, rows))
+            constrained = [i for i, m in enumerate(matchers) if m is not None] if matchers.count(None) < len(rows) \
+                else []
             ahead = [rows[i].draft[:offsets[i]] for i in constrained] if verifying else None
             mask = (constrained, grammar.fill_bitmask([rows[i].matcher for i in constrained],
                                                       self.grammars.vocab_size, ahead)) if constrained else None
-            plain = mask is None and all(seq.request.plain_greedy for seq in rows)  # no row needs its SampleRow
+            plain = mask is None and all(map(_PLAIN_GREEDY, rows))  # no row needs its SampleRow
             sample_rows = None if plain else [self._sample_row(s, j) for s, j in zip(rows, offsets)]
             draw = self.runner.sample(logits, sample_rows, mask)
         except Exception as exc:
@@ -446,7 +455,7 @@ class Engine:
         if deferred:
             bs = self.block_manager.block_size
             for seq in launched.rows:
-                if seq.is_finished:
+                if seq.status is _FINISHED:
                     self._swapped_kv.pop(seq.seq_id, None)
                 elif len(seq.token_ids) // bs > len(seq.block_hashes) and seq.block_table:
                     self.block_manager.name_resolved(seq)
@@ -479,6 +488,8 @@ class Engine:
     def _sampling_rows(self, logits: torch.Tensor, samplers: list[Sequence],
                        scheduler: Scheduler) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences to sample, in row order (an n > 1 request forks once its prompt is computed)."""
+        if max(map(_SAMPLES, samplers)) == 1:  # no request of n > 1 samples: one row a sequence
+            return samplers, logits
         rows: list[Sequence] = []
         row_of: list[int] = []
         for i, seq in enumerate(samplers):
@@ -493,31 +504,36 @@ class Engine:
         """The sampled tokens join their sequences; ``scheduler`` None: each request's own (``_home``: an
         overlapped step's rows are read a step later, when a request may have moved)."""
         outputs = []
-        now, gaps = time.perf_counter(), self.latencies.between_tokens
-        by_tenant: dict[str, int] = {}
-        since: dict[tuple[bool, float], int] = {}
+        now, requests, max_len = time.perf_counter(), self.requests, self.max_model_len
+        tenants: list[str] = []  # a row's tenant per token: counted at once below
+        lasts: tuple[list[float], list[float]] = ([], [])  # per class, each token's previous token's time
         rotating = self.long_rope_from is not None
         for seq, token, logprob in zip(rows, sampled.token_ids, sampled.logprobs):
             request = seq.request
-            if request.request_id not in self.requests or seq.is_finished:  # failed, aborted, or ended before
+            if seq.status is _FINISHED or request.request_id not in requests:  # ended before, failed or aborted
                 continue
             last, seq.last_token_time = seq.last_token_time, now
-            if last is not None:  # counted by (class, previous token's time): a step's rows mostly share one
-                key = (request.interactive, last)
-                since[key] = since.get(key, 0) + 1
+            if last is not None:
+                lasts[request.interactive].append(last)
             elif request.first_token_time is None:  # a fork's first token is its parent's
                 request.first_token_time = now
                 self.latencies.first_token.append((CLASSES[request.interactive], now - request.arrival_time))
             try:
-                seq.token_ids.append(token)
+                tokens = seq.token_ids
+                tokens.append(token)
                 if seq.counts is not None:
                     seq.counts.add(token)
                 if seq.matcher is not None:
                     grammar.accept(seq.matcher, token, self.grammars.vocab_size)
                 if logprob is not None:
                     seq.logprobs.append({"token_id": token, **logprob})
-                by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + 1
-                seq.finish_reason = self._finish_reason(seq, token)
+                tenants.append(request.tenant)
+                p = request.params
+                length = len(tokens) + seq.inflight
+                # most rows go on: only a stop id, a grammar, stop strings or a length ask ``stop_checker``
+                if (token in request.stop_set or seq.matcher is not None or p.stop
+                        or length - seq.num_prompt_tokens >= p.max_tokens or length >= max_len):
+                    seq.finish_reason = self._finish_reason(seq, token)
                 if seq.finish_reason:
                     (scheduler or self._home(request)).finish(seq)
                     if request.is_finished:
@@ -527,11 +543,13 @@ class Engine:
             except Exception as exc:
                 log.exception("request %s failed while finishing its token", request.request_id)
                 outputs.append(self._fail(request, exc))
-        for tenant, n in by_tenant.items():
-            self.stats.output_tokens += n
-            self.stats.output_tokens_by_tenant[tenant] += n
-        for (interactive, last), n in since.items():
-            gaps[CLASSES[interactive], now - last] += n
+        if tenants:
+            self.stats.output_tokens += len(tenants)
+            self.stats.output_tokens_by_tenant.update(tenants)
+        gaps = self.latencies.between_tokens
+        for interactive, times in enumerate(lasts):
+            for last, n in Counter(times).items():  # a step's rows mostly share their previous token's time
+                gaps[CLASSES[interactive], now - last] += n
         return outputs
 
     def _step_failed(self, scheduled: list[tuple[Sequence, int]], scheduler: Scheduler,

@@ -5,11 +5,15 @@ and SGLang's overlap scheduler do. docs/engine.md, "Overlapped steps", says what
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from worker.engine.model_runner import SampleLaunch
-from worker.engine.request import RequestOutput, Sequence
+from worker.engine.request import RequestOutput, SeqStatus, Sequence
 from worker.engine.scheduler import Scheduler
+
+_FINISHED = SeqStatus.FINISHED
+_MATCHER, _PENALIZED = operator.attrgetter("matcher"), operator.attrgetter("request.params.penalized")
 
 
 @dataclass
@@ -28,19 +32,20 @@ class LaunchedStep:
         """Whether the host may read these tokens after launching the next step: no row needs its token on
         the host before its next draw (a grammar's matcher, a penalty's counts, an n > 1 request forking,
         a longrope model's switch of factors: ``rope_fixed`` False; drafts verified, or to be proposed)."""
-        return rope_fixed and not self.forked and not self.verifying and not self.keep_on_host and all(
-            seq.matcher is None and not seq.request.params.penalized for seq in self.rows)
+        rows = self.rows
+        return (rope_fixed and not self.forked and not self.verifying and not self.keep_on_host
+                and list(map(_MATCHER, rows)).count(None) == len(rows) and not any(map(_PENALIZED, rows)))
 
     def defer(self, max_model_len: int) -> None:
         """Leave the tokens on the device: each row's sequence counts one token in flight, taken from row
         ``inflight_row`` of the draw by the next step's inputs; one that this token ends by length is not
         scheduled again (``Sequence.finishing``)."""
         for i, seq in enumerate(self.rows):
-            if seq.is_finished:
+            if seq.status is _FINISHED:
                 continue
             seq.inflight, seq.inflight_row = 1, i
-            p = seq.request.params
-            seq.finishing = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len
+            length = len(seq.token_ids) + 1  # ``Sequence.num_tokens`` with this token, without the calls
+            seq.finishing = length - seq.num_prompt_tokens >= seq.request.params.max_tokens or length >= max_model_len
 
 
 class StepFailed(Exception):

@@ -18,9 +18,11 @@ committed at allocation anyway and zeroing it costs milliseconds.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import mmap
+import operator
 import os
 from collections.abc import Callable
 
@@ -157,44 +159,67 @@ class ModelRunner:
         """
         bs = self.block_size
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
         samplers: list[Sequence] = []
         logits_rows: list[int] = []
-        num_decode = 0
+        # decode rows: each row's query position and block table (its slot computed from both at once below)
+        decode_starts: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_long: list[int] = []  # rows rotated with a longrope model's long factors
+        prefill_pos: list[int] = []
+        prefill_slots: list[int] = []
         prefill_starts = [0]
-        decode_tables, decode_lens, prefill_tables, prefill_lens = [], [], [], []
+        prefill_tables, prefill_lens = [], []
         pool: PoolRows | None = None
         fill_rows: list[int] = []
         fill_from: list[int] = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
+            tokens = seq.token_ids
+            if n == 1 and not prefill_tables:  # a decode row: nearly every row of a step
+                if start < len(tokens):
+                    ids.append(tokens[start])
+                elif seq.inflight:  # its input is still on the device: copied there
+                    fill_rows.append(len(ids))
+                    fill_from.append(seq.inflight_row)
+                    ids.append(0)
+                else:
+                    ids.append(seq.draft[start - len(tokens)])
+                if seq.long_rope:
+                    decode_long.append(len(decode_starts))
+                decode_starts.append(start)
+                decode_tables.append(seq.block_table)
+                if seq.request.params.embedding is not None:
+                    pool = pool or PoolRows()
+                    pool.add(seq, start, len(ids) - 1, chunk_rows(self.pooling, start, start + 1, seq.num_tokens))
+                elif start + 1 == len(tokens) + seq.inflight:
+                    samplers.append(seq)
+                    logits_rows.append(len(ids) - 1)
+                continue
             end = start + n
-            if seq.inflight and end > len(seq.token_ids):  # its input is still on the device: copied there
+            if seq.inflight and end > len(tokens):  # its input is still on the device: copied there
                 fill_rows.append(len(ids))
                 fill_from.append(seq.inflight_row)
                 ids.append(0)
             else:
-                ids.extend(seq.token_ids[start:end])
-                if end > len(seq.token_ids):  # a draft to verify after its last token (worker.engine.speculative)
-                    ids.extend(seq.draft[:end - len(seq.token_ids)])
-            if (n == 1 or _verifies(seq, n)) and not prefill_tables:
-                # a decode row a token; a verified draft's tokens are decode rows too, each over the cache up to
-                # itself (all of them are written to the cache before attention reads it): the decode kernel
-                # takes them in one call where chunks would each be a prefill call of their own
+                ids.extend(tokens[start:end])
+                if end > len(tokens):  # a draft to verify after its last token (worker.engine.speculative)
+                    ids.extend(seq.draft[:end - len(tokens)])
+            if _verifies(seq, n) and not prefill_tables:
+                # a verified draft's tokens are decode rows too, each over the cache up to itself (all of them
+                # are written to the cache before attention reads it): the decode kernel takes them in one
+                # call where chunks would each be a prefill call of their own
                 for p in range(start, end):
-                    num_decode += 1
+                    if seq.long_rope:
+                        decode_long.append(len(decode_starts))
+                    decode_starts.append(p)
                     decode_tables.append(seq.block_table)
-                    decode_lens.append(p + 1)
-                    pos.append(p + self.long_table_row if seq.long_rope else p)
-                    slots.append(seq.block_table[p // bs] * bs + p % bs)
             else:
                 prefill_tables.append(seq.block_table)
                 prefill_lens.append(end)
                 prefill_starts.append(prefill_starts[-1] + n)
                 p = np.arange(start, end)
-                pos.extend((p + self.long_table_row if seq.long_rope else p).tolist())
-                slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
+                prefill_pos.extend((p + self.long_table_row if seq.long_rope else p).tolist())
+                prefill_slots.extend((np.asarray(seq.block_table)[p // bs] * bs + p % bs).tolist())
             if seq.request.params.embedding is not None:
                 pool = pool or PoolRows()
                 pool.add(seq, start, len(ids) - n, chunk_rows(self.pooling, start, end, seq.num_tokens))
@@ -205,6 +230,19 @@ class ModelRunner:
                 k = len(seq.draft)
                 samplers += [seq] * (k + 1)
                 logits_rows += range(len(ids) - 1 - k, len(ids))
+        num_decode = len(decode_starts)
+        decode_block_tables = _pad(decode_tables)
+        starts = np.array(decode_starts, dtype=np.int64)
+        decode_slots = decode_block_tables[np.arange(num_decode), starts // bs].astype(np.int64) * bs + starts % bs
+        decode_pos = starts
+        if decode_long:
+            decode_pos = starts.copy()
+            decode_pos[decode_long] += self.long_table_row
+        if prefill_tables:
+            pos = np.concatenate([decode_pos, np.array(prefill_pos, dtype=np.int64)])
+            slots = np.concatenate([decode_slots, np.array(prefill_slots, dtype=np.int64)])
+        else:
+            pos, slots = decode_pos, decode_slots
         num_pooled = 0
         if pool is not None and not pool.rows:  # only chunks short of their last token (last-token pooling)
             pool = None
@@ -216,7 +254,7 @@ class ModelRunner:
         step = StepInput(
             input_ids=t(ids, torch.int64), positions=t(pos, torch.int64), slot_mapping=t(slots, torch.int64),
             num_decode=num_decode,
-            decode_block_tables=t(_pad(decode_tables), torch.int32), decode_context_lens=t(decode_lens, torch.int32),
+            decode_block_tables=t(decode_block_tables, torch.int32), decode_context_lens=t(starts + 1, torch.int32),
             prefill_query_start_loc=t(prefill_starts, torch.int32),
             prefill_block_tables=t(_pad(prefill_tables), torch.int32),
             prefill_context_lens=t(prefill_lens, torch.int32), logits_rows=t(logits_rows, torch.int64),
@@ -287,7 +325,7 @@ def _verifies(seq: Sequence, n: int) -> bool:
 
 def decode_rows_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
     """``scheduled`` with the sequences whose tokens are decode rows (one token, or a draft verified) first."""
-    if all(n == 1 for _, n in scheduled):
+    if sum(map(_TOKENS, scheduled)) == len(scheduled):  # every n is 1 (and at least 1)
         return scheduled
     return sorted(scheduled, key=lambda item: not (item[1] == 1 or _verifies(*item)))
 
@@ -333,11 +371,15 @@ def fill_inputs(step: StepInput, previous: torch.Tensor | None) -> None:
         step.input_ids[rows] = previous[source]
 
 
+_TOKENS = operator.itemgetter(1)
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A step's host values as a tensor on ``device``. To a GPU through pinned memory: a copy from pageable
     memory waits for the work queued before it, so an overlapped step's inputs would wait for the step in
     flight; a pinned one is queued and the host goes on."""
-    host = torch.as_tensor(np.asarray(values), dtype=dtype)
+    host = torch.from_numpy(np.asarray(values, dtype=_NUMPY[dtype]))
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -350,10 +392,14 @@ def _moved(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _pad(tables: list[list[int]]) -> np.ndarray:
-    width = max((len(t) for t in tables), default=0) or 1
+    """The block tables as one array, each row padded with zeros to the longest (at least one column)."""
+    if not tables:
+        return np.zeros((0, 1), dtype=np.int32)
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = max(int(lengths.max(initial=0)), 1)
     out = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
+    out[np.arange(width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32,
+                                                          count=int(lengths.sum()))
     return out
 
 

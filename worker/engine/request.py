@@ -9,6 +9,7 @@ engine forks it into ``n`` sequences that share the prompt's blocks (copy-on-wri
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class SamplingParams:
         if len(self.logit_bias) > 300 or not all(-100 <= b <= 100 for _, b in self.logit_bias):
             raise ValueError("logit_bias takes at most 300 token ids, each with a bias in [-100, 100]")
 
-    @property
+    @functools.cached_property  # asked of every row of a step: computed once (the parameters are frozen)
     def penalized(self) -> bool:
         """Whether a row needs the counts of its tokens (repetition, frequency or presence penalty)."""
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1

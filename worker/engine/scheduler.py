@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from worker.engine.fair_share import TokenShares, Turns
 from worker.engine.job_tail import JobLengths
 from worker.engine.request import SeqStatus, Sequence
 from worker.engine.waiting_queue import WaitingQueue
+
+_ADMITTED, _PRIORITY = operator.attrgetter("admitted_order"), operator.attrgetter("request.priority")
 
 
 @dataclass
@@ -148,10 +151,13 @@ class Scheduler:
         self.step_count += 1
         out = SchedulerOutput()
         lanes: dict[bool, dict[str, list[Sequence]]] = {False: {}, True: {}}
-        for seq in sorted(self.running, key=lambda s: (s.priority, -s.admitted_order)):  # best last
+        order = sorted(self.running, key=_ADMITTED, reverse=True)
+        order.sort(key=_PRIORITY)  # stable: by priority, then the latest admitted first; the best last
+        for seq in order:
             if seq.finishing:  # its token in flight ends it: nothing more to compute
                 continue
-            lanes[seq.request.interactive].setdefault(seq.request.tenant, []).append(seq)
+            request = seq.request
+            lanes[request.interactive].setdefault(request.tenant, []).append(seq)
         batch = self._pass(False, lanes[False], out)
         budget = self.max_num_batched_tokens
         if lanes[True] or self.waiting.tenants(True) or any(s.request.interactive for s in self.swapped):

@@ -42,13 +42,14 @@ class EngineStats:
         by_class = [0, 0, 0, 0]  # batch prompt, batch output, interactive prompt, interactive output
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            if n == 1 and start >= seq.num_prompt_tokens and start == seq.num_tokens - 1:  # a decode
+            num_tokens = len(seq.token_ids) + seq.inflight  # Sequence.num_tokens, without a call: every row asks
+            if n == 1 and start == num_tokens - 1 and start >= seq.num_prompt_tokens:  # a decode
                 by_class[2 * seq.request.interactive + 1] += 1
                 continue
             end = start + n
             prompt = max(0, min(end, seq.num_prompt_tokens) - start)
             self.prompt_tokens_computed += prompt
-            self.recomputed_tokens += max(0, min(end, seq.num_tokens - 1) - max(start, seq.num_prompt_tokens))
+            self.recomputed_tokens += max(0, min(end, num_tokens - 1) - max(start, seq.num_prompt_tokens))
             k = 2 * seq.request.interactive
             by_class[k] += prompt
             by_class[k + 1] += n - prompt
