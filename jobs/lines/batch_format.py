@@ -350,12 +350,13 @@ def response_line(line: BatchLine, output: RequestOutput, model_name: str, token
     for c in output.completions:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
                                   "logprobs": _logprobs(c.logprobs, tokenizer, chat)}
+        text = c.text_of(tokenizer)
         if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+            choice["message"] = {"role": "assistant", "content": text}
             if tool_calls is not None:
-                _read_calls(choice, c.text, FORMATS[tool_calls], output.request_id)
+                _read_calls(choice, text, FORMATS[tool_calls], output.request_id)
         else:
-            choice["text"] = c.text
+            choice["text"] = text
         choices.append(choice)
     completion_tokens = output.num_output_tokens
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{output.request_id}",

@@ -336,7 +336,8 @@ class EngineWorker:
                 item = Inflight(claim, Request(str(claim.request_id), list(claim.prompt_token_ids), claim.params,
                                                priority=claim.priority, tenant=claim.tenant,
                                                cache_salt=claim.cache_salt, deadline=claim.deadline,
-                                               job=claim.job_id), delivery, begun=claim.request_id in begun)
+                                               job=claim.job_id, text_later=True), delivery,
+                                       begun=claim.request_id in begun)
                 self.inflight[item.request.request_id] = item
                 if not self.store.begin(item.request, claim.checkpoint):  # else it begins once read (_add_restored)
                     starting.append(item)

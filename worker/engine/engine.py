@@ -625,8 +625,10 @@ class Engine:
         if jobs is not None and request.job is not None:  # its samples' outputs, for its job's later requests
             for seq in request.sequences:
                 jobs.feed(request.tenant, request.job, seq.token_ids, seq.num_prompt_tokens)
-        completions = [Completion(seq.sample_index, seq.output_token_ids, self.final_text(seq), seq.finish_reason,
-                                  seq.logprobs if request.params.logprobs is not None else None)
+        later = request.text_later
+        completions = [Completion(seq.sample_index, seq.output_token_ids, None if later else self.final_text(seq),
+                                  seq.finish_reason, seq.logprobs if request.params.logprobs is not None else None,
+                                  stop_checker.shown_tokens(seq), seq.stop_text_end)
                        for seq in request.sequences]
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
                              num_cached_prompt_tokens=request.cached_prompt_tokens or 0)

@@ -209,6 +209,9 @@ class Request:
     plain_greedy: bool = False  # its draw is its logits' argmax, nothing else: set once by the engine
     started: bool = False  # an engine step has run it (``Engine.on_start`` was told, before that step)
     isolated: bool = False  # stepped apart from every other request until ``Engine.release`` (``Engine.step``)
+    # Its output's text is decoded by its reader (``Completion.text_of``), not by the engine: a worker's batch
+    # requests, whose results the ledger's process writes, decode there, off the engine loop
+    text_later: bool = False
     # A live caller waits on it (a stream): scheduled before batch work, which it may preempt
     # (worker/engine/scheduler.py); never checkpointed, its prefix never published.
     interactive: bool = False
@@ -260,13 +263,23 @@ class Request:
 
 @dataclass
 class Completion:
-    """One finished sample."""
+    """One finished sample. ``text`` None: the text is decoded where it is read (``text_of``), from the
+    first ``shown`` token ids, cut at ``cut`` (``Request.text_later``)."""
 
     index: int
     token_ids: list[int]
-    text: str
+    text: str | None
     finish_reason: str
     logprobs: list[dict] | None = None
+    shown: int = 0
+    cut: int | None = None
+
+    def text_of(self, tokenizer) -> str:
+        """Its text, decoded by ``tokenizer`` (the engine's model's) where the engine left that to its reader."""
+        if self.text is None:
+            text = tokenizer.decode(self.token_ids[:self.shown], skip_special_tokens=True)
+            self.text = text if self.cut is None else text[:self.cut]
+        return self.text
 
 
 @dataclass

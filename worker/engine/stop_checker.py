@@ -42,7 +42,12 @@ def cut_at_stop_string(seq: Sequence, tokenizer) -> bool:
 def final_text(seq: Sequence, tokenizer) -> str:
     """A finished sample's text, as its result shows it: without the stop token that ended it,
     cut where a stop string began."""
-    ids = seq.output_token_ids
-    shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_set else ids
-    text = tokenizer.decode(shown, skip_special_tokens=True)
+    shown = shown_tokens(seq)
+    text = tokenizer.decode(seq.output_token_ids[:shown], skip_special_tokens=True)
     return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+
+
+def shown_tokens(seq: Sequence) -> int:
+    """How many of a finished sample's output tokens its text shows: all but the stop token that ended it."""
+    ids = seq.output_token_ids
+    return len(ids) - 1 if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_set else len(ids)
