@@ -5,7 +5,6 @@ act on before the model loads; exit statuses a script can trust."""
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
@@ -54,24 +53,22 @@ def finished(tmp_path_factory, smol_loaded):
 
 @pytest.mark.parametrize("moment", ["starting", "midway", "late"])
 def test_ctrl_c_keeps_what_was_done_and_resume_finishes_the_same_file(tmp_path, finished, moment):
-    """Ctrl-C in the first second (torch's import), after 3 of 24 lines, and with 4 lines to go."""
+    """Ctrl-C while the model loads, after 3 of 24 lines, and with 4 lines to go. (Sent 0.3 s after the
+    start instead, a run on a busy machine once went on to complete all 24 lines, its Ctrl-C lost: 30 tries
+    beside two busy loops stopped each time, by Python's own handler or berth's.)"""
     src, whole = finished
     out = tmp_path / "out.jsonl"
     partial = partial_path(out)
-    started = time.monotonic()
     done = {"starting": 0, "midway": 3, "late": len(whole) - 4}[moment]
-    when = {"starting": lambda _: time.monotonic() - started > 0.3,  # importing torch, before any line ran
+    when = {"starting": lambda text: "loading model" in text,  # berth's handler in place, no line run yet
             "midway": lambda _: partial.exists() and len(_lines(partial)) >= done,
             "late": lambda _: partial.exists() and len(_lines(partial)) >= done}[moment]
     args = ["generate", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "4"]
     code, text = berth_in_a_terminal(args, [when])
     assert not out.exists() and " completed" not in text, text[-2000:]  # stopped, not swallowed
-    if moment != "starting" or code == EXIT_INTERRUPTED:
-        assert code == EXIT_INTERRUPTED and "Traceback" not in text, text[-2000:]
-        last = text.strip().splitlines()[-1]
-        assert last.startswith("stopped") and "--resume" in last, last
-    else:  # a busy machine's first fraction of a second: Python's own handler, before berth's is in place
-        assert code in (1, -signal.SIGINT), text[-2000:]
+    assert code == EXIT_INTERRUPTED and "Traceback" not in text, text[-2000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("stopped") and "--resume" in last, last
     kept = _answers(_lines(partial)) if partial.exists() else []
     assert set(kept) <= set(whole)  # every finished line kept whole, none made up
     assert len(kept) >= done
