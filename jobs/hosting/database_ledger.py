@@ -237,6 +237,17 @@ class JobsLedger:
     def heartbeat(self, beat: Heartbeat) -> None:
         workers.beat(self.db, beat)
 
+    def warm(self) -> None:
+        """The calls a worker's loop makes first (the tenants it consumes for, its jobs still open, a claim),
+        made once while the worker starts: a connection opened, their statements compiled. The first job's first step
+        waited 80 ms for them (its tenants' queues are looked up once the job is there)."""
+        try:
+            self.live_tenants(self.model_name)
+            self.closed_jobs({""})
+            self.claim([-1], "")  # no such request: its statements compiled, no row changed
+        except LedgerDown:
+            pass  # a database down at the start: the loop waits it out
+
     def close(self) -> None:
         """Nothing of its own to release: the database is the process's (``open_database``)."""
 
@@ -254,7 +265,9 @@ class LedgerRecipe:
     def __call__(self) -> JobsLedger:
         from worker.model.tokenizer import load_tokenizer
 
-        return JobsLedger(self.settings, load_tokenizer(self.model_path), self.model_name, self.eager_tasks)
+        ledger = JobsLedger(self.settings, load_tokenizer(self.model_path), self.model_name, self.eager_tasks)
+        ledger.warm()
+        return ledger
 
 
 def _life(row: RequestRow) -> str | None:

@@ -137,3 +137,31 @@ def test_a_claim_under_way_when_the_worker_stops_has_its_deliveries_handed_back(
     worker.run(until=until)
     assert broker.requeued == [json.dumps(request_body(1, "batch_a")).encode()]
     assert ledger.rows[1].attempts == 0 and ledger.rows[1].outcome is None and not broker.acked
+
+
+def test_a_jobs_first_claimed_requests_step_before_more_deliveries_are_read(ledger, broker):
+    """At a job's start the window's deliveries keep coming while the first claim is answered: the engine, empty
+    until then, steps its first requests before the loop reads more (reading hundreds of them delayed a job's
+    first step by 86 ms on RabbitMQ)."""
+    for i in range(1, 201):
+        ledger.rows[i] = Row("batch_a", params=SamplingParams(max_tokens=2, temperature=0))
+    for i in range(1, 5):
+        broker.publish_request(i, "batch_a")
+    events: list[tuple[str, int]] = []
+    receive = broker.receive
+
+    def logged_receive(limit, timeout):
+        got = receive(limit, timeout)
+        if got:
+            events.append(("read", len(got)))
+            if len(events) == 1:  # the rest of the window arrives while the first claim is under way
+                for i in range(5, 201):
+                    broker.publish_request(i, "batch_a")
+        return got
+
+    broker.receive = logged_receive
+    engine = FakeEngine(Settings(checkpoint_interval=0), on_batch=lambda ids: events.append(("step", len(ids))))
+    worker = make_worker(ledger, broker, engine)
+    worker.broker.window = 1000
+    run_until_done(worker, ledger, range(1, 201))
+    assert events[:3] == [("read", 4), ("step", 4), ("read", 196)], events[:5]

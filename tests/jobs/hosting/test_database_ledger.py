@@ -85,3 +85,15 @@ def test_each_worker_has_a_ledger_process_of_its_own_with_its_relative_files(tmp
         assert (folder / "berth-store").is_dir()
         assert not os.path.exists(f"/proc/{worker.ledger.pid}"), "the ledger's process outlived its worker's run"
     assert len(children) == 2 and os.getpid() not in children
+
+
+def test_warming_the_ledger_changes_no_row(settings, tmp_path):
+    """``warm`` (the worker's first calls, made while it starts) claims no request and counts no delivery."""
+    job_id, ids = _job(settings, tmp_path, 3)
+    db = open_database(settings.database_url)
+    with db.session() as s:
+        before = [(r.attempts, r.holder, r.delivered_at) for r in s.scalars(select(RequestRow).order_by(RequestRow.id))]
+    JobsLedger(settings, None, TINY_NAME, eager_tasks=True).warm()
+    with db.session() as s:
+        after = [(r.attempts, r.holder, r.delivered_at) for r in s.scalars(select(RequestRow).order_by(RequestRow.id))]
+    assert after == before and len(after) == 3
