@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, fields
 
@@ -245,8 +246,8 @@ class JobsLedger:
             self.live_tenants(self.model_name)
             self.closed_jobs({""})
             self.claim([-1], "")  # no such request: its statements compiled, no row changed
-        except LedgerDown:
-            pass  # a database down at the start: the loop waits it out
+        except Exception:  # a database down at the start, say: the loop's own calls say what is wrong
+            log.debug("warming the ledger failed", exc_info=True)
 
     def close(self) -> None:
         """Nothing of its own to release: the database is the process's (``open_database``)."""
@@ -266,7 +267,8 @@ class LedgerRecipe:
         from worker.model.tokenizer import load_tokenizer
 
         ledger = JobsLedger(self.settings, load_tokenizer(self.model_path), self.model_name, self.eager_tasks)
-        ledger.warm()
+        # beside the worker's start, not in it (the worker waits for this ledger): its calls may come meanwhile
+        threading.Thread(target=ledger.warm, name="berth-ledger-warm", daemon=True).start()
         return ledger
 
 

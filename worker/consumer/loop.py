@@ -486,16 +486,17 @@ class EngineWorker:
         self.broker.heartbeat()
         self._act_on_look()
         if self.database.ready() and self.looking is None:
-            beat = None
-            if time.monotonic() >= self._next_beat:
-                self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
-                beat = self._heartbeat()
             if self._looks is None:
                 self._looks = ThreadPoolExecutor(1, thread_name_prefix="berth-look")
             self.looking = self._looks.submit(self._look, {item.claim.job_id for item in self.inflight.values()},
-                                              beat, self.suspects.death_rates_due())
+                                              self.suspects.death_rates_due())
         self._resize_window()
         self.metrics.observe_kv(self.engine)
+        # the heartbeat on the loop, written when due before the caller's ``until`` reads the job: a job's
+        # progress (its running requests' tokens) is as of this moment, not of the look before
+        if time.monotonic() >= self._next_beat and self.database.ready():
+            self._next_beat = time.monotonic() + HEARTBEAT_INTERVAL
+            self._ledger(self.ledger.heartbeat, self._heartbeat())
         if measure_queue:
             depth = self.broker.depth()
             if depth is not None:
@@ -522,15 +523,13 @@ class EngineWorker:
                 by_job[item.claim.job_id] = by_job.get(item.claim.job_id, 0) + tokens
         return by_job
 
-    def _look(self, job_ids: set[str], beat: Heartbeat | None, deaths: bool) -> tuple:
+    def _look(self, job_ids: set[str], deaths: bool) -> tuple:
         """On the look's thread, what a look asks the database (each answer ``DOWN`` while it does not answer):
-        which of ``job_ids`` are closed, the live tenants; and this worker's heartbeat and the workers' deaths,
-        written and read when due. The loop acts on the answers (``_act_on_look``) and steps on meanwhile: on
-        the loop these round trips left the device idle 20-50 ms a second (a simulated H200)."""
+        which of ``job_ids`` are closed, the live tenants, and the workers' deaths when due. The loop acts on
+        the answers (``_act_on_look``) and steps on meanwhile: on the loop these round trips left the device
+        idle 20-50 ms a second (a simulated H200)."""
         closed = self._ledger(self.ledger.closed_jobs, job_ids) if job_ids else set()
         tenants = self._ledger(self.ledger.live_tenants, self.engine.model_name)
-        if beat is not None:
-            self._ledger(self.ledger.heartbeat, beat)
         if deaths:
             self.suspects.read_death_rates()
         return closed, tenants
