@@ -396,7 +396,7 @@ def _pad(tables: list[list[int]]) -> np.ndarray:
     if not tables:
         return np.zeros((0, 1), dtype=np.int32)
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    width = max(int(lengths.max(initial=0)), 1)
+    width = max(int(lengths.max()), 1)
     out = np.zeros((len(tables), width), dtype=np.int32)
     out[np.arange(width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32,
                                                           count=int(lengths.sum()))

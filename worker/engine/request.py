@@ -277,9 +277,14 @@ class Completion:
     def text_of(self, tokenizer) -> str:
         """Its text, decoded by ``tokenizer`` (the engine's model's) where the engine left that to its reader."""
         if self.text is None:
-            text = tokenizer.decode(self.token_ids[:self.shown], skip_special_tokens=True)
-            self.text = text if self.cut is None else text[:self.cut]
+            self.text = shown_text(tokenizer, self.token_ids, self.shown, self.cut)
         return self.text
+
+
+def shown_text(tokenizer, output_ids: list[int], shown: int, cut: int | None) -> str:
+    """A finished sample's text: its first ``shown`` output tokens decoded, cut at ``cut`` (a stop string's start)."""
+    text = tokenizer.decode(output_ids[:shown], skip_special_tokens=True)
+    return text if cut is None else text[:cut]
 
 
 @dataclass

@@ -4,7 +4,7 @@ sample's text as its result shows it."""
 
 from __future__ import annotations
 
-from worker.engine.request import Sequence
+from worker.engine.request import Sequence, shown_text
 
 
 def finish_reason(seq: Sequence, token: int, tokenizer, max_model_len: int) -> str | None:
@@ -42,9 +42,7 @@ def cut_at_stop_string(seq: Sequence, tokenizer) -> bool:
 def final_text(seq: Sequence, tokenizer) -> str:
     """A finished sample's text, as its result shows it: without the stop token that ended it,
     cut where a stop string began."""
-    shown = shown_tokens(seq)
-    text = tokenizer.decode(seq.output_token_ids[:shown], skip_special_tokens=True)
-    return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+    return shown_text(tokenizer, seq.output_token_ids, shown_tokens(seq), seq.stop_text_end)
 
 
 def shown_tokens(seq: Sequence) -> int:
