@@ -36,6 +36,7 @@ from worker.engine.speculative.draft_model import DraftModel, check_same_tokeniz
 from worker.engine.speculative.policy import Drafts, SpeculationPolicy, excess_rows
 from worker.engine.stats import CLASSES, EngineStats, StepLatencies
 from worker.engine.step_pace import StepPace
+from worker.engine.stop_checker import may_finish
 from worker.engine.structured import grammar
 from worker.model.architectures import context_length
 from worker.model.base import LoadedModel
@@ -528,11 +529,7 @@ class Engine:
                 if logprob is not None:
                     seq.logprobs.append({"token_id": token, **logprob})
                 tenants.append(request.tenant)
-                p = request.params
-                length = len(tokens) + seq.inflight
-                # most rows go on: only a stop id, a grammar, stop strings or a length ask ``stop_checker``
-                if (token in request.stop_set or seq.matcher is not None or p.stop
-                        or length - seq.num_prompt_tokens >= p.max_tokens or length >= max_len):
+                if may_finish(seq, token, max_len):
                     seq.finish_reason = self._finish_reason(seq, token)
                 if seq.finish_reason:
                     (scheduler or self._home(request)).finish(seq)

@@ -7,6 +7,17 @@ from __future__ import annotations
 from worker.engine.request import Sequence, shown_text
 
 
+def may_finish(seq: Sequence, token: int, max_model_len: int) -> bool:
+    """Whether ``finish_reason`` can be anything but None for this token: most rows of a step go on, and
+    this asks, cheaply, only what each of its conditions needs (a stop id, a grammar, stop strings, a length).
+    A new stop condition goes in both."""
+    request = seq.request
+    p = request.params
+    length = len(seq.token_ids) + seq.inflight
+    return (token in request.stop_set or seq.matcher is not None or bool(p.stop)
+            or length - seq.num_prompt_tokens >= p.max_tokens or length >= max_model_len)
+
+
 def finish_reason(seq: Sequence, token: int, tokenizer, max_model_len: int) -> str | None:
     p = seq.request.params
     if token in seq.request.stop_set and seq.num_output_tokens > p.min_tokens:
