@@ -1,7 +1,8 @@
 """The periodic chores of the embedded defaults (reconcile, expire, at-risk events, checkpoint collection,
 and the embedded queue's own clean-up), run on a thread of every engine worker where no Celery beat runs.
-``chores(settings)`` gives (period in seconds, function) pairs; each function logs its own errors
-and is safe to run beside the same chore of another worker. Why and how: docs/operations.md.
+``chores(settings)`` gives them (``worker.consumer.housekeeper.Chore``: a period in seconds and a function);
+each function logs its own errors and is safe to run beside the same chore of another worker. Why and how:
+docs/operations.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jobs.pipeline.celery_tasks import (
     make_app,
 )
 from worker.config import Settings
+from worker.consumer.housekeeper import Chore
 from worker.messaging.topology import broker_url, is_embedded
 
 log = logging.getLogger("berth.housekeeping")
@@ -34,23 +36,23 @@ QUEUE_GC_SECONDS = 600.0
 HANDED_OUT_KEEP_SECONDS = 3600.0
 DELETE_BATCH = 10_000  # rows per delete: the queue's one write lock is never held long
 
-Chore = Callable[[], None]
-
-
-def chores(settings: Settings) -> list[tuple[float, Chore]]:
-    """(period in seconds, function) for each chore; none with a broker, where Celery beat runs them."""
+def chores(settings: Settings) -> list[Chore]:
+    """The chores of a worker on the embedded queue; none with a broker, where Celery beat runs them. The
+    reconcile runs once at the worker's start too: the requests of a worker that died on this host (their
+    messages handed out to it, on a queue that never hands them back by itself) run again at once, not a
+    period later."""
     if not is_embedded(settings):
         return []
     tasks = make_app(settings, eager=True).tasks
-    return [(RECONCILE_SECONDS, _logged("reconcile", tasks[RECONCILE])),
-            (EXPIRE_SECONDS, _logged("expire", tasks[EXPIRE])),
-            (AT_RISK_SECONDS, _logged("at_risk", tasks[AT_RISK])),
-            (EXPIRE_FILES_SECONDS, _logged("expire_files", tasks[EXPIRE_FILES])),
-            (CHECKPOINT_GC_PERIOD_SECONDS, _logged("checkpoint_gc", tasks[CHECKPOINT_GC])),
-            (QUEUE_GC_SECONDS, _logged("queue_gc", lambda: delete_handed_out(settings)))]
+    return [Chore(RECONCILE_SECONDS, _logged("reconcile", tasks[RECONCILE]), first=0.0),
+            Chore(EXPIRE_SECONDS, _logged("expire", tasks[EXPIRE])),
+            Chore(AT_RISK_SECONDS, _logged("at_risk", tasks[AT_RISK])),
+            Chore(EXPIRE_FILES_SECONDS, _logged("expire_files", tasks[EXPIRE_FILES])),
+            Chore(CHECKPOINT_GC_PERIOD_SECONDS, _logged("checkpoint_gc", tasks[CHECKPOINT_GC])),
+            Chore(QUEUE_GC_SECONDS, _logged("queue_gc", lambda: delete_handed_out(settings)))]
 
 
-def _logged(name: str, work: Callable[[], object]) -> Chore:
+def _logged(name: str, work: Callable[[], object]) -> Callable[[], None]:
     failing = False
 
     def chore() -> None:

@@ -1,6 +1,7 @@
 """Periodic chores beside the engine loop, on a thread of their own: on the embedded defaults the
 worker itself reconciles, expires jobs and collects checkpoints (with servers, Celery beat does).
-Each chore is (period in seconds, function); a chore that raises is logged and runs again next time."""
+Each chore runs every ``period`` seconds, first ``first`` seconds after the start (a period unless said);
+a chore that raises is logged and runs again next time."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 log = logging.getLogger("berth.worker")
 
-Chore = tuple[float, Callable[[], None]]
+class Chore(NamedTuple):
+    period: float  # seconds between runs
+    run: Callable[[], None]
+    first: float | None = None  # seconds from the start to its first run (None: a period)
 
 
 class Housekeeper:
@@ -26,10 +31,11 @@ class Housekeeper:
             self._thread.start()
 
     def _run(self) -> None:
-        due = [time.monotonic() + period for period, _ in self.chores]
+        start = time.monotonic()
+        due = [start + (c.period if c.first is None else c.first) for c in self.chores]
         while not self._stop.is_set():
             now = time.monotonic()
-            for i, (period, chore) in enumerate(self.chores):
+            for i, (period, chore, _) in enumerate(self.chores):
                 if now >= due[i]:
                     due[i] = now + period
                     try:

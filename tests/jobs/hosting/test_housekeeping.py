@@ -27,7 +27,7 @@ from worker.messaging.topology import Topology, broker_url, connect
 
 
 def _chore(settings, name):
-    [chore] = [fn for _, fn in chores(settings) if fn.__name__ == name]
+    [chore] = [c.run for c in chores(settings) if c.run.__name__ == name]
     return chore
 
 
@@ -40,12 +40,13 @@ def _queue_rows(settings) -> list[tuple[int, int, str | None]]:
 def test_chores_run_on_the_embedded_queue_only(tmp_path, tiny_llama_dir):
     assert chores(tiny_settings(tiny_llama_dir, broker_url=AMQP_URL, database_url="postgresql://x/y")) == []
     embedded = chores(embedded_settings(tiny_llama_dir, tmp_path))
-    periods = {fn.__name__: period for period, fn in embedded}
+    periods = {c.run.__name__: c.period for c in embedded}
     assert set(periods) == {"reconcile", "expire", "at_risk", "expire_files", "checkpoint_gc", "queue_gc"}
     assert periods["reconcile"] <= 10 and periods["expire"] <= 10 and periods["at_risk"] <= 10
     assert periods["checkpoint_gc"] == 600
-    for _, chore in embedded:  # nothing to do, nothing raised
-        chore()
+    assert [c.run.__name__ for c in embedded if c.first == 0] == ["reconcile"]  # the others wait a period
+    for chore in embedded:  # nothing to do, nothing raised
+        chore.run()
 
 
 def test_a_request_held_by_a_dead_worker_is_published_again_once(tmp_path, tiny_llama_dir):
@@ -75,6 +76,29 @@ def test_a_request_held_by_a_dead_worker_is_published_again_once(tmp_path, tiny_
     assert len(_queue_rows(settings)) == 4
     reconcile()  # the same delivery: not again
     assert published() == after and len(_queue_rows(settings)) == 4
+
+
+def test_a_worker_started_after_a_dead_one_republishes_its_requests_at_once(tmp_path, tiny_llama_dir):
+    """The reconcile runs as the housekeeper starts, not a period later: a killed `berth worker` started again
+    takes up what the dead one held within its start-up (5 s after it, before)."""
+    from worker.consumer.housekeeper import Housekeeper
+
+    settings = embedded_settings(tiny_llama_dir, tmp_path)
+    job = api.submit(write_requests(tmp_path / "requests.jsonl", 1), settings)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open_database(settings.database_url).session() as s, s.begin():
+        s.execute(update(RequestRow).where(RequestRow.job_id == job.id)
+                  .values(holder=f"{socket.gethostname()}:{dead.pid}", delivered_at=now(), attempts=1))
+    keeper = Housekeeper(chores(settings))
+    started = time.monotonic()
+    keeper.start()
+    try:
+        while len(_queue_rows(settings)) < 2:
+            assert time.monotonic() - started < 2.5, "the dead worker's request waited for the reconcile's period"
+            time.sleep(0.05)
+    finally:
+        keeper.stop()
 
 
 def test_a_job_past_its_window_expires_through_the_chores(tmp_path, tiny_llama_dir):
