@@ -16,6 +16,9 @@ from pathlib import Path
 # OMP_WAIT_POLICY=PASSIVE; 41 s, 44 s and 52 s with the cores free. Read by libgomp when torch loads
 # it, so before the first torch import; the engine workers the tests start inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# rabbitmqctl boots an Erlang VM whose schedulers, one a core, spin waiting for work: beside two busy loops
+# on 2 cores a call took 3-9 s, 1.0-1.2 s on one scheduler that does not spin (0.3 s either way when idle).
+os.environ.setdefault("RABBITMQ_CTL_ERL_ARGS", "+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none")
 
 import pytest
 import torch
@@ -67,11 +70,32 @@ def smol_loaded(smol_path):
 
 @pytest.fixture(scope="session")
 def hf_smol(smol_path):
-    """transformers' own reading of the GGUF file: an independent check of our loader."""
-    from transformers import AutoModelForCausalLM
+    """transformers' own reading of the GGUF file: an independent check of our loader. Its reading takes
+    16 s of CPU (gguf-py's field parsing), so the weights and config it read are kept, once per GGUF file
+    and transformers version, for the suite's other processes and runs (transformers will not save a model
+    it read from GGUF: its state dict and config are kept instead)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     p = Path(smol_path)
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    stat = p.stat()
+    folder = Path(tempfile.gettempdir()) / "berth-tests-hf"
+    folder.mkdir(exist_ok=True)
+    kept = folder / f"{p.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}.pt"
+    with open(f"{kept}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process reads the GGUF file, the others wait and load what it kept
+        if not kept.exists():
+            hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+            config = hf.config.to_dict()
+            config.pop("quantization_config", None)
+            torch.save({"config": config, "state": hf.state_dict()}, f"{kept}.partial")
+            os.replace(f"{kept}.partial", kept)
+    saved = torch.load(kept, weights_only=True)
+    with no_init_weights():  # its weights are all in the state dict: no random draw first (3.5 s)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**saved["config"]), dtype=torch.float32)
+    hf.load_state_dict(saved["state"])
+    return hf.eval()
 
 
 @pytest.fixture(scope="session")
