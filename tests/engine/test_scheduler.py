@@ -93,6 +93,17 @@ def test_scheduler_invariants_with_tenants(requests, block_size, budget, max_seq
     simulate(requests, -(-longest // block_size) + 2, block_size, budget, max_seqs, mode, 8, weights)
 
 
+def test_two_prompts_too_long_to_share_the_cache_finish_one_after_the_other():
+    """Found by hypothesis: 65- and 49-token prompts of two tenants in 7 blocks of 16 with a step of 14
+    tokens. Each time one was preempted, its tenant's turn came first the next step and readmitted it
+    from the prefix cache into the blocks the other, still running, needed: the running one preempted
+    itself, and the two took turns for ever. A new sequence leaves the running ones their room."""
+    requests = [(0, 1, 1, 0, "A"), (0, 1, 1, 0, "B"), (0, 65, 1, 0, "A"), (0, 49, 1, 0, "B"), (0, 1, 1, 0, "C")]
+    sched = simulate(requests, num_blocks=7, block_size=16, budget=14, max_seqs=2, mode="recompute",
+                     shared_prefix=8)
+    assert sched.step_count < 30 and sched.num_preemptions <= 2
+
+
 def test_tight_cache_preempts_lowest_priority_latest_first():
     requests = [(0, 40, 30, 0), (0, 40, 30, 1), (1, 40, 30, 0)]
     sched = simulate(requests, num_blocks=12, block_size=8, budget=64, max_seqs=8, mode="recompute",

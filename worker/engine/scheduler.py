@@ -318,9 +318,9 @@ class Scheduler:
         if interactive:
             if not self._room_for_interactive(step, seat):
                 return 0
-            if not self._room_for_interactive(step, lambda: self.bm.allocate(seq, n, hits)):
+            if not self._room_for_interactive(step, lambda: self._admit(seq, n, hits, step)):
                 return 0
-        elif not self.bm.allocate(seq, n, hits, step.keep_free):
+        elif not self._admit(seq, n, hits, step):
             return 0
         self.waiting.remove(seq)
         cached = len(hits) * self.bm.block_size
@@ -332,13 +332,41 @@ class Scheduler:
         self._run(seq, n, step)
         return n
 
+    def _admit(self, seq: Sequence, n: int, hits: list[int], step: _Step) -> bool:
+        """Room for a waiting sequence's first ``n`` tokens that leaves ``_held_for_running``'s blocks."""
+        keep, bound = step.keep_free, self._running_bound(step)
+        return ((bound and self.bm.allocate(seq, n, hits, keep + bound))  # the common case: no count needed
+                or self.bm.allocate(seq, n, hits, keep + self._held_for_running(step)))
+
+    def _running_bound(self, step: _Step) -> int:
+        """At most what ``_held_for_running`` holds: a block boundary each, and the budget's tokens."""
+        unserved = sum(map(len, step.queues.values()))
+        return unserved and unserved + -(-step.budget // self.bm.block_size)
+
+    def _held_for_running(self, step: _Step) -> int:
+        """Blocks the class's running sequences not yet served in full this step need for what they ask,
+        up to the step's budget, which a sequence admitted or swapped in leaves them. Running work is
+        served before new work (as in vLLM) though tenants' turns interleave the two: a sequence
+        admitted in one tenant's turn that took the blocks a running one of another tenant needs would
+        make that one preempt itself, and two prompts too long to share the cache, each readmitted from
+        the prefix cache as the other is preempted, would take turns for ever."""
+        if not (bound := self._running_bound(step)):
+            return 0
+        bs, partly, budget, held = self.bm.block_size, step.partly, step.budget, 0
+        for queue in step.queues.values():
+            for seq in queue:
+                given = seq.num_computed_tokens + partly.get(seq, 0)
+                wanted = min(seq.num_tokens + len(seq.draft) - given, budget)
+                held += max(0, -(-(given + wanted) // bs) - len(seq.block_table))
+        return min(held, bound)
+
     def _swap_in(self, seq: Sequence, limit: int, step: _Step) -> int:
-        computed = seq.num_computed_tokens
-        blocks = self.bm.swap_in(seq, computed, step.keep_free)
+        computed, keep = seq.num_computed_tokens, step.keep_free + self._held_for_running(step)
+        blocks = self.bm.swap_in(seq, computed, keep)
         if blocks is None:
             return 0
         n = min(seq.num_tokens - computed, limit)
-        if not self.bm.allocate(seq, n, (), step.keep_free):
+        if not self.bm.allocate(seq, n, (), keep):
             self.bm.free_sequence(seq)
             seq.num_computed_tokens = computed
             return 0
