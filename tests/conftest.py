@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.support.models import save_tiny_model
+from tests.support.services_lock import SERVICELESS, SERVICES_LOCK
 
 # Fixtures shared by test folders: the jobs tests' databases and queue prefixes, an S3 server, RabbitMQ
 # users, a tiny Qwen3 that calls tools.
@@ -31,10 +32,6 @@ pytest_plugins = ("tests.support.jobs_env", "tests.support.s3_server", "tests.su
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# The suite runs on several processes (pytest-xdist, the README's test command), which share this machine's
-# PostgreSQL and RabbitMQ. A test marked ``exclusive`` stops one of them: it runs while no other test of any
-# run on this machine does (an exclusive lock on this file), every other test holding it shared.
-SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
 
 
 def pytest_collection_modifyitems(items):
@@ -48,9 +45,14 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _services_lock(request):
     """Set up before the test's other fixtures (autouse first) and released after their teardown, so that a
-    database is neither created nor dropped while PostgreSQL is down for an exclusive test."""
+    database is neither created nor dropped while PostgreSQL is down for an exclusive test; none for the tests
+    of the folders that use no shared service (``tests.support.services_lock``)."""
+    exclusive = request.node.get_closest_marker("exclusive")
+    if not exclusive and request.node.path.relative_to(Path(__file__).parent).parts[0] in SERVICELESS:
+        yield
+        return
     with open(SERVICES_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if request.node.get_closest_marker("exclusive") else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
 
 
