@@ -31,7 +31,6 @@ from tests.support.services_lock import SERVICELESS, SERVICES_LOCK
 pytest_plugins = ("tests.support.jobs_env", "tests.support.s3_server", "tests.support.rabbitmq", "tests.support.qwen")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-TESTS = Path(__file__).parent
 
 
 
@@ -49,7 +48,7 @@ def _services_lock(request):
     database is neither created nor dropped while PostgreSQL is down for an exclusive test; none for the tests
     of the folders that use no shared service (``tests.support.services_lock``)."""
     exclusive = request.node.get_closest_marker("exclusive")
-    if not exclusive and any(request.node.path.is_relative_to(TESTS / folder) for folder in SERVICELESS):
+    if not exclusive and any(request.node.path.resolve().is_relative_to(folder) for folder in SERVICELESS):
         yield
         return
     with open(SERVICES_LOCK, "a") as lock:

@@ -4,11 +4,10 @@ service: while an exclusive test has PostgreSQL or RabbitMQ down, they run on be
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+from tests.support.paths import ROOT
 from tests.support.services_lock import SERVICELESS
 
-TESTS = Path(__file__).parent
 # the fixtures that hand out the shared services, their addresses, and the modules that reach them
 SERVICE = re.compile(r"\b(pg_url|queue_prefix|any_settings|broker_users|s3_endpoint|s3_url|AMQP_URL|PG_ADMIN_URL)\b"
                      r"|postgresql(\+\w+)?://|amqp://|:5432\b|:5672\b|tests\.support\.(rabbitmq|s3_server)")
@@ -26,6 +25,6 @@ def test_a_service_is_found_where_a_test_names_one():
 
 
 def test_the_folders_without_the_services_lock_name_no_service():
-    named = {str(path.relative_to(TESTS)): found for folder in SERVICELESS for path in (TESTS / folder).rglob("*.py")
+    named = {str(path.relative_to(ROOT)): found for folder in SERVICELESS for path in folder.rglob("*.py")
              if (found := services_named(path.read_text()))}
     assert not named, f"these tests use a shared service: take their folder out of SERVICELESS or move them: {named}"

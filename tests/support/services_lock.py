@@ -10,5 +10,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from tests.support.paths import ROOT
+
 SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
-SERVICELESS = ("engine", "model", "kernels")  # folders of tests/
+SERVICELESS = tuple(ROOT / "tests" / folder for folder in ("engine", "model", "kernels"))
