@@ -81,8 +81,17 @@ class Worker:
                     return
             except OSError:  # its metrics are not served yet
                 pass
-            assert time.monotonic() < deadline, f"{what} did not happen in {timeout:.0f}s:\n{_tail(self.log_path)}"
+            assert time.monotonic() < deadline, (f"{what} did not happen in {timeout:.0f}s ({self._state()}):\n"
+                                                 f"{_tail(self.log_path)}")
             time.sleep(0.05)
+
+    def _state(self) -> str:
+        """The metrics a failed wait is read against, as the worker says them now."""
+        try:
+            return ", ".join(f"{name} {self.metric(name):g}" for name in (
+                "berth_output_tokens_total", "berth_outcomes_waiting", "berth_database_up", "berth_broker_up"))
+        except OSError as exc:
+            return f"its metrics do not answer: {exc}"
 
     def tokens(self) -> float:
         return self.metric("berth_output_tokens_total")
@@ -410,12 +419,19 @@ def test_postgresql_restarted_mid_job(tmp_path, tiny_llama_dir, pg_url, queue_pr
     try:
         worker.run_until(0.25 * total)
         assert results_counts(db)[0] < len(lengths), "the job ended before the outage: make the requests longer"
+        # The worker holds still while PostgreSQL stops (a shutdown checkpoint: seconds on a busy machine, in
+        # which the worker finished all it held and made no token after it noticed; a CI run failed so), and
+        # resumes with the database gone and the same work left: its tokens from then on are the outage's.
+        worker.proc.send_signal(signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            stopped = _pg_ctl("stop")
+            try:
+                stopped = _pg_ctl("stop")
+            finally:
+                worker.proc.send_signal(signal.SIGCONT)
             assert stopped.returncode == 0, stopped.stderr
-            worker.wait("the worker reporting the database down", lambda: worker.metric("berth_database_up") == 0)
             down_at = worker.tokens()
+            worker.wait("the worker reporting the database down", lambda: worker.metric("berth_database_up") == 0)
             # outcomes wait (some may have finished before the outage, still with the committer), and the
             # engine keeps stepping meanwhile
             worker.wait("requests finishing while the database is down",

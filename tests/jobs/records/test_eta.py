@@ -43,7 +43,11 @@ def test_the_eta_at_a_quarter_and_half_of_a_jobs_time(tmp_path, monkeypatch, tin
         # readings come a second apart: on a fast CPU a job of 6 s has none closer than that to its 25%
         assert abs(at - moment) < max(0.15 * (end - start), 1.5), "no reading near that moment (one a second)"
         left = end - at
-        assert abs(eta - left) <= within * left, f"at {share:.0%}: ETA {eta:.1f} s, {left:.1f} s left in fact"
+        # plus a heartbeat: the running requests' tokens are as of their worker's last one, so a reading just
+        # before the next counts up to a heartbeat's work as still to do (a CI run: ETA 3.2 s with 2.3 s left,
+        # 0.03 s past 40%, beside another process's tests)
+        allowed = within * left + loop.HEARTBEAT_INTERVAL
+        assert abs(eta - left) <= allowed, f"at {share:.0%}: ETA {eta:.1f} s, {left:.1f} s left in fact"
         if seats == 256 and share == 0.25:  # the finding: requests done a second say far more
             assert by_requests > 3 * left, f"the regime of the finding: requests alone said {by_requests:.1f} s"
 
