@@ -218,9 +218,9 @@ def test_with_the_real_engine_a_death_at_any_step_is_charged_to_what_that_step_r
     engine = Engine(loaded=tiny_loaded, kv_memory="64MiB", max_num_seqs=8)
     steps, prepare = [], engine.runner.prepare
 
-    def watched(scheduled):
+    def watched(scheduled, tables=None):
         steps.append(({int(seq.request.request_id) for seq, _ in scheduled}, ledger.running(worker.name)))
-        return prepare(scheduled)
+        return prepare(scheduled, tables)
 
     engine.runner.prepare = watched
     engine.model_name = "m"

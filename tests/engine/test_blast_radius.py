@@ -57,11 +57,11 @@ def test_a_step_failing_for_one_request_fails_it_alone(engine, tiny_loaded, text
     culprit = requests[3]
     original = engine.runner.prepare
 
-    def prepare(scheduled):  # the culprit's presence makes the step raise, as a kernel would
+    def prepare(scheduled, tables=None):  # the culprit's presence makes the step raise, as a kernel would
         for seq, _ in scheduled:
             if seq.request is culprit and (when == "prefill" or seq.num_output_tokens >= 3):
                 raise RuntimeError("injected fault")
-        return original(scheduled)
+        return original(scheduled, tables)
 
     engine.runner.prepare = prepare
     done = _run(engine, requests)

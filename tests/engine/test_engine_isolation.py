@@ -21,9 +21,9 @@ def _watch(engine: Engine) -> list[set[str]]:
     """The request ids of each step the model runs."""
     steps, original = [], engine.runner.prepare
 
-    def prepare(scheduled):
+    def prepare(scheduled, tables=None):
         steps.append({seq.request.request_id for seq, _ in scheduled})
-        return original(scheduled)
+        return original(scheduled, tables)
 
     engine.runner.prepare = prepare
     return steps

@@ -17,10 +17,10 @@ from worker.engine.model_runner import ModelRunner
 def install(killer: list[int]) -> None:
     prepare = ModelRunner.prepare
 
-    def prepare_or_die(self, scheduled):
+    def prepare_or_die(self, scheduled, tables=None):
         if any(list(seq.request.prompt_token_ids) == killer for seq, _ in scheduled):
             os._exit(139)
-        return prepare(self, scheduled)
+        return prepare(self, scheduled, tables)
 
     ModelRunner.prepare = prepare_or_die
 

@@ -389,7 +389,7 @@ class Engine:
                 self.on_start(list(dict.fromkeys(r.request_id for r in fresh)))
         scheduled = decode_rows_first(plan.scheduled)
         try:
-            step_input, samplers, pool = self.runner.prepare(scheduled)
+            step_input, samplers, pool = self.runner.prepare(scheduled, self.block_manager.tables)
             if previous is not None:
                 fill_inputs(step_input, previous.draw.tokens)
             t0 = time.perf_counter()
@@ -657,15 +657,10 @@ class Engine:
     # ---- observability
     def kv_usage(self) -> dict:
         """Blocks used and free, and the share of used blocks' slots that hold a computed token."""
-        bs = self.block_manager.block_size
-        filled: dict[int, int] = {}
-        for seq in (*self.scheduler.running, *self.isolation.apart.running):
-            for i, b in enumerate(seq.block_table):
-                filled[b] = max(filled.get(b, 0), min(bs, seq.num_computed_tokens - i * bs))
-        used = self.block_manager.num_used_blocks
-        return {"blocks_used": used, "blocks_free": self.block_manager.num_free_blocks,
-                "blocks_total": self.block_manager.num_blocks, "kv_bytes": self.runner.kv_bytes,
-                "slot_utilization": sum(filled.values()) / (len(filled) * bs) if filled else 1.0}
+        bm = self.block_manager
+        return {"blocks_used": bm.num_used_blocks, "blocks_free": bm.num_free_blocks,
+                "blocks_total": bm.num_blocks, "kv_bytes": self.runner.kv_bytes,
+                "slot_utilization": bm.slot_utilization([*self.scheduler.running, *self.isolation.apart.running])}
 
 
 def _fit_drafts(drafts: Drafts, plan: SchedulerOutput, blocks: BlockManager) -> None:

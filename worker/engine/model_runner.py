@@ -150,12 +150,15 @@ class ModelRunner:
         return cpu_elementwise.load(cache_dir("kernels"))
 
     # ---- the step
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInput, list[Sequence], PoolRows | None]:
+    def prepare(self, scheduled: list[tuple[Sequence, int]],
+                tables: np.ndarray | None = None) -> tuple[StepInput, list[Sequence], PoolRows | None]:
         """Tensors for one forward pass, the sequences whose next token it yields (in row order), and
         the rows embeddings inputs pool (None when the step has none: the generation path as ever).
 
         ``scheduled`` must list single-token sequences and those verifying a draft first (the engine sorts it
-        so: ``decode_rows_first``).
+        so: ``decode_rows_first``). ``tables``: the block tables' mirror of the sequences' ``BlockManager``
+        (``BlockManager.tables``), from which the decode rows' tables are gathered; without it (or for a
+        sequence without a row there) they are padded from the lists.
         """
         bs = self.block_size
         ids: list[int] = []
@@ -164,6 +167,7 @@ class ModelRunner:
         # decode rows: each row's query position and block table (its slot computed from both at once below)
         decode_starts: list[int] = []
         decode_tables: list[list[int]] = []
+        decode_rows: list[int] = []  # each decode row's row of ``tables``
         decode_long: list[int] = []  # rows rotated with a longrope model's long factors
         prefill_pos: list[int] = []
         prefill_slots: list[int] = []
@@ -187,6 +191,7 @@ class ModelRunner:
                 if seq.long_rope:
                     decode_long.append(len(decode_starts))
                 decode_starts.append(start)
+                decode_rows.append(seq.table_row)
                 decode_tables.append(seq.block_table)
                 if seq.request.params.embedding is not None:
                     pool = pool or PoolRows()
@@ -212,6 +217,7 @@ class ModelRunner:
                     if seq.long_rope:
                         decode_long.append(len(decode_starts))
                     decode_starts.append(p)
+                    decode_rows.append(seq.table_row)
                     decode_tables.append(seq.block_table)
             else:
                 prefill_tables.append(seq.block_table)
@@ -231,8 +237,9 @@ class ModelRunner:
                 samplers += [seq] * (k + 1)
                 logits_rows += range(len(ids) - 1 - k, len(ids))
         num_decode = len(decode_starts)
-        decode_block_tables = _pad(decode_tables)
         starts = np.array(decode_starts, dtype=np.int64)
+        decode_block_tables = _gather(tables, decode_rows, starts, bs) if tables is not None and num_decode \
+            and min(decode_rows) >= 0 else _pad(decode_tables)
         decode_slots = decode_block_tables[np.arange(num_decode), starts // bs].astype(np.int64) * bs + starts % bs
         decode_pos = starts
         if decode_long:
@@ -389,6 +396,12 @@ def _moved(blocks: torch.Tensor) -> torch.Tensor:
     """KV blocks as the block moves copy them: a quantized cache's rows as bytes (the int8 format's
     are already; PyTorch has few float8 kernels, and on the CPU no indexed copy of float8)."""
     return blocks.view(torch.uint8) if kv_quant.is_quantized(blocks) else blocks
+
+
+def _gather(tables: np.ndarray, rows: list[int], starts: np.ndarray, block_size: int) -> np.ndarray:
+    """The decode rows' block tables from the mirror (``BlockManager.tables``), as wide as the longest context
+    among them needs (the columns past a row's context are never read)."""
+    return tables[rows, :int(starts.max()) // block_size + 1]
 
 
 def _pad(tables: list[list[int]]) -> np.ndarray:

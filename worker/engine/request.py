@@ -146,6 +146,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    table_row: int = -1  # its row of its BlockManager's ``tables`` (the block table's mirror), -1 while it holds none
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     status: SeqStatus = SeqStatus.WAITING
     admitted_order: int = -1  # when it last became running (preemption takes the latest first)

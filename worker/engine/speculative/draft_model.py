@@ -114,7 +114,7 @@ class DraftModel:
     def _step(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """One model call over the shadows' next tokens; each shadow's argmax joins its tokens."""
         scheduled = decode_rows_first(scheduled)  # as the runner wants
-        step, samplers, _ = self.runner.prepare(scheduled)
+        step, samplers, _ = self.runner.prepare(scheduled, self.blocks.tables)
         logits, _ = self.runner.execute(step)
         for shadow, n in scheduled:
             shadow.num_computed_tokens += n
