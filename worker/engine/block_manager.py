@@ -201,9 +201,9 @@ class BlockManager:
                     self.block_hash[b] = None
                 self.free[b] = None
                 self.free.move_to_end(b, last=False)
-        if keep < len(seq.block_table):
+        if keep < len(seq.block_table) and seq.table_row >= 0:
             self.tables[seq.table_row, keep:len(seq.block_table)] = 0
-            del seq.block_table[keep:]
+        del seq.block_table[keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent``; the first write to a shared block copies it."""
@@ -249,11 +249,11 @@ class BlockManager:
         if row < 0:
             row = seq.table_row = self._free_rows.pop() if self._free_rows else self._new_row()
             start = 0
-        if len(table) > self.tables.shape[1]:
-            wider = np.zeros((self.tables.shape[0], max(len(table), 2 * self.tables.shape[1])), dtype=np.int32)
-            wider[:, :self.tables.shape[1]] = self.tables
+        width = self.tables.shape[1]
+        if len(table) > width:
+            wider = np.zeros((self.tables.shape[0], max(len(table), 2 * width)), dtype=np.int32)
+            wider[:, :width] = self.tables
             self.tables = wider
-        start = max(start, 0)
         self.tables[row, start:len(table)] = table[start:]
 
     def _new_row(self) -> int:
