@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from jobs.records.job_status import JobStatus
 from worker.config import ConfigError, Settings, default_text, flag_group, flag_names, flag_takes_text
+from worker.frozen_heap import start_up
 
 # The flags of settings: each is made from its field in worker.config (names, type, help, the default it
 # shows), where the setting is described; only which commands take which group of them is said here.
@@ -148,6 +149,7 @@ def generate(input_file, output, errors, quiet, resume, fail_on_line_errors, **f
 
 
 def _generate(input_file, output, errors, quiet, resume, fail_on_line_errors, flags, stop) -> None:
+    start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
     configure_logging(quiet)
     settings = settings_from(flags)
     from jobs.lines.validate import InputError, check_output
@@ -510,6 +512,7 @@ def worker(**flags):
     configure_logging()
     settings = settings_from(flags)
     if not settings.respawn:  # a --respawn child imports nothing: no import to fault the heap in beside
+        start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
         prefault_heap(settings)  # beside torch's import, which follows
     from jobs.hosting.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
 
@@ -525,6 +528,7 @@ def run_worker(settings, ready) -> int:
     """Build the worker, say it is ready, run it; its exit status (``berth worker``, and each ``--respawn`` child)."""
     from jobs.hosting.engine_worker import engine_worker
 
+    start_up()  # a --respawn child's model load too
     try:
         with user_errors():
             built = engine_worker(settings)
@@ -617,6 +621,7 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, new_job, **flags
     """Submit, run and fetch a job in this process (no servers on the default settings). Ctrl-C stops
     it (up to drain_timeout to finish the running requests; again to stop at once) and leaves the
     job queued; the same `berth run` goes on with it."""
+    start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
     configure_logging(quiet)
     from jobs import api
     from jobs.records.progress import JobProgress

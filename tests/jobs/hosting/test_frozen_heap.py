@@ -1,7 +1,8 @@
 """The heap as a run starts is frozen for the run (``worker.frozen_heap``): the collector's full walks,
 which stopped the loop for 200 ms at a GPU's pace, then skip the model's and the libraries' objects.
 Checked on both hosts of an engine (``berth generate``'s file loop and the engine worker, ``berth run``'s
-and ``berth worker``'s), and that the run gives everything back: what it froze is collectable after."""
+and ``berth worker``'s), and that the run gives everything back: what it froze is collectable after. A
+command's start-up (``start_up``) runs without the collector, which its first run turns back on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from jobs import api
 from jobs.hosting.generate import generate_file
 from tests.support.jobs_env import embedded_settings, write_requests
+from worker.frozen_heap import start_up
 
 
 class _Cycle:
@@ -61,3 +63,26 @@ def test_the_engine_worker_freezes_the_start_up_heap_for_its_run(tmp_path, tiny_
                          embedded_settings(tiny_llama_dir, tmp_path), engine=tiny_engine)
     assert job.completed == 3
     _check(frozen_during_steps, before)
+
+
+def test_a_start_up_runs_without_the_collector_and_its_run_with_it(tmp_path, tiny_engine, frozen_during_steps):
+    enabled = []
+    step = tiny_engine.step
+
+    def watched():
+        enabled.append(gc.isenabled())
+        return step()
+
+    tiny_engine.step = watched
+    try:
+        start_up()
+        assert not gc.isenabled()
+        made = [_garbage_cycle() for _ in range(2000)]  # past the collector's thresholds: it would have run
+        assert all(ref() is not None for ref in made), "the collector ran during start-up"
+        generate_file(write_requests(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl", engine=tiny_engine,
+                      progress=False)
+    finally:
+        gc.enable()  # whatever happened, not left off for the tests after
+    assert enabled and all(enabled), "the run stepped without the collector"
+    assert gc.isenabled()
+    _check(frozen_during_steps, made[0])
