@@ -229,7 +229,7 @@ def stop(proc: subprocess.Popen, reader: threading.Thread) -> None:
 def time_respawn(tree: Path, work: Path, timeout: float = 300.0) -> dict | None:
     """``berth worker --respawn``: seconds from its start to the first child's ready line, and from SIGKILL
     of that child to the next child's; None where the tree has no ``--respawn``."""
-    if not (tree / "jobs" / "respawn.py").exists():
+    if not any((tree / "jobs" / where / "respawn.py").exists() for where in ("hosting", "")):  # moved in the house move
         return None
     env = {**variant_env(tree, work), "BERTH_DATABASE_URL": f"sqlite:///{work / 'berth.db'}",
            "BERTH_STORAGE_URL": f"file://{work / 'store'}"}
