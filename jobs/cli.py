@@ -148,8 +148,8 @@ def generate(input_file, output, errors, quiet, resume, fail_on_line_errors, **f
         sys.exit(EXIT_INTERRUPTED)
 
 
+@start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
 def _generate(input_file, output, errors, quiet, resume, fail_on_line_errors, flags, stop) -> None:
-    start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
     configure_logging(quiet)
     settings = settings_from(flags)
     from jobs.lines.validate import InputError, check_output
@@ -511,26 +511,24 @@ def worker(**flags):
     """Run the engine on the request queue until SIGTERM."""
     configure_logging()
     settings = settings_from(flags)
-    if not settings.respawn:  # a --respawn child imports nothing: no import to fault the heap in beside
-        start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
-        prefault_heap(settings)  # beside torch's import, which follows
-    from jobs.hosting.engine_worker import ledger_modules  # torch and the engine: a --respawn parent's before it forks
-
     if settings.respawn:
+        from jobs.hosting.engine_worker import ledger_modules  # torch and the engine, before it forks
         from jobs.hosting.respawn import Respawner
 
         ledger_modules()  # imported once here, not in each child (on a thread while its model loads)
         sys.exit(Respawner(lambda ready: run_worker(settings, ready)).run())
-    sys.exit(run_worker(settings, lambda: None))
+    with start_up():  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
+        prefault_heap(settings)  # beside torch's import, which follows (a --respawn child imports nothing)
+        code = run_worker(settings, lambda: None)
+    sys.exit(code)
 
 
 def run_worker(settings, ready) -> int:
     """Build the worker, say it is ready, run it; its exit status (``berth worker``, and each ``--respawn`` child)."""
     from jobs.hosting.engine_worker import engine_worker
 
-    start_up()  # a --respawn child's model load too
     try:
-        with user_errors():
+        with start_up(), user_errors():  # a --respawn child's model load without the collector too
             built = engine_worker(settings)
             ready()
             built.run()
@@ -621,7 +619,11 @@ def run(input_file, output, errors, quiet, fail_on_line_errors, new_job, **flags
     """Submit, run and fetch a job in this process (no servers on the default settings). Ctrl-C stops
     it (up to drain_timeout to finish the running requests; again to stop at once) and leaves the
     job queued; the same `berth run` goes on with it."""
-    start_up()  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
+    with start_up():  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
+        _run(input_file, output, errors, quiet, fail_on_line_errors, new_job, flags)
+
+
+def _run(input_file, output, errors, quiet, fail_on_line_errors, new_job, flags) -> None:
     configure_logging(quiet)
     from jobs import api
     from jobs.records.progress import JobProgress

@@ -9,11 +9,11 @@ unfrozen (``gc.unfreeze``) and the collector takes it all back, so that a proces
 engines one after another (tests, notebooks) leaks nothing. Runs nested or side by side in one process
 share one freeze, given back when the last ends.
 
-A command that starts an engine calls ``start_up`` first: the collector stays off until its first run
-begins, as the objects start-up makes (torch's import, the model's load, the database's modules) are
-meant to live; the collector's full walks over them as the heap grew were 0.33 s of a worker's 2.4 s
-start (benchmarks/HISTORY.md, "A worker's start without the collector"). The run's freeze then takes
-them, and the collector is turned back on.
+A command that starts an engine runs in ``start_up``: the collector stays off until its first run
+begins (or the command ends without one), as the objects start-up makes (torch's import, the model's
+load, the database's modules) are meant to live; the collector's full walks over them as the heap grew
+were 0.33 s of a worker's 2.4 s start (benchmarks/HISTORY.md, "A worker's start without the
+collector"). The run's freeze then takes them, and the collector is turned back on.
 """
 
 from __future__ import annotations
@@ -28,14 +28,24 @@ _runs = 0
 _starting = False  # ``start_up`` turned the collector off: the first run turns it on
 
 
-def start_up() -> None:
-    """No collection until the process's first run begins (``frozen_heap``), which freezes what start-up made
-    and turns the collector back on. For a command that runs an engine, or exits (an error) before."""
+@contextmanager
+def start_up() -> Iterator[None]:
+    """No collection until the first run inside begins (``frozen_heap``), which freezes what start-up made and
+    turns the collector back on; on again at the end where no run began (an error, a command called in a
+    test's process). A no-op inside a run, or where the collector is off already."""
     global _starting
     with _lock:
-        if _runs == 0 and gc.isenabled():
+        mine = _runs == 0 and gc.isenabled()
+        if mine:
             gc.disable()
             _starting = True
+    try:
+        yield
+    finally:
+        with _lock:
+            if mine and _starting:
+                gc.enable()
+                _starting = False
 
 
 @contextmanager

@@ -75,14 +75,29 @@ def test_a_start_up_runs_without_the_collector_and_its_run_with_it(tmp_path, tin
 
     tiny_engine.step = watched
     try:
-        start_up()
-        assert not gc.isenabled()
-        made = [_garbage_cycle() for _ in range(2000)]  # past the collector's thresholds: it would have run
-        assert all(ref() is not None for ref in made), "the collector ran during start-up"
-        generate_file(write_requests(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl", engine=tiny_engine,
-                      progress=False)
+        with start_up():
+            assert not gc.isenabled()
+            made = [_garbage_cycle() for _ in range(2000)]  # past the collector's thresholds: it would have run
+            assert all(ref() is not None for ref in made), "the collector ran during start-up"
+            generate_file(write_requests(tmp_path / "in.jsonl", 3), tmp_path / "out.jsonl", engine=tiny_engine,
+                          progress=False)
+            assert gc.isenabled(), "the run's end left the collector off"
     finally:
         gc.enable()  # whatever happened, not left off for the tests after
     assert enabled and all(enabled), "the run stepped without the collector"
-    assert gc.isenabled()
     _check(frozen_during_steps, made[0])
+
+
+def test_a_command_that_ends_before_its_run_leaves_the_collector_on(tmp_path):
+    from click.testing import CliRunner
+
+    from jobs.cli import main
+
+    try:
+        for command in ("generate", "run"):  # an output folder that does not exist: said before the model loads
+            result = CliRunner().invoke(main, [command, str(write_requests(tmp_path / "in.jsonl", 1)),
+                                               "-o", str(tmp_path / "nowhere" / "out.jsonl")])
+            assert result.exit_code == 1 and "does not exist" in result.output, result.output
+            assert gc.isenabled(), f"berth {command} left the collector off"
+    finally:
+        gc.enable()
