@@ -29,12 +29,12 @@ def _garbage_cycle() -> weakref.ref:
 
 @pytest.fixture
 def frozen_during_steps(tiny_engine):
-    """The collector's permanent generation at every step of ``tiny_engine`` (its size, or 0)."""
+    """The collector at every step of ``tiny_engine``: its permanent generation's size (or 0), and whether it is on."""
     seen = []
     step = tiny_engine.step
 
     def watched():
-        seen.append(gc.get_freeze_count())
+        seen.append((gc.get_freeze_count(), gc.isenabled()))
         return step()
 
     tiny_engine.step = watched
@@ -42,8 +42,9 @@ def frozen_during_steps(tiny_engine):
     del tiny_engine.step
 
 
-def _check(seen: list[int], before: weakref.ref) -> None:
-    assert seen and min(seen) > 1000, "the start-up heap was not frozen while the engine stepped"
+def _check(seen: list[tuple[int, bool]], before: weakref.ref) -> None:
+    assert seen and min(frozen for frozen, _ in seen) > 1000, "the start-up heap was not frozen as the engine stepped"
+    assert all(on for _, on in seen), "the run stepped without the collector"
     assert gc.get_freeze_count() == 0, "the run left objects frozen: they would never be collected"
     gc.collect()
     assert before() is None, "garbage made before the run was not given back to the collector after it"
@@ -66,14 +67,6 @@ def test_the_engine_worker_freezes_the_start_up_heap_for_its_run(tmp_path, tiny_
 
 
 def test_a_start_up_runs_without_the_collector_and_its_run_with_it(tmp_path, tiny_engine, frozen_during_steps):
-    enabled = []
-    step = tiny_engine.step
-
-    def watched():
-        enabled.append(gc.isenabled())
-        return step()
-
-    tiny_engine.step = watched
     try:
         with start_up():
             assert not gc.isenabled()
@@ -84,7 +77,6 @@ def test_a_start_up_runs_without_the_collector_and_its_run_with_it(tmp_path, tin
             assert gc.isenabled(), "the run's end left the collector off"
     finally:
         gc.enable()  # whatever happened, not left off for the tests after
-    assert enabled and all(enabled), "the run stepped without the collector"
     _check(frozen_during_steps, made[0])
 
 
