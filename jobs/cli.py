@@ -518,7 +518,7 @@ def worker(**flags):
         ledger_modules()  # imported once here, not in each child (on a thread while its model loads)
         sys.exit(Respawner(lambda ready: run_worker(settings, ready)).run())
     with start_up():  # no collector walks over torch's import and the model's load (worker/frozen_heap.py)
-        prefault_heap(settings)  # beside torch's import, which follows (a --respawn child imports nothing)
+        prefault_heap(settings)  # beside torch's import, which follows (not for --respawn: its children import nothing)
         code = run_worker(settings, lambda: None)
     sys.exit(code)
 
