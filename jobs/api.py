@@ -155,8 +155,11 @@ def run(path: str | Path, output: str | Path, settings: Settings | None = None, 
     settings = settings or Settings()
     # the model loads, and the line checks' facts are read, before the job's clock starts
     worker = engine_worker(settings, engine, eager_tasks=True, checks_lines=True)
-    here = LocalRun.resume(job_id, settings) if job_id else LocalRun.submit(path, settings, spec)
-    job = here.work(worker, on_progress)
+    try:
+        here = LocalRun.resume(job_id, settings) if job_id else LocalRun.submit(path, settings, spec)
+        job = here.work(worker, on_progress)
+    finally:  # a file refused, or a job over before the worker ran: its ledger's process ends with the call
+        worker.close()
     if not job.status.is_final:
         return job, None
     return job, results(job.id, output, errors, settings)

@@ -129,6 +129,7 @@ class EngineWorker:
         self.suspects = CrashSuspects(self.name, settings.checkpoint_interval or CLEAR_TOKENS, engine, ledger,
                                       self._ledger, self.database, self.metrics, self.inflight)
         engine.on_start = self.suspects.on_start
+        self._closed = False
 
     @property
     def window(self) -> int:
@@ -225,7 +226,7 @@ class EngineWorker:
             if graceful:  # what is handed back continues from here elsewhere
                 self.store.save_all(CHECKPOINT_FLUSH)
             self._hand_back(count_attempt=not graceful)
-            self._close()
+            self.close()
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
 
@@ -640,7 +641,13 @@ class EngineWorker:
             if delivery not in done:
                 self.broker.requeue(delivery)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Release what the worker holds (the ledger's process, the broker's connections, the store's
+        threads): ``run`` does as it ends; a worker built and never run (``berth run`` of a file refused,
+        or of a job already over) is closed by its builder. Once is enough; again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._claims is not None:
             self._claims.shutdown(wait=False)
             self._claims = None

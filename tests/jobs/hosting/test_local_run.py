@@ -157,7 +157,8 @@ def test_the_worker_of_a_run_reads_the_line_checks_model_facts_before_the_job(tm
                                                                               monkeypatch, checks_lines):
     """Read on the job's clock, they would hold back the ingest's first chunk, and the worker with it."""
     monkeypatch.setattr(jobs.lines.validate, "_model_infos", {})
-    engine_worker(embedded_settings(tiny_llama_dir, tmp_path), tiny_engine, eager_tasks=True, checks_lines=checks_lines)
+    engine_worker(embedded_settings(tiny_llama_dir, tmp_path), tiny_engine, eager_tasks=True,
+                  checks_lines=checks_lines).close()
     assert bool(jobs.lines.validate._model_infos) is checks_lines
 
 
