@@ -155,17 +155,20 @@ def extraction_line(i: int, kind: str, document: str, model: str, constrained: b
     return json.dumps({"custom_id": f"{kind}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 
-def run_extractions(folder: Path, engine, name: str, constrained: bool) -> list[tuple[str, str, str]]:
-    """Every case through ``berth generate`` on ``engine``: (kind, finish_reason, text), in order."""
+def run_extractions(folder: Path, engine, name: str, constrained: bool,
+                    every: int = 1) -> list[tuple[str, str, str]]:
+    """Every case (``every``: each every-th, from the first) through ``berth generate`` on ``engine``:
+    (kind, finish_reason, text), in order."""
     from jobs.hosting.generate import generate_file
 
+    chosen = cases()[::every]
     path = folder / f"{name}.jsonl"
     path.write_text("".join(extraction_line(i, kind, doc, engine.model_name, constrained) + "\n"
-                            for i, (kind, doc) in enumerate(cases())))
+                            for i, (kind, doc) in enumerate(chosen)))
     summary = generate_file(path, folder / f"{name}.out.jsonl", engine=engine, progress=False)
-    assert (summary.completed, summary.failed) == (len(cases()), 0), summary
+    assert (summary.completed, summary.failed) == (len(chosen), 0), summary
     out = []
-    for (kind, _), line in zip(cases(), (folder / f"{name}.out.jsonl").read_text().splitlines()):
+    for (kind, _), line in zip(chosen, (folder / f"{name}.out.jsonl").read_text().splitlines()):
         [choice] = json.loads(line)["response"]["body"]["choices"]
         out.append((kind, choice["finish_reason"], choice["message"]["content"]))
     return out

@@ -27,9 +27,10 @@ from tests.support.models import save_tiny_model
 from tests.support.services_lock import SERVICELESS, SERVICES_LOCK
 
 # Fixtures shared by test folders: the jobs tests' databases and queue prefixes, an S3 server, RabbitMQ
-# users, a tiny Qwen3 that calls tools; and the check that no test leaves a ledger process running.
+# users, a tiny Qwen3 that calls tools, the Ctrl-C tests' uninterrupted run; and the check that no test
+# leaves a ledger process running.
 pytest_plugins = ("tests.support.jobs_env", "tests.support.s3_server", "tests.support.rabbitmq", "tests.support.qwen",
-                  "tests.support.leaks")
+                  "tests.support.leaks", "tests.support.interrupted_runs")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -13,19 +13,11 @@ from click.testing import CliRunner
 
 from jobs.cli import EXIT_INTERRUPTED, EXIT_LINES_FAILED, main
 from jobs.hosting.generate import GenerateInterrupted, generate_file, partial_path
+from tests.support.interrupted_runs import interrupted_requests
 from tests.support.terminal import berth_in_a_terminal
 from worker.engine.engine import Engine
 
 pytestmark = pytest.mark.slow  # tests of tens of seconds: the suite starts them first
-
-
-def _requests(path: Path, n: int, max_tokens: int = 24) -> Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                "body": {"model": "SmolLM2-135M-Instruct", "prompt": f"Item {i}: the number",
-                                         "max_tokens": max_tokens + i % 7, "temperature": 0}}) + "\n")
-    return path
 
 
 def _lines(path: Path) -> list[str]:
@@ -43,12 +35,10 @@ def _answers(lines: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, smol_loaded):
+def finished(uninterrupted):
     """An uninterrupted run's output: what every interrupted and resumed run must end with."""
-    folder = tmp_path_factory.mktemp("whole")
-    src = _requests(folder / "in.jsonl", 24)
-    generate_file(src, folder / "out.jsonl", engine=Engine(loaded=smol_loaded, kv_memory="256MiB"), progress=False)
-    return src, _answers(_lines(folder / "out.jsonl"))
+    src, out = uninterrupted
+    return src, _answers(_lines(out))
 
 
 @pytest.mark.parametrize("moment", ["starting", "midway", "late"])
@@ -79,7 +69,7 @@ def test_ctrl_c_keeps_what_was_done_and_resume_finishes_the_same_file(tmp_path, 
 
 
 def test_an_interrupted_run_raises_with_its_partial_file(tmp_path, smol_loaded, monkeypatch):
-    src = _requests(tmp_path / "in.jsonl", 6)
+    src = interrupted_requests(tmp_path / "in.jsonl", 6)
     engine = Engine(loaded=smol_loaded, kv_memory="256MiB", max_num_seqs=2)
     steps = 0
     step = engine.step
@@ -103,7 +93,7 @@ def test_an_interrupted_run_raises_with_its_partial_file(tmp_path, smol_loaded, 
 
 
 def test_an_output_folder_that_does_not_exist_is_said_before_the_model_loads(tmp_path):
-    src = _requests(tmp_path / "in.jsonl", 1)
+    src = interrupted_requests(tmp_path / "in.jsonl", 1)
     result = CliRunner().invoke(main, ["generate", str(src), "-o", str(tmp_path / "nowhere" / "out.jsonl")])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
@@ -116,7 +106,7 @@ def test_exit_status_says_when_lines_failed(tmp_path):
     bad.write_text("a,b,c\n1,2,3\n")  # a CSV file: every line fails
     result = CliRunner().invoke(main, ["generate", str(bad), "-o", str(tmp_path / "o.jsonl"), "--quiet"])
     assert result.exit_code == EXIT_LINES_FAILED, result.output
-    mixed = _requests(tmp_path / "mixed.jsonl", 2, max_tokens=2)
+    mixed = interrupted_requests(tmp_path / "mixed.jsonl", 2, max_tokens=2)
     with open(mixed, "a") as f:
         f.write("{not json\n")
     args = ["generate", str(mixed), "-o", str(tmp_path / "m.jsonl"), "--quiet"]
@@ -132,7 +122,7 @@ def test_version():
 def test_berth_run_and_serve_say_what_is_wrong_before_the_model_loads(tmp_path):
     import socket
 
-    src = _requests(tmp_path / "in.jsonl", 1)
+    src = interrupted_requests(tmp_path / "in.jsonl", 1)
     result = CliRunner().invoke(main, ["run", str(src), "-o", str(tmp_path / "no" / "out.jsonl")])
     assert result.exit_code == 1 and "the folder" in result.output and "does not exist" in result.output
     with socket.socket() as holder:
