@@ -36,9 +36,7 @@ def _texts(path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_ctrl_c_leaves_the_job_queued_and_the_same_command_finishes_it(tmp_path, uninterrupted):
-    whole, never_stopped = uninterrupted
-    src = tmp_path / "in.jsonl"
-    src.write_bytes(whole.read_bytes())
+    src, never_stopped = uninterrupted  # the file itself, as the generate tests run it: the jobs live in tmp_path
     out = tmp_path / "out.jsonl"
     args = ["run", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "4"]
 
