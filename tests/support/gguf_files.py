@@ -41,7 +41,9 @@ def tokenizer_fields(path: str) -> list[tuple[str, object, gguf.GGUFValueType, g
     return fields
 
 
-def write_gguf(path: Path, model, arch: str, qtype=Q.F32, tokenizer=(), seed: int = 0) -> dict[str, np.ndarray]:
+def write_gguf(path: Path, model, arch: str, qtype=Q.F32, tokenizer=(), seed: int = 0,
+               qtypes: dict[str, Q] | None = None) -> dict[str, np.ndarray]:
+    """``qtype`` for every 2-D weight but those ``qtypes`` names (Hugging Face name -> type); F32 for the rest."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     write_metadata(writer, config, arch)
@@ -65,9 +67,10 @@ def write_gguf(path: Path, model, arch: str, qtype=Q.F32, tokenizer=(), seed: in
             continue
         weight = tensor.detach().float().numpy()
         rows = _llama_row_order(name, weight.shape[0], config) if arch == "llama" else np.arange(weight.shape[0])
-        stored, back = _store(weight[rows], qtype if weight.ndim == 2 else Q.F32, rng)
+        tensor_qtype = (qtypes or {}).get(name, qtype) if weight.ndim == 2 else Q.F32
+        stored, back = _store(weight[rows], tensor_qtype, rng)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        writer.add_tensor(gguf_name, stored, raw_dtype=None if stored.dtype == np.float32 else qtype)
+        writer.add_tensor(gguf_name, stored, raw_dtype=None if stored.dtype == np.float32 else tensor_qtype)
         expected[name] = np.empty_like(back)
         expected[name][rows] = back  # undo the permutation: what a Hugging Face model would hold
     writer.write_header_to_file()
