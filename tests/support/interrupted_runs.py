@@ -30,6 +30,6 @@ def uninterrupted(tmp_path_factory, smol_loaded) -> tuple[Path, Path]:
 
     folder = tmp_path_factory.mktemp("uninterrupted")
     src = interrupted_requests(folder / "in.jsonl")
-    # all the lines at once (the commands tested run 4 at a time): a sixth of the steps, the same greedy tokens
+    # all the lines at once (the commands tested run 8 at a time): a third of the steps, the same greedy tokens
     generate_file(src, folder / "out.jsonl", engine=Engine(loaded=smol_loaded, kv_memory="256MiB"), progress=False)
     return src, folder / "out.jsonl"

@@ -43,17 +43,18 @@ def finished(uninterrupted):
 
 @pytest.mark.parametrize("moment", ["starting", "midway", "late"])
 def test_ctrl_c_keeps_what_was_done_and_resume_finishes_the_same_file(tmp_path, finished, moment):
-    """Ctrl-C while the model loads, after 3 of 24 lines, and with 4 lines to go. (Sent 0.3 s after the
-    start instead, a run on a busy machine once went on to complete all 24 lines, its Ctrl-C lost: 30 tries
-    beside two busy loops stopped each time, by Python's own handler or berth's.)"""
+    """Ctrl-C while the model loads, after 3 of 24 lines, and with 8 lines to go (8 run at once: the last line
+    has just been taken, a whole line's steps of window). (Sent 0.3 s after the start instead, a run on a busy
+    machine once went on to complete all 24 lines, its Ctrl-C lost: 30 tries beside two busy loops stopped each
+    time, by Python's own handler or berth's.)"""
     src, whole = finished
     out = tmp_path / "out.jsonl"
     partial = partial_path(out)
-    done = {"starting": 0, "midway": 3, "late": len(whole) - 4}[moment]
+    done = {"starting": 0, "midway": 3, "late": len(whole) - 8}[moment]
     when = {"starting": lambda text: "loading model" in text,  # berth's handler in place, no line run yet
             "midway": lambda _: partial.exists() and len(_lines(partial)) >= done,
             "late": lambda _: partial.exists() and len(_lines(partial)) >= done}[moment]
-    args = ["generate", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "4"]
+    args = ["generate", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "8"]
     code, text = berth_in_a_terminal(args, [when])
     assert not out.exists() and " completed" not in text, text[-2000:]  # stopped, not swallowed
     assert code == EXIT_INTERRUPTED and "Traceback" not in text, text[-2000:]

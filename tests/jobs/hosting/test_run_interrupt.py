@@ -38,7 +38,7 @@ def _texts(path: Path) -> dict[str, str]:
 def test_ctrl_c_leaves_the_job_queued_and_the_same_command_finishes_it(tmp_path, uninterrupted):
     src, never_stopped = uninterrupted  # the file itself, as the generate tests run it: the jobs live in tmp_path
     out = tmp_path / "out.jsonl"
-    args = ["run", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "4"]
+    args = ["run", str(src), "-o", str(out), "--kv-memory", "256MiB", "--max-num-seqs", "8"]
 
     # one Ctrl-C: said what it does, the running requests finish, the job stays
     code, text = berth_in_a_terminal(args, [_done_at_least(tmp_path, 3)], cwd=tmp_path)
