@@ -22,7 +22,7 @@ from jobs.records.db import close_database, head_revision, open_database, upgrad
 from jobs.records.models import JobStatus
 from tests.support.jobs_env import AMQP_URL, tiny_settings, work_until_over, write_requests
 
-N = 80
+N = 16
 COLUMNS = "status, tenant, total, completed, failed, done, progress, eta_seconds, prompt_tokens, completion_tokens"
 
 
