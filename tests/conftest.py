@@ -7,6 +7,7 @@ import argparse
 import fcntl
 import os
 import tempfile
+import time
 from pathlib import Path
 
 # torch's OpenMP threads spin up to 300,000 rounds waiting for work (libgomp's default): on a machine
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from tests.support.models import save_tiny_model
-from tests.support.services_lock import SERVICELESS, SERVICES_LOCK
+from tests.support.services_lock import SERVICES_LOCK, needs_services
 
 # Fixtures shared by test folders: the jobs tests' databases and queue prefixes, an S3 server, RabbitMQ
 # users, a tiny Qwen3 that calls tools, the Ctrl-C tests' uninterrupted run; and the check that no test
@@ -44,18 +45,37 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path not in slow)
 
 
+LOCK_WAIT = "services_lock_wait"  # a test's user property: seconds it waited for the services lock
+
+
 @pytest.fixture(autouse=True)
 def _services_lock(request):
     """Set up before the test's other fixtures (autouse first) and released after their teardown, so that a
     database is neither created nor dropped while PostgreSQL is down for an exclusive test; none for the tests
-    of the folders that use no shared service (``tests.support.services_lock``)."""
+    that reach no shared service (``tests.support.services_lock``). A wait of over a second is kept with the
+    test's reports, for the summary."""
     exclusive = request.node.get_closest_marker("exclusive")
-    if not exclusive and any(request.node.path.resolve().is_relative_to(folder) for folder in SERVICELESS):
+    if not exclusive and not needs_services(request.node.fixturenames, request.node.path):
         yield
         return
     with open(SERVICES_LOCK, "a") as lock:
+        started = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if (waited := time.monotonic() - started) > 1.0:
+            request.node.user_properties.append((LOCK_WAIT, waited))
         yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seconds tests waited for the services lock (behind an ``exclusive`` test), the longest waits named."""
+    waits = sorted(((value, report.nodeid) for reports in terminalreporter.stats.values() for report in reports
+                    if getattr(report, "when", None) == "setup"
+                    for name, value in getattr(report, "user_properties", ()) if name == LOCK_WAIT), reverse=True)
+    if waits:
+        total = sum(waited for waited, _ in waits)
+        terminalreporter.write_sep("=", f"{len(waits)} tests waited {total:.0f} s in all for the services lock")
+        for waited, nodeid in waits[:5]:
+            terminalreporter.write_line(f"{waited:6.1f}s {nodeid}")
 
 
 @pytest.fixture(scope="session")

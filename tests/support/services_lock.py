@@ -1,16 +1,37 @@
 """The suite runs on several processes (pytest-xdist, the README's test command), which share this machine's
 PostgreSQL and RabbitMQ. A test marked ``exclusive`` stops one of them: it runs while no other test of any
-run on this machine does (an exclusive lock on ``SERVICES_LOCK``, ``tests/conftest.py``), every other test
-holding it shared, but those of the folders that use no shared service (``SERVICELESS``;
-``tests/test_suite_services.py`` checks they name none): beside two busy loops, their tests had waited 59 s
-in all for the services' outage tests."""
+run on this machine does (an exclusive lock on ``SERVICES_LOCK``, ``tests/conftest.py``), every test that may
+reach one of them holding it shared: one that uses a fixture handing a service out (through any other fixture)
+or whose module names one (``SERVICE``: its address, a constant, a helper module, a fixture fetched by name).
+The others run on beside an outage test (by folder, beside two busy loops, tests had waited 59 s in all for it;
+the tests of `jobs/` and `system/` on the embedded defaults waited too)."""
 
 from __future__ import annotations
 
+import functools
+import re
 import tempfile
 from pathlib import Path
 
-from tests.support.paths import ROOT
-
 SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
-SERVICELESS = tuple(ROOT / "tests" / folder for folder in ("engine", "model", "kernels"))
+# the fixtures that hand out the shared services
+SERVICE_FIXTURES = frozenset({"pg_url", "queue_prefix", "any_settings", "broker_users", "s3_endpoint", "s3_url"})
+# those fixtures by name, the services' addresses and clients, and the helper modules that reach them
+SERVICE = re.compile(r"\b(pg_url|queue_prefix|any_settings|broker_users|s3_endpoint|s3_url|AMQP_URL|PG_ADMIN_URL"
+                     r"|PIKA_URL|rabbitmqctl|psql|pg_ctlcluster)\b"
+                     r"|postgresql(\+\w+)?://|amqp://|:5432\b|:5672\b|tests\.support\.(rabbitmq|s3_server)")
+
+
+def services_named(text: str) -> set[str]:
+    return {m.group(0) for m in SERVICE.finditer(text)}
+
+
+@functools.cache
+def _module_names_a_service(path: Path) -> bool:
+    return bool(SERVICE.search(path.read_text()))
+
+
+def needs_services(fixturenames, path: Path) -> bool:
+    """Whether a test of the module at ``path`` using ``fixturenames`` (its fixtures' whole closure) may reach
+    PostgreSQL or RabbitMQ."""
+    return not SERVICE_FIXTURES.isdisjoint(fixturenames) or _module_names_a_service(Path(path))
