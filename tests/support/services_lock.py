@@ -3,8 +3,7 @@ PostgreSQL and RabbitMQ. A test marked ``exclusive`` stops one of them: it runs 
 run on this machine does (an exclusive lock on ``SERVICES_LOCK``, ``tests/conftest.py``), every test that may
 reach one of them holding it shared: one that uses a fixture handing a service out (through any other fixture)
 or whose module names one (``SERVICE``: its address, a constant, a helper module, a fixture fetched by name).
-The others run on beside an outage test (by folder, beside two busy loops, tests had waited 59 s in all for it;
-the tests of `jobs/` and `system/` on the embedded defaults waited too)."""
+The others (the embedded defaults: SQLite, the embedded queue, a folder) run on beside an outage test."""
 
 from __future__ import annotations
 
