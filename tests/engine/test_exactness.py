@@ -17,7 +17,7 @@ from worker.engine.engine import Engine
 def test_default_model_matches_transformers(smol_loaded, hf_smol, text_ids):
     engine = Engine(loaded=smol_loaded, kv_memory="512MiB", max_num_batched_tokens=128, block_size=16)
     prompts = make_prompts(text_ids)
-    # transformers' own generate on the first prompt only (8 s of CPU a prompt; the tiny models' tests run it on all)
+    # transformers' own generate on the first prompt only (seconds of CPU a prompt; the tiny models run it on all)
     check_against_hf(hf_smol, engine, prompts, generate_every=len(prompts))
     assert engine.stats.prompt_tokens_cached > 0, "the shared prefixes never hit the prefix cache"
     assert engine.stats.prompt_tokens_computed + engine.stats.prompt_tokens_cached == sum(map(len, prompts))
