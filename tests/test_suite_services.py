@@ -22,4 +22,3 @@ def test_a_test_needs_the_services_by_its_fixtures_closure_or_its_modules_text()
     assert not needs_services({"tmp_path", "tiny_llama_dir", "_services_lock"}, embedded)
     assert needs_services({"tmp_path", "tiny_llama_dir", "pg_url"}, embedded)  # through a fixture it uses
     assert needs_services({"tmp_path"}, outages)  # its module names a service
-

@@ -16,9 +16,8 @@ SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
 # the fixtures that hand out the shared services
 SERVICE_FIXTURES = frozenset({"pg_url", "queue_prefix", "any_settings", "broker_users", "s3_endpoint", "s3_url"})
 # those fixtures by name, the services' addresses and clients, and the helper modules that reach them
-SERVICE = re.compile(r"\b(pg_url|queue_prefix|any_settings|broker_users|s3_endpoint|s3_url|AMQP_URL|PG_ADMIN_URL"
-                     r"|PIKA_URL|rabbitmqctl|psql|pg_ctlcluster)\b"
-                     r"|postgresql(\+\w+)?://|amqp://|:5432\b|:5672\b|tests\.support\.(rabbitmq|s3_server)")
+SERVICE = re.compile(rf"\b({'|'.join(sorted(SERVICE_FIXTURES))}|AMQP_URL|PG_ADMIN_URL|PIKA_URL|rabbitmqctl|psql"
+                     r"|pg_ctlcluster)\b|postgresql(\+\w+)?://|amqp://|:5432\b|:5672\b|tests\.support\.(rabbitmq|s3_server)")
 
 
 def services_named(text: str) -> set[str]:
