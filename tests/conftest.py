@@ -55,7 +55,9 @@ def _services_lock(request):
     that reach no shared service (``tests.support.services_lock``). A wait of over a second is kept with the
     test's reports, for the summary."""
     exclusive = request.node.get_closest_marker("exclusive")
-    if not exclusive and not needs_services(request.node.fixturenames, request.node.path):
+    callspec = getattr(request.node, "callspec", None)
+    if not exclusive and not needs_services(request.node.fixturenames, request.node.path,
+                                            callspec.params if callspec else None):
         yield
         return
     with open(SERVICES_LOCK, "a") as lock:

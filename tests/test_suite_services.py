@@ -22,3 +22,12 @@ def test_a_test_needs_the_services_by_its_fixtures_closure_or_its_modules_text()
     assert not needs_services({"tmp_path", "tiny_llama_dir", "_services_lock"}, embedded)
     assert needs_services({"tmp_path", "tiny_llama_dir", "pg_url"}, embedded)  # through a fixture it uses
     assert needs_services({"tmp_path"}, outages)  # its module names a service
+
+
+def test_a_case_parametrized_onto_sqlite_runs_without_the_services():
+    migration = ROOT / "tests" / "migrations" / "test_migration_0009.py"  # names PostgreSQL for its other case
+    assert not needs_services({"tmp_path", "request"}, migration, {"backend": "sqlite"})
+    assert needs_services({"tmp_path", "request"}, migration, {"backend": "postgresql"})
+    assert not needs_services({"any_settings", "tmp_path"}, migration, {"any_settings": "sqlite"})
+    assert needs_services({"any_settings", "pg_url"}, migration, {"any_settings": "postgresql"})
+    assert needs_services({"pg_url", "tmp_path"}, migration, {"backend": "sqlite"})  # a fixture it holds counts
