@@ -123,3 +123,33 @@ def test_the_job_index_is_fed_while_the_device_runs_a_step(smol_loaded):
         finished += len(engine.step())
     assert jobs.pending < 3 and jobs._tries[("t", "j")]._count[0] >= 12 * 40  # the prompts and outputs so far
     assert engine.stats.draft_tokens == 0
+
+
+def _run(engine: Engine, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", prompt, params, tenant="t", job="j"))
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.completions[0].token_ids) for o in engine.step())
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_its_text_is_a_function_of_the_whole_context_however_it_was_computed(smol_loaded):
+    """Prompts of one length that end alike (as chat prompts end in the template's assistant header) and
+    differ earlier write different text; one prompt writes one text whether it ran in one chunk or in
+    chunks of 16, its prefix came from the cache, or its tokens were drafts verified in one step."""
+    tail = list(range(100, 140))
+    prompts = [[1 + i, 2 + i] + [7] * 20 + tail for i in range(6)]
+    plain = _run(_simulated(smol_loaded, speculation="off"), prompts)
+    assert len({tuple(t) for t in plain}) == 6
+
+    chunked = _simulated(smol_loaded, speculation="off", max_num_batched_tokens=16)
+    assert _run(chunked, prompts) == plain
+    assert _run(chunked, prompts[:1]) == plain[:1] and chunked.stats.prompt_tokens_cached >= 48
+
+    # the job's suffix index holds the first run's outputs: the second's drafts from it are accepted
+    drafted = _simulated(smol_loaded, speculation="ngram:4")
+    assert _run(drafted, prompts) == plain
+    accepted = drafted.stats.accepted_tokens
+    assert _run(drafted, prompts) == plain and drafted.stats.accepted_tokens - accepted >= 6 * 12
