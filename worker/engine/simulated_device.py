@@ -186,7 +186,7 @@ def context_hashes(step: StepInput, cache: np.ndarray, block_size: int) -> torch
     """Each input token's context hash: a mix of (token, position) added to the hash at the sequence's
     previous position, read from ``cache`` (an int64 a slot) where that token ran in an earlier step, or
     carried from the row before where it runs in this one (a chunk, a verified draft); written at the
-    token's slot. Host numpy over the step's rows: 40-60 us a step of 256 decode rows."""
+    token's slot. Host numpy over the step's rows: 25 us a step of 256 decode rows (Zen 4, quiet)."""
     ids, slots, nd, bs = step.input_ids.numpy(), step.slot_mapping.numpy(), step.num_decode, block_size
     pos = step.decode_context_lens.numpy().astype(np.int64) - 1
     prev = np.maximum(pos - 1, 0)
