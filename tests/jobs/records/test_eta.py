@@ -11,8 +11,8 @@ The first regime runs on the simulated H200 (``worker/engine/simulated_device.py
 the device's time whatever else the machine does: on the tiny model's CPU steps, another process's work
 starting or ending mid-job changed the job's rate by half (beside two busy loops and the suite's other
 process: ETA 8.6 s at a quarter with 5.1 s left), which no rate foresees. There 120 requests of 40-100
-tokens take about 5 s of sleeping device at a steady 1.7 thousand tokens a second (the ETA 4-15% over
-the time left in two quiet runs; passing beside three busy loops)."""
+tokens take about 4 s of sleeping device at a steady 2.0 thousand tokens a second (the ETA within 3% of
+the time left quiet, 4-15% over it beside two busy loops; passing beside three)."""
 
 from __future__ import annotations
 
