@@ -17,7 +17,8 @@ from pathlib import Path
 SERVICES_LOCK = Path(tempfile.gettempdir()) / "berth-tests-services.lock"
 # the fixtures that hand out the shared services
 SERVICE_FIXTURES = frozenset({"pg_url", "queue_prefix", "any_settings", "broker_users", "s3_endpoint", "s3_url"})
-EMBEDDED_CASE = "sqlite"  # a parametrized case on the embedded defaults: ``backend`` or ``any_settings``
+BOTH_BACKENDS = "any_settings"  # a service fixture parametrized over both: its SQLite case reaches none
+EMBEDDED_CASE = "sqlite"  # a parametrized case on the embedded defaults: ``backend`` or ``BOTH_BACKENDS``
 # those fixtures by name, the services' addresses and clients, and the helper modules that reach them
 SERVICE = re.compile(rf"\b({'|'.join(sorted(SERVICE_FIXTURES))}|AMQP_URL|PG_ADMIN_URL|PIKA_URL|rabbitmqctl|psql"
                      r"|pg_ctlcluster)\b|postgresql(\+\w+)?://|amqp://|:5432\b|:5672\b|tests\.support\.(rabbitmq|s3_server)")
@@ -36,8 +37,8 @@ def needs_services(fixturenames, path: Path, params: dict | None = None) -> bool
     """Whether a test of the module at ``path`` using ``fixturenames`` (its fixtures' whole closure), in the
     case ``params`` (its parametrization's values), may reach PostgreSQL or RabbitMQ. A SQLite case fetches
     ``pg_url`` only in its other case (``request.getfixturevalue``), so only a fixture it holds counts."""
-    if not (SERVICE_FIXTURES - {"any_settings"}).isdisjoint(fixturenames):
+    if not (SERVICE_FIXTURES - {BOTH_BACKENDS}).isdisjoint(fixturenames):
         return True
     if EMBEDDED_CASE in (params or {}).values():
         return False
-    return "any_settings" in fixturenames or _module_names_a_service(Path(path))
+    return BOTH_BACKENDS in fixturenames or _module_names_a_service(Path(path))
